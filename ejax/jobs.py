@@ -1,0 +1,27 @@
+"""The jobs `python -m ejax.main` can run, as import paths resolved only when chosen.
+
+Each job is a function `run_job(config: ml_collections.ConfigDict, workdir: str) -> None`. Lazy
+import keeps `ejax.main` fast and lets a job's heavy dependencies (MuJoCo, TFDS) load only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+JOBS: dict[str, str] = {
+    "train": "ejax.train.loop:run_job",
+    "summary": "ejax.models.summary:run_job",
+    "convert": "ejax.models.io.convert:run_job",
+    "stats": "ejax.data.stats:run_job",
+    "demos": "ejax.sim.demos:run_job",
+    "eval": "ejax.eval.evaluate:run_job",
+    "rl": "ejax.rl.runner:run_job",
+}
+
+
+def get_job(name: str) -> Callable:
+  if name not in JOBS:
+    raise ValueError(f"unknown job {name!r}: set --config.job to one of {', '.join(sorted(JOBS))}")
+  module_name, function_name = JOBS[name].split(":")
+  return getattr(importlib.import_module(module_name), function_name)

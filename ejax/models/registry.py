@@ -1,0 +1,34 @@
+"""Model registry: `config.model.name` -> how to build the model and a real-shaped example batch.
+
+Every registered model is an `nnx.Module` with
+  compute_loss(batch: dict[str, Array], rng: jax.Array) -> (loss: scalar, metrics: dict[str, Array])
+      metrics holds at least "per_sample_loss" [num_samples];
+  sample_actions(batch, rng, *, noise=None, num_steps=None) -> actions [num_samples, horizon, action_dim].
+`example_batch(model_config, batch_size, seed)` returns a dict of numpy arrays shaped exactly like
+the batches the input pipeline feeds this model (used for abstract init, compile and tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  create: Callable[..., Any]          # (model_config, rngs: nnx.Rngs) -> nnx.Module
+  example_batch: Callable[..., dict]  # (model_config, batch_size: int, seed: int) -> dict[str, np.ndarray]
+
+
+# name -> "module:attribute" of a ModelSpec; imported only when the model is chosen.
+MODELS: dict[str, str] = {
+    "tiny_flow": "ejax.models.tiny:SPEC",
+}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+  if name not in MODELS:
+    raise ValueError(f"unknown model {name!r}: set config.model.name to one of {', '.join(sorted(MODELS))}")
+  module_name, attribute = MODELS[name].split(":")
+  return getattr(importlib.import_module(module_name), attribute)
