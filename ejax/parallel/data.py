@@ -1,0 +1,65 @@
+"""Per-process data sharding: each process loads its slice; global arrays are assembled from them."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ejax.parallel.rules import Rules, logical_to_spec
+from ejax.parallel.axes import ACT_BATCH
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int, leading: int | None = None) -> NamedSharding:
+  """Sharding of a batch array: its leading (batch) axis by the ACT_BATCH rule, the rest replicated."""
+  spec = logical_to_spec((ACT_BATCH,) + (None,) * (ndim - 1), rules,
+                         shape=None if leading is None else (leading,) + (1,) * (ndim - 1), mesh=mesh)
+  return NamedSharding(mesh, spec)
+
+
+def process_batch_size(global_batch_size: int, mesh: Mesh, rules: Rules) -> int:
+  """How many samples of each global batch this process loads."""
+  count = jax.process_count()
+  if global_batch_size % count:
+    raise ValueError(f"global batch size {global_batch_size} is not divisible by {count} processes")
+  sharding = batch_sharding(mesh, rules, 1)
+  shards = sharding.shard_shape((global_batch_size,))[0]
+  if shards * _batch_ways(mesh, rules) != global_batch_size:
+    raise ValueError(
+        f"global batch size {global_batch_size} is not divisible by the {_batch_ways(mesh, rules)}-way "
+        f"batch sharding of mesh {dict(mesh.shape)}: make it a multiple")
+  return global_batch_size // count
+
+
+def _batch_ways(mesh: Mesh, rules: Rules) -> int:
+  spec = logical_to_spec((ACT_BATCH,), rules, mesh=mesh)
+  axes = spec[0] if spec else None
+  if axes is None:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  ways = 1
+  for axis in axes:
+    ways *= mesh.shape[axis]
+  return ways
+
+
+def global_batch(local_batch: Mapping[str, Any], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
+  """Global jax.Arrays from this process's numpy batch (batch axis sharded by ACT_BATCH).
+
+  Non-array entries (strings, metadata lists) stay on the host and are dropped here.
+  """
+  out = {}
+  for name, value in local_batch.items():
+    if not isinstance(value, (np.ndarray, jax.Array)) or value.dtype == object:
+      continue
+    value = np.asarray(value)
+    global_shape = (value.shape[0] * jax.process_count(),) + value.shape[1:]
+    sharding = batch_sharding(mesh, rules, value.ndim, leading=global_shape[0])
+    out[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
+  return out
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())

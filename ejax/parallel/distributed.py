@@ -1,0 +1,52 @@
+"""Multi-host start-up through jax.distributed, from config or the cluster's environment."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from absl import logging
+
+# Variables launchers set; jax.distributed.initialize() auto-detects SLURM, Open MPI, TPU pods and
+# Kubernetes JobSets by itself, so these are read only to tell whether this is a multi-process run.
+_CLUSTER_HINTS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES")
+
+
+def initialize(distributed_config) -> None:
+  """Starts jax.distributed when the config or the environment asks for several processes.
+
+  config fields (all optional): coordinator_address "host:port", num_processes, process_id,
+  initialization_timeout (s), local_device_ids. Environment fallbacks: JAX_COORDINATOR_ADDRESS,
+  JAX_NUM_PROCESSES, JAX_PROCESS_ID, or a scheduler jax detects itself (SLURM, Open MPI, ...).
+  Must run before anything touches a JAX device.
+  """
+  cfg = distributed_config
+  address = cfg.get("coordinator_address") or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  num_processes = cfg.get("num_processes") or _env_int("JAX_NUM_PROCESSES")
+  process_id = cfg.get("process_id")
+  if process_id is None or process_id < 0:
+    process_id = _env_int("JAX_PROCESS_ID")
+  explicit = address is not None or (num_processes or 1) > 1
+  detected = any(os.environ.get(k) not in (None, "", "1") for k in _CLUSTER_HINTS[:2])
+  if not (explicit or detected or cfg.get("force", False)):
+    return
+  if explicit and (address is None or num_processes is None or process_id is None):
+    raise ValueError(
+        "multi-process run needs coordinator_address, num_processes and process_id: set "
+        "config.distributed.* or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID")
+  kwargs = {}
+  if explicit:
+    kwargs.update(coordinator_address=address, num_processes=int(num_processes), process_id=int(process_id))
+  if cfg.get("initialization_timeout"):
+    kwargs["initialization_timeout"] = int(cfg.initialization_timeout)
+  if cfg.get("local_device_ids") is not None:
+    kwargs["local_device_ids"] = list(cfg.local_device_ids)
+  logging.info("jax.distributed.initialize(%s)", kwargs)
+  jax.distributed.initialize(**kwargs)
+  logging.info("process %d of %d, %d local / %d global devices", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def _env_int(name: str) -> int | None:
+  value = os.environ.get(name)
+  return int(value) if value not in (None, "") else None
