@@ -1,0 +1,196 @@
+"""Flow matching shared by GR00T and pi0.5: training-time sampling, Euler sampling, Flow-SDE for RL.
+
+Two time conventions exist in the published models and both are kept exactly, because released
+weights were trained with them:
+
+  "groot"  (Isaac-GR00T): t = 0 is noise, t = 1 is data.
+           x_t = (1 - t) * noise + t * action;  target velocity = action - noise;
+           t = (0.999 - s) / 0.999 with s ~ Beta(1.5, 1); the model sees floor(t * 1000).
+  "openpi" (pi0 / pi0.5): t = 1 is noise, t = 0 is data.
+           x_t = t * noise + (1 - t) * action;  target velocity = noise - action;
+           t = Beta(1.5, 1) * 0.999 + 0.001.
+
+Internally the samplers work in the openpi parameterisation ("tau", noise at tau = 1, velocity
+noise - action) and convert at the boundary: tau = 1 - t_groot and v = -v_groot. A velocity
+function always receives and returns its own convention: `velocity_fn(x [n, horizon, dim],
+t [n]) -> velocity [n, horizon, dim]`, with a per-sample time because Flow-SDE evaluates every
+sample at its own chosen step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+CONVENTIONS = ("groot", "openpi")
+BETA_ALPHA = 1.5
+BETA_BETA = 1.0
+GROOT_NOISE_S = 0.999
+GROOT_TIMESTEP_BUCKETS = 1000
+
+VelocityFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _check(convention: str) -> None:
+  if convention not in CONVENTIONS:
+    raise ValueError(f"flow convention {convention!r} is not one of {CONVENTIONS}")
+
+
+def sample_time(rng: jax.Array, batch_size: int, *, convention: str) -> jax.Array:
+  """Training times [batch_size] in the convention's own time, float32."""
+  _check(convention)
+  s = jax.random.beta(rng, BETA_ALPHA, BETA_BETA, (batch_size,), dtype=jnp.float32)
+  if convention == "groot":
+    return (GROOT_NOISE_S - s) / GROOT_NOISE_S
+  return s * 0.999 + 0.001
+
+
+def interpolate(noise: jax.Array, actions: jax.Array, t: jax.Array, *, convention: str) -> tuple[jax.Array, jax.Array]:
+  """(x_t, target velocity) for actions/noise [n, horizon, dim] at times t [n]."""
+  _check(convention)
+  t = t.astype(actions.dtype)[:, None, None]
+  if convention == "groot":
+    return (1.0 - t) * noise + t * actions, actions - noise
+  return t * noise + (1.0 - t) * actions, noise - actions
+
+
+def groot_timestep_buckets(t: jax.Array, num_buckets: int = GROOT_TIMESTEP_BUCKETS) -> jax.Array:
+  """GR00T feeds its timestep encoders floor(t * 1000) (an integer-valued float here)."""
+  return jnp.floor(t * num_buckets)
+
+
+def _tau_velocity(velocity_fn: VelocityFn, convention: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """The velocity in the noise-at-1 parameterisation, whatever the model's convention."""
+  if convention == "groot":
+    return lambda x, tau: -velocity_fn(x, 1.0 - tau)
+  return velocity_fn
+
+
+def _tau_at(step: jax.Array | int, num_steps: int) -> jax.Array:
+  return 1.0 - jnp.asarray(step, jnp.float32) / num_steps
+
+
+def euler_sample(velocity_fn: VelocityFn, noise: jax.Array, num_steps: int, *, convention: str) -> jax.Array:
+  """Integrates the flow from noise to actions with `num_steps` Euler steps.
+
+  GR00T evaluates at t = 0, 1/N, ..., (N-1)/N; openpi at t = 1, 1 - 1/N, ..., 1/N: the same grid
+  in tau, so one loop serves both.
+  """
+  _check(convention)
+  velocity = _tau_velocity(velocity_fn, convention)
+  dt = 1.0 / num_steps
+  n = noise.shape[0]
+
+  def body(step, x):
+    tau = jnp.full((n,), _tau_at(step, num_steps))
+    return x - dt * velocity(x, tau).astype(x.dtype)
+
+  return jax.lax.fori_loop(0, num_steps, body, noise)
+
+
+class SDESample(NamedTuple):
+  actions: jax.Array     # [n, horizon, dim] the final state of the chain
+  chain: jax.Array       # [n, num_steps + 1, horizon, dim] x_0 = noise ... x_N = actions
+  step_index: jax.Array  # [n] int32, the one stochastic step of each sample
+  log_prob: jax.Array    # [n] float32, log density of chain[step_index + 1] given chain[step_index]
+
+
+def _sde_sigma(tau: jax.Array, num_steps: int, noise_level: float) -> jax.Array:
+  """sigma_tau = a * sqrt(tau / (1 - tau)); at tau = 1 the denominator uses one step (1/N) instead
+  of 0, as RL implementations of Flow-SDE do, so the first step has a finite noise scale."""
+  return noise_level * jnp.sqrt(tau / jnp.maximum(1.0 - tau, 1.0 / num_steps))
+
+
+def _sde_transition(x: jax.Array, v: jax.Array, tau: jax.Array, num_steps: int, noise_level: float):
+  """Mean and std of x_{tau - dt} under the SDE with the ODE's marginals (Flow-GRPO).
+
+  With score = -(x + (1 - tau) v) / tau (rectified flow), the reverse step is
+  x - dt * (v + sigma^2 / (2 tau) * (x + (1 - tau) v)) + sigma * sqrt(dt) * eps.
+  """
+  dt = 1.0 / num_steps
+  sigma = _sde_sigma(tau, num_steps, noise_level)[:, None, None]
+  tau_b = tau[:, None, None]
+  mean = x - dt * (v + sigma**2 / (2.0 * tau_b) * (x + (1.0 - tau_b) * v))
+  std = sigma * math.sqrt(dt)
+  return mean, jnp.broadcast_to(std, x.shape)
+
+
+def _gaussian_log_prob(sample: jax.Array, mean: jax.Array, std: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """Sum over all non-batch elements of the diagonal Gaussian log density (masked entries skip)."""
+  z = (sample - mean) / std
+  per_element = -0.5 * z**2 - jnp.log(std) - 0.5 * math.log(2.0 * math.pi)
+  if mask is not None:
+    per_element = per_element * mask
+  return jnp.sum(per_element.reshape(per_element.shape[0], -1), axis=-1)
+
+
+def flow_sde_sample(
+    velocity_fn: VelocityFn,
+    noise: jax.Array,
+    num_steps: int,
+    rng: jax.Array,
+    *,
+    convention: str,
+    noise_level: float = 0.5,
+    action_mask: jax.Array | None = None,
+) -> SDESample:
+  """Samples with one Gaussian transition at a random step per sample (all others are Euler).
+
+  `action_mask` ([n, horizon, dim] or broadcastable, 1 = real) restricts the log-prob to real
+  action entries; padded entries still move but do not count.
+  """
+  _check(convention)
+  velocity = _tau_velocity(velocity_fn, convention)
+  n = noise.shape[0]
+  step_rng, eps_rng = jax.random.split(rng)
+  step_index = jax.random.randint(step_rng, (n,), 0, num_steps, dtype=jnp.int32)
+  eps = jax.random.normal(eps_rng, noise.shape, jnp.float32)
+  dt = 1.0 / num_steps
+  mask = None if action_mask is None else jnp.broadcast_to(action_mask, noise.shape).astype(jnp.float32)
+
+  def body(step, carry):
+    x, chain, log_prob = carry
+    tau = jnp.full((n,), _tau_at(step, num_steps))
+    v = velocity(x, tau).astype(jnp.float32)
+    xf = x.astype(jnp.float32)
+    mean, std = _sde_transition(xf, v, tau, num_steps, noise_level)
+    stochastic = mean + std * eps
+    chosen = (step_index == step)[:, None, None]
+    x_next = jnp.where(chosen, stochastic, xf - dt * v)
+    step_log_prob = _gaussian_log_prob(stochastic, mean, std, mask)
+    log_prob = jnp.where(step_index == step, step_log_prob, log_prob)
+    chain = chain.at[:, step + 1].set(x_next.astype(chain.dtype))
+    return x_next.astype(x.dtype), chain, log_prob
+
+  chain = jnp.zeros((n, num_steps + 1) + noise.shape[1:], noise.dtype).at[:, 0].set(noise)
+  actions, chain, log_prob = jax.lax.fori_loop(
+      0, num_steps, body, (noise, chain, jnp.zeros((n,), jnp.float32)))
+  return SDESample(actions=actions, chain=chain, step_index=step_index, log_prob=log_prob)
+
+
+def flow_sde_log_prob(
+    velocity_fn: VelocityFn,
+    chain: jax.Array,
+    step_index: jax.Array,
+    *,
+    convention: str,
+    noise_level: float = 0.5,
+    action_mask: jax.Array | None = None,
+) -> jax.Array:
+  """Recomputes the log-prob [n] of each stored chain's stochastic step with ONE velocity call
+  (under the current parameters: this is what the RL learner differentiates)."""
+  _check(convention)
+  velocity = _tau_velocity(velocity_fn, convention)
+  n, num_states = chain.shape[:2]
+  num_steps = num_states - 1
+  rows = jnp.arange(n)
+  x = chain[rows, step_index].astype(jnp.float32)
+  x_next = chain[rows, step_index + 1].astype(jnp.float32)
+  tau = _tau_at(step_index, num_steps)
+  v = velocity(x.astype(chain.dtype), tau).astype(jnp.float32)
+  mean, std = _sde_transition(x, v, tau, num_steps, noise_level)
+  mask = None if action_mask is None else jnp.broadcast_to(action_mask, x.shape).astype(jnp.float32)
+  return _gaussian_log_prob(x_next, mean, std, mask)
