@@ -1,0 +1,180 @@
+"""ejax's attention op: one signature, several implementations, gradients through custom_vjp.
+
+impl:
+- "reference": the dense jnp specification (reference.py); autodiff gives its gradients.
+- "xla": blockwise online softmax in plain XLA that loops only over active tiles (xla.py); the CPU
+  path and the GPU fallback. Memory is one tile of scores, cost follows segment lengths.
+- "pallas": the Pallas/Triton varlen flash kernel (pallas_gpu.py). On a backend other than GPU it
+  runs in interpret mode (slow; for tests).
+- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` with the dense mask; GPU only, and
+  only where cuDNN accepts the case (it raises otherwise).
+- "auto": pallas on GPU when the kernel supports the shapes, else xla; dense reference for tiny
+  shapes off GPU, where loop overhead would dominate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ejax.kernels.attention import pallas_gpu, xla
+from ejax.kernels.attention.reference import MASK_KINDS, attention_mask, attention_reference
+from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, BlockSizes, MaskInputs,
+                                          normalise_mask, pad_to_blocks)
+
+IMPLS = ("auto", "reference", "xla", "pallas", "cudnn")
+# Below this many (query, key) pairs per head the dense reference is the fastest path off GPU.
+_TINY_PAIRS = 256 * 256
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static choices of one blockwise call (hashable: it is a nondiff argument of the custom_vjp)."""
+  backend: str  # "xla" | "pallas"
+  ordered: bool
+  scale: float
+  blocks: BlockSizes
+  interpret: bool
+
+
+def _forward(plan: _Plan, q, k, v, mask: MaskInputs):
+  kwargs = dict(ordered=plan.ordered, scale=plan.scale, block_q=plan.blocks.block_q,
+                block_kv=plan.blocks.block_kv)
+  if plan.backend == "pallas":
+    return pallas_gpu.forward(q, k, v, mask, interpret=plan.interpret, **kwargs)
+  return xla.forward(q, k, v, mask, **kwargs)
+
+
+def _backward(plan: _Plan, q, k, v, mask: MaskInputs, out, lse, d_out):
+  kwargs = dict(ordered=plan.ordered, scale=plan.scale, block_q=plan.blocks.block_q_bwd,
+                block_kv=plan.blocks.block_kv_bwd)
+  if plan.backend == "pallas":
+    return pallas_gpu.backward(q, k, v, mask, out, lse, d_out, interpret=plan.interpret, **kwargs)
+  return xla.backward(q, k, v, mask, out, lse, d_out, **kwargs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blockwise(plan: _Plan, q, k, v, q_segment_ids, kv_segment_ids, q_keys, kv_keys):
+  mask = MaskInputs(q_segment_ids, kv_segment_ids, q_keys, kv_keys)
+  return _forward(plan, q, k, v, mask)[0]
+
+
+def _blockwise_fwd(plan: _Plan, q, k, v, q_segment_ids, kv_segment_ids, q_keys, kv_keys):
+  mask = MaskInputs(q_segment_ids, kv_segment_ids, q_keys, kv_keys)
+  out, lse = _forward(plan, q, k, v, mask)
+  return out, (q, k, v, mask, out, lse)
+
+
+def _blockwise_bwd(plan: _Plan, residuals, d_out):
+  q, k, v, mask, out, lse = residuals
+  dq, dk, dv = _backward(plan, q, k, v, mask, out, lse, d_out)
+  return dq, dk, dv, None, None, None, None
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def _cudnn_attention(q, k, v, scale: float, **mask_kwargs):
+  if jax.default_backend() != "gpu":
+    raise ValueError(f"attention impl='cudnn' needs a GPU, the backend is {jax.default_backend()!r}; "
+                     "use impl='auto'")
+  batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
+  mask = attention_mask(q_len, kv_len, batch=batch, **mask_kwargs)
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
+                                     implementation="cudnn")
+  # cuDNN averages over all keys for a query with none allowed; the spec says zeros.
+  return out * mask.any(-1)[:, :, None, None].astype(out.dtype)
+
+
+def choose_impl(q, k, impl: str = "auto") -> str:
+  """The implementation `impl` resolves to for these operands on the current backend."""
+  if impl not in IMPLS:
+    raise ValueError(f"attention impl={impl!r} is not one of {IMPLS}")
+  if impl != "auto":
+    return impl
+  if jax.default_backend() == "gpu":
+    return "pallas" if pallas_gpu.supports(q, k) else "xla"
+  return "reference" if q.shape[1] * k.shape[1] <= _TINY_PAIRS else "xla"
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    mask_kind: str = "bidirectional",
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    q_block_ids: jax.Array | None = None,
+    kv_block_ids: jax.Array | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+  """`attention` with the tuning knobs exposed: tile sizes and Pallas interpret mode."""
+  batch, q_len, q_heads, head_dim = q.shape
+  _, kv_len, kv_heads, _ = k.shape
+  if mask_kind not in MASK_KINDS:
+    raise ValueError(f"attention mask_kind={mask_kind!r} is not one of {MASK_KINDS}")
+  if q_heads % kv_heads:
+    raise ValueError(f"attention: q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
+  if k.shape != v.shape or k.shape[0] != batch or k.shape[-1] != head_dim:
+    raise ValueError(f"attention: k {k.shape} and v {v.shape} must match each other and q {q.shape} "
+                     "in batch and head_dim")
+  mask_kwargs = dict(mask_kind=mask_kind, q_segment_ids=q_segment_ids,
+                     kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+                     kv_positions=kv_positions, q_block_ids=q_block_ids, kv_block_ids=kv_block_ids)
+  scale = float(head_dim**-0.5 if scale is None else scale)
+  impl = choose_impl(q, k, impl)
+  if impl == "reference":
+    return attention_reference(q, k, v, scale=scale, **mask_kwargs)
+  if impl == "cudnn":
+    return _cudnn_attention(q, k, v, scale, **mask_kwargs)
+  if impl == "pallas" and not pallas_gpu.supports(q, k):
+    raise ValueError(f"attention impl='pallas' needs head_dim in {pallas_gpu.SUPPORTED_HEAD_DIMS} "
+                     f"and a float dtype, got head_dim={head_dim} {q.dtype}; use impl='auto'")
+
+  mask, ordered = normalise_mask(batch, q_len, kv_len, mask_kind, q_segment_ids, kv_segment_ids,
+                                 q_positions, kv_positions, q_block_ids, kv_block_ids)
+  on_gpu = jax.default_backend() == "gpu"
+  if block_sizes is None:
+    block_sizes = GPU_BLOCK_SIZES if impl == "pallas" else CPU_BLOCK_SIZES
+  blocks = block_sizes.fitted(q_len, kv_len)
+  interpret = (not on_gpu) if interpret is None else interpret
+  plan = _Plan(impl, ordered, scale, blocks, bool(interpret and impl == "pallas"))
+  k, v = k.astype(q.dtype), v.astype(q.dtype)
+  q_p, k_p, v_p, mask_p = pad_to_blocks(q, k, v, mask, blocks)
+  out = _blockwise(plan, q_p, k_p, v_p, *mask_p)
+  return out[:, :q_len]
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    mask_kind: str = "bidirectional",
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    q_block_ids: jax.Array | None = None,
+    kv_block_ids: jax.Array | None = None,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+  """Attention with segment ids (0 = padding), a mask kind and grouped kv heads.
+
+  q [batch, q_len, q_heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim]. The semantics are
+  reference.py's; `impl` picks the implementation (module docstring). Returns q's shape and dtype.
+  """
+  return flash_attention(
+      q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask_kind=mask_kind,
+      q_positions=q_positions, kv_positions=kv_positions, q_block_ids=q_block_ids,
+      kv_block_ids=kv_block_ids, scale=scale, impl=impl)
