@@ -1,0 +1,215 @@
+"""LeRobot (v2.1 / v3.0) datasets as random-access sources of training samples, one per step.
+
+`LeRobotSource(root, horizon=16)[i]` is the sample at global frame i, across all episodes:
+
+  "observation.state"          [state_dim] float32   ([n_obs, state_dim] with several offsets)
+  "observation.images.<cam>"   uint8 [H, W, 3]       ([n_obs, H, W, 3] with several offsets)
+  "action"                     [horizon, action_dim] float32: frames i .. i+horizon-1
+  "action_is_pad"              [horizon] bool: True where the chunk ran past the episode's end
+  "<key>_is_pad"               [n_obs] bool, for observations when there are several offsets
+  "state.<part>", "action.<part>"  slices named by meta/modality.json (GR00T), when present
+  "task" str, "embodiment_id", "episode_index", "frame_index", "index", "timestamp"
+
+Offsets that leave the episode are clamped to its first / last frame and flagged in the pad mask,
+as LeRobot does. Parquet columns load once per worker process; mp4 containers stay open in a
+per-worker `VideoReaderCache`; both are dropped when the source is pickled to a grain worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from ejax.data import lerobot_format as fmt
+from ejax.data.errors import DataError
+from ejax.data.lerobot_meta import LeRobotMeta, read_parquet, read_meta
+from ejax.data.lerobot_writer import LeRobotV21Writer, LeRobotV3Writer  # noqa: F401 (re-export)
+from ejax.data.video import VideoReaderCache
+
+DEFAULT_TOLERANCE_S = 1e-4  # LeRobot's default: frames must sit on the requested timestamp
+
+
+class LeRobotSource:
+  """Random access to step-level samples of one LeRobot dataset (see the module docstring)."""
+
+  def __init__(self, root: str, *, horizon: int = 16, observation_offsets: Sequence[int] = (0,),
+               cameras: Sequence[str] | None = None, image_size: tuple[int, int] | None = None,
+               state_key: str = "observation.state", action_key: str = "action",
+               embodiment_id: int = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
+               on_bad_sample: str = "error", max_open_videos: int = 32):
+    if on_bad_sample not in ("error", "skip"):
+      raise ValueError(f"on_bad_sample={on_bad_sample!r}: use 'error' or 'skip'")
+    self.meta: LeRobotMeta = read_meta(root)
+    self.horizon, self.embodiment_id = int(horizon), int(embodiment_id)
+    self.observation_offsets = np.asarray(observation_offsets, np.int64)
+    self.image_size = tuple(image_size) if image_size else None
+    self.state_key, self.action_key = state_key, action_key
+    self.tolerance_s, self.on_bad_sample = tolerance_s, on_bad_sample
+    self.max_open_videos = max_open_videos
+    self.cameras = self._resolve_cameras(cameras)
+    info_path = f"{self.meta.root}/meta/info.json"
+    for key in (state_key, action_key):
+      if key not in self.meta.features:
+        raise DataError(f"feature {key!r} is not declared in info.json (features: "
+                        f"{sorted(self.meta.features)}); set data.state_key / data.action_key",
+                        path=info_path)
+    self.state_dim = int(np.prod(self.meta.features[state_key]["shape"]))
+    self.action_dim = int(np.prod(self.meta.features[action_key]["shape"]))
+    self.skipped = 0  # samples skipped in this process (on_bad_sample="skip")
+    self._columns: dict[str, np.ndarray] | None = None
+    self._lock = threading.Lock()
+    # grain reads with several threads; a PyAV container must never be used by two at once.
+    self._thread_local = threading.local()
+
+  def _resolve_cameras(self, cameras: Sequence[str] | None) -> list[str]:
+    if cameras is None:
+      return list(self.meta.video_keys)
+    resolved = []
+    for camera in cameras:
+      key = camera if camera in self.meta.features else f"observation.images.{camera}"
+      if key not in self.meta.video_keys:
+        raise DataError(f"camera {camera!r} is not a video feature in info.json (video features: "
+                        f"{self.meta.video_keys}); fix data.cameras",
+                        path=f"{self.meta.root}/meta/info.json")
+      resolved.append(key)
+    return resolved
+
+  def __len__(self) -> int:
+    return self.meta.total_frames
+
+  def __getstate__(self) -> dict[str, Any]:
+    # Open containers cannot be pickled and columns are cheaper to reload than to send.
+    state = dict(self.__dict__)
+    for name in ("_columns", "_lock", "_thread_local", "_all_caches"):
+      state.pop(name, None)
+    return state
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__dict__.update(state)
+    self._columns, self._lock, self._thread_local = None, threading.Lock(), threading.local()
+
+  def columns(self) -> dict[str, np.ndarray]:
+    """Every non-video column of every data file, in global frame order (loaded once)."""
+    if self._columns is None:
+      with self._lock:
+        if self._columns is None:
+          self._columns = self._load_columns()
+    return self._columns
+
+  def _load_columns(self) -> dict[str, np.ndarray]:
+    wanted = [self.state_key, self.action_key, "timestamp", "frame_index", "episode_index",
+              "index", "task_index"]
+    episodes = self.meta.episodes
+
+    def read(path: str) -> dict[str, np.ndarray]:
+      owners = [int(e) for e, p in zip(episodes.episode_index, episodes.data_path) if p == path]
+      try:
+        table = read_parquet(path, columns=wanted)
+      except DataError as error:
+        message = str(error).rsplit(" (file ", 1)[0]
+        raise DataError(message, path=path, episode_index=owners[0]) from error
+      missing = [key for key in wanted if key not in table.column_names]
+      if missing:
+        raise DataError(f"parquet lacks columns {missing} declared in info.json",
+                        path=path, episode_index=owners[0])
+      return {key: fmt.numpy_column(table.column(key), self.meta.features[key]["shape"])
+              for key in wanted}
+
+    # Files in parallel: pyarrow decodes with the GIL released.
+    with concurrent.futures.ThreadPoolExecutor(min(8, len(self.meta.data_files))) as pool:
+      parts = list(pool.map(read, self.meta.data_files))
+    columns = {key: np.concatenate([part[key] for part in parts]) for key in wanted}
+    index = columns["index"]
+    order = np.argsort(index, kind="stable")
+    columns = {key: value[order] for key, value in columns.items()}
+    if len(index) != len(self) or np.any(columns["index"] != np.arange(len(self))):
+      raise DataError(f"data files hold {len(index)} frames with indices that do not run "
+                      f"0..{len(self) - 1} as the episode index says: the data is truncated",
+                      path=self.meta.root)
+    return columns
+
+  def episode_of(self, index: int) -> int:
+    """Position (into meta.episodes) of the episode holding global frame `index`."""
+    return int(np.searchsorted(self.meta.episodes.dataset_from, index, side="right") - 1)
+
+  def __getitem__(self, index: int) -> dict[str, Any] | None:
+    index = int(index)
+    if not 0 <= index < len(self):
+      raise IndexError(f"frame {index} is outside the dataset's {len(self)} frames")
+    try:
+      return self._sample(index)
+    except DataError as error:
+      if self.on_bad_sample == "error":
+        raise
+      self.skipped += 1
+      logging.warning("skipping frame %d (%d skipped so far in this process): %s", index,
+                      self.skipped, error)
+      return None
+
+  def _sample(self, index: int) -> dict[str, Any]:
+    columns = self.columns()
+    episodes = self.meta.episodes
+    position = self.episode_of(index)
+    start, stop = int(episodes.dataset_from[position]), int(episodes.dataset_to[position])
+    episode_index = int(episodes.episode_index[position])
+
+    def clamp(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+      rows = index + offsets
+      return np.clip(rows, start, stop - 1), (rows < start) | (rows >= stop)
+
+    obs_rows, obs_pad = clamp(self.observation_offsets)
+    action_rows, action_pad = clamp(np.arange(self.horizon))
+    single = len(self.observation_offsets) == 1 and self.observation_offsets[0] == 0
+    state = columns[self.state_key][obs_rows].astype(np.float32).reshape(len(obs_rows), -1)
+    sample: dict[str, Any] = {
+        self.state_key: state[0] if single else state,
+        "action": columns[self.action_key][action_rows].astype(np.float32).reshape(
+            self.horizon, -1),
+        "action_is_pad": action_pad,
+        "task": self.meta.tasks[int(columns["task_index"][index])],
+        "embodiment_id": np.int32(self.embodiment_id),
+        "episode_index": np.int64(episode_index),
+        "frame_index": np.int64(columns["frame_index"][index]),
+        "index": np.int64(index),
+        "timestamp": np.float32(columns["timestamp"][index]),
+    }
+    if not single:
+      sample[f"{self.state_key}_is_pad"] = obs_pad
+    if self.cameras:
+      videos = self._video_cache()
+      for key in self.cameras:
+        times = episodes.video_from_timestamp[key][position] + columns["timestamp"][obs_rows]
+        frames = videos.read(episodes.video_path[key][position], times,
+                                   tolerance_s=self.tolerance_s, size=self.image_size,
+                                   episode_index=episode_index)
+        sample[key] = frames[0] if single else frames
+        if not single:
+          sample[f"{key}_is_pad"] = obs_pad
+    if self.meta.modality:
+      self._add_modality_slices(sample)
+    return sample
+
+  def _add_modality_slices(self, sample: dict[str, Any]) -> None:
+    """GR00T's meta/modality.json names slices of the state and action vectors."""
+    for group, key in (("state", self.state_key), ("action", "action")):
+      for name, bounds in self.meta.modality.get(group, {}).items():
+        sample[f"{group}.{name}"] = sample[key][..., int(bounds["start"]):int(bounds["end"])]
+
+  def _video_cache(self) -> VideoReaderCache:
+    cache = getattr(self._thread_local, "videos", None)
+    if cache is None:
+      cache = self._thread_local.videos = VideoReaderCache(self.max_open_videos)
+      with self._lock:
+        self._all_caches = getattr(self, "_all_caches", []) + [cache]
+    return cache
+
+  def close(self) -> None:
+    """Closes every open mp4 of every thread of this process."""
+    with self._lock:
+      caches, self._all_caches = getattr(self, "_all_caches", []), []
+    for cache in caches:
+      cache.close()

@@ -1,0 +1,81 @@
+"""Normalisation statistics: one parallel pass over the numeric columns, never the videos.
+
+openpi users wait a long time for norm stats because its pass decodes every frame's images. Here
+the state and action columns are read straight from parquet (files in parallel threads; pyarrow
+releases the GIL) and reduced with vectorised numpy: exact mean / std / min / max and exact
+quantiles q01..q99. The job writes them in LeRobot's stats.json format:
+
+  python -m ejax.main --config=configs/X.py --config.job=stats  ->  <workdir>/stats.json
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ejax.data import lerobot_format as fmt
+from ejax.data import stats_math
+
+
+def _keys(source) -> list[str]:
+  return [getattr(source, "state_key", "observation.state"), getattr(source, "action_key",
+                                                                      "action")]
+
+
+def compute_stats(source) -> dict[str, dict[str, np.ndarray]]:
+  """Exact statistics of the state and action columns over every step of `source`."""
+  columns = source.columns()
+  return {key: stats_math.vector_stats(columns[key].reshape(len(columns[key]), -1))
+          for key in _keys(source)}
+
+
+def load_stats(path: str) -> dict[str, dict[str, np.ndarray]]:
+  return fmt.stats_from_json(fmt.read_json(path))
+
+
+def save_stats(path: str, stats: dict[str, dict[str, np.ndarray]]) -> None:
+  fmt.write_json(path, fmt.stats_to_json(stats))
+
+
+def load_or_compute_stats(data_config, source) -> dict[str, dict[str, np.ndarray]]:
+  """data.stats_path if set; else the dataset's own stats when they cover what the mode needs;
+  else one pass over the data."""
+  path = data_config.get("stats_path", None)
+  if path:
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"data.stats_path={path} does not exist: run the stats job first "
+                              "or unset data.stats_path")
+    return load_stats(path)
+  needed = ("q01", "q99") if data_config.get("normalization", "mean_std") == "quantile" else (
+      "mean", "std")
+  stored = getattr(getattr(source, "meta", None), "stats", {}) or {}
+  if all(key in stored and all(n in stored[key] for n in needed) for key in _keys(source)):
+    return {key: stored[key] for key in _keys(source)}
+  start = time.perf_counter()
+  stats = compute_stats(source)
+  logging.info("computed normalisation statistics over %d steps in %.2fs",
+               int(stats[_keys(source)[0]]["count"][0]), time.perf_counter() - start)
+  return stats
+
+
+def run_job(config, workdir: str) -> dict[str, Any]:
+  """Job `stats`: computes and saves <workdir>/stats.json; returns the stats and timing."""
+  from ejax.data.pipeline import make_source
+  data_config = config.data.copy_and_resolve_references() if hasattr(
+      config.data, "copy_and_resolve_references") else config.data
+  source = make_source(data_config)
+  start = time.perf_counter()
+  stats = compute_stats(source)
+  seconds = time.perf_counter() - start
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, "stats.json")
+  save_stats(path, stats)
+  steps = int(stats[_keys(source)[0]]["count"][0])
+  logging.info("stats over %d steps in %.2fs -> %s (set data.stats_path to use them)", steps,
+               seconds, path)
+  print(f"normalisation statistics over {steps} steps in {seconds:.2f}s written to {path}")
+  return {"path": path, "seconds": seconds, "steps": steps, "stats": stats}
