@@ -1,0 +1,167 @@
+"""An FP8 Dense layer for training, the switch models use, and one-shot FP8 weights for inference.
+
+Training (`Fp8Dense`): master weights stay in param_dtype; every call quantises the activations
+(1x128 tiles, e4m3) and the kernel (128x128 blocks, e4m3) and runs the block-scaled FP8 GEMM. The
+backward pass (custom_vjp) is FP8 too: dY in e5m2 tiles, dX = dY . W^T on the same quantised
+kernel (blocks transpose with it), dW = X^T . dY with X re-tiled along the tokens. Residuals are
+the FP8 operands, so activation memory halves against bf16.
+
+Inference (`quantize_params`): quantises each Dense kernel once and drops the master copy, so a
+rollout policy holds FP8 weights and only quantises its activations per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ejax.kernels.fp8.matmul import fp8_matmul
+from ejax.parallel.params import variable_axis_names
+from ejax.kernels.fp8.quantize import (ACTIVATION_TILE, E4M3, E5M2, WEIGHT_BLOCK, Fp8Tensor,
+                                       dequantize, quantize_activations, quantize_blockwise)
+
+default_kernel_init = nnx.initializers.lecun_normal()
+
+
+@jax.custom_vjp
+def fp8_dot(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [tokens, in] @ kernel [in, out] -> fp32, both operands block-quantised to e4m3."""
+  return fp8_matmul(quantize_activations(x), quantize_blockwise(kernel, WEIGHT_BLOCK))
+
+
+def _fp8_dot_fwd(x, kernel):
+  x_q, kernel_q = quantize_activations(x), quantize_blockwise(kernel, WEIGHT_BLOCK)
+  # Zero-size arrays carry the primal dtypes through the residuals (dtypes are not pytree leaves).
+  return fp8_matmul(x_q, kernel_q), (x_q, kernel_q, jnp.zeros((0,), x.dtype),
+                                     jnp.zeros((0,), kernel.dtype))
+
+
+def _fp8_dot_bwd(residuals, d_out):
+  x_q, kernel_q, x_like, kernel_like = residuals
+  x_dtype, kernel_dtype = x_like.dtype, kernel_like.dtype
+  d_out_tiles = quantize_blockwise(d_out, ACTIVATION_TILE, E5M2)  # tiles along out features
+  d_x = fp8_matmul(d_out_tiles, kernel_q.transpose(), jnp.float32)
+  # dW contracts over tokens: X^T in 1x128 tiles along tokens, dY in 128x128 blocks.
+  x_t = quantize_blockwise(dequantize(x_q).T, ACTIVATION_TILE, E4M3)
+  d_kernel = fp8_matmul(x_t, quantize_blockwise(d_out, WEIGHT_BLOCK, E5M2), jnp.float32)
+  return d_x.astype(x_dtype), d_kernel.astype(kernel_dtype)
+
+
+fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+class Fp8Weight(nnx.Variable):
+  """Inference-only FP8 kernel storage (not an nnx.Param: optimisers leave it alone)."""
+
+
+class Fp8Dense(nnx.Module):
+  """Drop-in for nnx.Linear whose matmul runs in block-scaled FP8 (forward and backward)."""
+
+  def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+               dtype=None, param_dtype=jnp.float32, kernel_init=default_kernel_init,
+               bias_init=nnx.initializers.zeros_init(),
+               kernel_axes: Sequence[str | None] = (None, None), rngs: nnx.Rngs):
+    self.in_features, self.out_features = in_features, out_features
+    self.dtype = dtype
+    self.kernel_axes = tuple(kernel_axes)
+    self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype),
+                            sharding_names=tuple(kernel_axes))
+    # nnx.data: these attributes may hold None now and variables later (quantize, _from_linear).
+    self.bias = nnx.data(nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype),
+                                   sharding_names=(kernel_axes[1],)) if use_bias else None)
+    self.kernel_fp8: Fp8Weight | None = nnx.data(None)
+    self.kernel_scales: Fp8Weight | None = nnx.data(None)
+
+  @property
+  def is_quantized(self) -> bool:
+    return self.kernel_fp8 is not None
+
+  def quantize(self) -> None:
+    """Freezes the kernel as FP8 blocks for inference and drops the master copy."""
+    if self.is_quantized:
+      return
+    kernel_q = quantize_blockwise(self.kernel[...], WEIGHT_BLOCK)
+    # The FP8 kernel keeps the master kernel's logical axes (it has the same padded layout); the
+    # handful of scales is replicated.
+    self.kernel_fp8 = Fp8Weight(kernel_q.values, sharding_names=self.kernel_axes)
+    self.kernel_scales = Fp8Weight(kernel_q.scales, sharding_names=(None, None))
+    self.kernel = None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if x.shape[-1] != self.in_features:
+      raise ValueError(f"Fp8Dense expects {self.in_features} input features, got shape {x.shape}")
+    dtype = self.dtype or x.dtype
+    tokens = x.reshape(-1, self.in_features)
+    if self.is_quantized:
+      kernel_q = Fp8Tensor(self.kernel_fp8[...], self.kernel_scales[...], WEIGHT_BLOCK,
+                           (self.in_features, self.out_features))
+      y = fp8_matmul(quantize_activations(tokens), kernel_q, jnp.float32)
+    else:
+      y = fp8_dot(tokens, self.kernel[...])
+    if self.bias is not None:
+      y = y + self.bias[...].astype(jnp.float32)
+    return y.astype(dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def make_dense(in_features: int, out_features: int, *, fp8: bool,
+               kernel_axes: Sequence[str | None], use_bias: bool = True, rngs: nnx.Rngs,
+               dtype=None, param_dtype=jnp.float32, kernel_init=default_kernel_init,
+               bias_init=nnx.initializers.zeros_init()) -> nnx.Module:
+  """The Dense layer a model builds: `Fp8Dense` when `config.model.fp8`, else nnx.Linear.
+
+  Both carry the same logical axis names on kernel (kernel_axes) and bias (kernel_axes[1]), the
+  same parameter names and initialisers, so checkpoints move between the two.
+  """
+  if fp8:
+    return Fp8Dense(in_features, out_features, use_bias=use_bias, dtype=dtype,
+                    param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
+                    kernel_axes=kernel_axes, rngs=rngs)
+  return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
+                    param_dtype=param_dtype, rngs=rngs,
+                    kernel_init=nnx.with_partitioning(kernel_init, tuple(kernel_axes)),
+                    bias_init=nnx.with_partitioning(bias_init, (kernel_axes[1],)))
+
+
+def _from_linear(linear: nnx.Linear) -> Fp8Dense:
+  kernel = linear.kernel[...]
+  axes = variable_axis_names(linear.kernel) or (None, None)
+  dense = Fp8Dense(kernel.shape[0], kernel.shape[1], use_bias=False, dtype=linear.dtype,
+                   param_dtype=kernel.dtype, kernel_init=lambda *_: kernel, kernel_axes=axes,
+                   rngs=nnx.Rngs(0))
+  dense.bias = linear.bias
+  dense.quantize()
+  return dense
+
+
+def quantize_params(model: nnx.Module, *, min_features: int = 128) -> int:
+  """Turns every Dense (Fp8Dense or nnx.Linear) of `model` into FP8 inference weights, in place.
+
+  Layers whose in or out features are below `min_features` stay as they are: one partial 128-block
+  gains no speed and loses precision (tiny state/action projections). Returns how many layers
+  were quantised.
+  """
+  count = 0
+  for path, node in list(nnx.iter_graph(model)):
+    if not path or not isinstance(node, (Fp8Dense, nnx.Linear)):
+      continue
+    kernel_shape = node.kernel_fp8.shape if isinstance(node, Fp8Dense) and node.is_quantized \
+        else node.kernel.shape
+    if min(kernel_shape) < min_features:
+      continue
+    if isinstance(node, Fp8Dense):
+      node.quantize()
+    else:
+      parent = model
+      for key in path[:-1]:
+        parent = parent[key] if isinstance(key, int) or not hasattr(parent, str(key)) \
+            else getattr(parent, key)
+      replacement = _from_linear(node)
+      if isinstance(path[-1], int) or not hasattr(parent, str(path[-1])):
+        parent[path[-1]] = replacement
+      else:
+        setattr(parent, path[-1], replacement)
+    count += 1
+  return count
