@@ -1,0 +1,277 @@
+"""Building blocks shared by every ejax model: dense layers, norms, MLPs, RoPE and attention.
+
+Every parameter is created with logical axis names (ejax.parallel.axes) so that sharding comes
+from the config's rules table; parameters live in `param_dtype` (float32 by default) and are cast
+to the compute `dtype` at use. Attention always goes through `ejax.kernels.attention`, so packed
+rows (segment ids, per-segment positions) and every mask kind behave the same in every model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ejax.kernels.attention import attention
+from ejax.parallel.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, NORM
+from ejax.parallel.params import variable_axis_names
+
+Initializer = Callable[..., jax.Array]
+DEFAULT_KERNEL_INIT: Initializer = nnx.initializers.lecun_normal()
+ZEROS: Initializer = nnx.initializers.zeros_init()
+ONES: Initializer = nnx.initializers.ones_init()
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),   # HF "gelu_pytorch_tanh"
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+  if name not in ACTIVATIONS:
+    raise ValueError(f"activation {name!r} is not one of {', '.join(ACTIVATIONS)}")
+  return ACTIVATIONS[name]
+
+
+def make_param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], names: Sequence[str | None],
+               param_dtype=jnp.float32) -> nnx.Param:
+  """An nnx.Param initialised by `init` and carrying one logical axis name per dimension."""
+  if len(names) != len(shape):
+    raise ValueError(f"parameter of shape {tuple(shape)} needs {len(shape)} axis names, got {tuple(names)}")
+  return nnx.Param(init(rngs.params(), tuple(shape), param_dtype), sharding_names=tuple(names))
+
+
+class Dense(nnx.Module):
+  """y = x @ kernel [+ bias], kernel [in, out] named `axes`. Also the fallback for FP8 dense."""
+
+  def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], use_bias: bool = True,
+               dtype=jnp.float32, param_dtype=jnp.float32, kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+               rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.kernel = make_param(rngs, kernel_init, (in_features, out_features), axes, param_dtype)
+    self.bias = make_param(rngs, ZEROS, (out_features,), (axes[1],), param_dtype) if use_bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+
+class LayerNorm(nnx.Module):
+  """LayerNorm in fp32; `elementwise_affine=False` gives the parameter-free norm the DiT uses."""
+
+  def __init__(self, dim: int, *, eps: float = 1e-5, elementwise_affine: bool = True, use_bias: bool = True,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.eps = eps
+    self.dtype = dtype
+    self.scale = make_param(rngs, ONES, (dim,), (NORM,), param_dtype) if elementwise_affine else None
+    self.bias = make_param(rngs, ZEROS, (dim,), (NORM,), param_dtype) if elementwise_affine and use_bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+    if self.scale is not None:
+      y = y * self.scale[...].astype(jnp.float32)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(jnp.float32)
+    return y.astype(self.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm in fp32. Qwen/Llama: y * w (w init 1); Gemma: y * (1 + w) (w init 0), set
+  `zero_centered=True`."""
+
+  def __init__(self, dim: int, *, eps: float = 1e-6, zero_centered: bool = False, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.eps = eps
+    self.zero_centered = zero_centered
+    self.dtype = dtype
+    self.scale = make_param(rngs, ZEROS if zero_centered else ONES, (dim,), (NORM,), param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+    scale = self.scale[...].astype(jnp.float32)
+    y = y * (1.0 + scale if self.zero_centered else scale)
+    return y.astype(self.dtype)
+
+
+class MLP(nnx.Module):
+  """fc1 -> activation -> fc2 (ViT / DiT feed-forward)."""
+
+  def __init__(self, dim: int, hidden: int, *, act: str = "gelu_tanh", use_bias: bool = True,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, dense_factory=None):
+    make = dense_factory or Dense
+    self.act = act
+    self.fc1 = make(dim, hidden, axes=(EMBED, MLP), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.fc2 = make(hidden, dim, axes=(MLP, EMBED), use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.fc2(activation(self.act)(self.fc1(x)))
+
+
+class GatedMLP(nnx.Module):
+  """down(act(gate(x)) * up(x)): SwiGLU (Qwen, act="silu") or GeGLU (Gemma, act="gelu_tanh")."""
+
+  def __init__(self, dim: int, hidden: int, *, act: str = "silu", dtype=jnp.float32, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    self.act = act
+    self.gate_proj = Dense(dim, hidden, axes=(EMBED, MLP), use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.up_proj = Dense(dim, hidden, axes=(EMBED, MLP), use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.down_proj = Dense(hidden, dim, axes=(MLP, EMBED), use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
+  """Rotary embedding, "rotate half" layout (HF Llama/Qwen, openpi Gemma).
+
+  x [batch, len, heads, head_dim]; positions [batch, len] (per-segment in packed rows). Computed in
+  fp32 because bf16 angles lose whole turns at long positions.
+  """
+  head_dim = x.shape[-1]
+  half = head_dim // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq       # [batch, len, half]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = xf[..., :half], xf[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class HeadProjection(nnx.Module):
+  """x [..., in] -> [..., heads, head_dim] with kernel [in, heads, head_dim]."""
+
+  def __init__(self, in_features: int, num_heads: int, head_dim: int, *, heads_axis: str = HEADS,
+               use_bias: bool = False, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.dtype = dtype
+    init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
+    self.kernel = make_param(rngs, init, (in_features, num_heads, head_dim), (EMBED, heads_axis, HEAD_DIM), param_dtype)
+    self.bias = (make_param(rngs, ZEROS, (num_heads, head_dim), (heads_axis, HEAD_DIM), param_dtype)
+                 if use_bias else None)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.einsum("...d,dhk->...hk", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+
+class OutputProjection(nnx.Module):
+  """[..., heads, head_dim] -> [..., out] with kernel [heads, head_dim, out]."""
+
+  def __init__(self, num_heads: int, head_dim: int, out_features: int, *, use_bias: bool = False,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.dtype = dtype
+    init = nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2)
+    self.kernel = make_param(rngs, init, (num_heads, head_dim, out_features), (HEADS, HEAD_DIM, EMBED), param_dtype)
+    self.bias = make_param(rngs, ZEROS, (out_features,), (EMBED,), param_dtype) if use_bias else None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.einsum("...hk,hkd->...d", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+
+class Attention(nnx.Module):
+  """Multi-head attention (GQA/MQA, optional QK-norm, RoPE, cross-attention) over ejax's one op.
+
+  `kv_features` != `features` makes it a cross-attention whose keys/values come from another
+  stream (the DiT attending to VL tokens). The projections are separate sub-modules
+  (`q_proj`, `k_proj`, `v_proj`, `o_proj`) so a mixture-of-transformers can project each expert's
+  tokens with its own weights and run one joint attention (see `project_qkv` / `attend`).
+  """
+
+  def __init__(self, features: int, *, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+               kv_features: int | None = None, use_bias: bool = False, out_bias: bool | None = None,
+               qk_norm: bool = False, norm_eps: float = 1e-6, rope_theta: float | None = None,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    num_kv_heads = num_kv_heads or num_heads
+    head_dim = head_dim or features // num_heads
+    kv_features = kv_features or features
+    out_bias = use_bias if out_bias is None else out_bias
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.rope_theta = rope_theta
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q_proj = HeadProjection(features, num_heads, head_dim, use_bias=use_bias, **common)
+    self.k_proj = HeadProjection(kv_features, num_kv_heads, head_dim, heads_axis=KV_HEADS, use_bias=use_bias, **common)
+    self.v_proj = HeadProjection(kv_features, num_kv_heads, head_dim, heads_axis=KV_HEADS, use_bias=use_bias, **common)
+    self.o_proj = OutputProjection(num_heads, head_dim, features, use_bias=out_bias, **common)
+    self.q_norm = RMSNorm(head_dim, eps=norm_eps, **common) if qk_norm else None
+    self.k_norm = RMSNorm(head_dim, eps=norm_eps, **common) if qk_norm else None
+
+  def project_qkv(self, x: jax.Array, kv: jax.Array, *, q_positions=None, kv_positions=None):
+    """q [b, lq, heads, hd], k/v [b, lk, kv_heads, hd] with QK-norm and RoPE applied."""
+    q, k, v = self.q_proj(x), self.k_proj(kv), self.v_proj(kv)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.rope_theta is not None:
+      if q_positions is None or kv_positions is None:
+        raise ValueError("this attention uses RoPE: pass q_positions and kv_positions")
+      q = apply_rope(q, q_positions, theta=self.rope_theta)
+      k = apply_rope(k, kv_positions, theta=self.rope_theta)
+    return q, k, v
+
+  def __call__(self, x: jax.Array, kv: jax.Array | None = None, *, mask_kind: str = "bidirectional",
+               q_segment_ids=None, kv_segment_ids=None, q_positions=None, kv_positions=None,
+               q_block_ids=None, kv_block_ids=None) -> jax.Array:
+    """x [b, lq, features]; kv [b, lk, kv_features] (None: self-attention on x)."""
+    self_attention = kv is None
+    kv = x if self_attention else kv
+    if self_attention:
+      kv_segment_ids = q_segment_ids if kv_segment_ids is None else kv_segment_ids
+      kv_positions = q_positions if kv_positions is None else kv_positions
+      kv_block_ids = q_block_ids if kv_block_ids is None else kv_block_ids
+    q, k, v = self.project_qkv(x, kv, q_positions=q_positions, kv_positions=kv_positions)
+    out = attention(q, k, v, mask_kind=mask_kind, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                    q_positions=q_positions, kv_positions=kv_positions, q_block_ids=q_block_ids,
+                    kv_block_ids=kv_block_ids)
+    return self.o_proj(out)
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+  """Inverted dropout; a no-op when `rng` is None (evaluation, sampling) or rate is 0."""
+  if rng is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def host_random_init(abstract_module: nnx.Module, seed: int = 0, *, stddev: float = 0.02) -> nnx.Module:
+  """Materialises an `nnx.eval_shape` module on the host with numpy values: N(0, stddev) for
+  weights, ones for norm scales, zeros for biases and norm offsets.
+
+  One jitted init of a transformer compiles a random-number program per parameter shape, which
+  dominates small tests on CPU; weight import overwrites every value anyway. Variables that are
+  not nnx.Param keep their (abstract) zeros.
+  """
+  rng = np.random.default_rng(seed)
+  graphdef, state = nnx.split(abstract_module)
+
+  def fill(path, variable):
+    value = variable.get_value()
+    if not isinstance(variable, nnx.Param):
+      return variable.replace(jnp.zeros(value.shape, value.dtype))
+    names = variable_axis_names(variable)
+    leaf = str(getattr(path[-1], "key", path[-1]))
+    if names is not None and all(n == NORM for n in names):
+      array = np.ones(value.shape) if leaf == "scale" else np.zeros(value.shape)
+    elif leaf == "bias":
+      array = np.zeros(value.shape)
+    else:
+      array = rng.normal(0.0, stddev, value.shape)
+    return variable.replace(jnp.asarray(array, value.dtype))
+
+  return nnx.merge(graphdef, nnx.map_state(fill, state))

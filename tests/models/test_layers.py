@@ -1,0 +1,69 @@
+"""Shared layers and the SigLIP encoder: numerics, RoPE, packed attention, axis names."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ejax.models import layers, siglip
+from ejax.parallel.params import variable_axis_names
+
+
+def test_norms_match_numpy():
+  x = jax.random.normal(jax.random.key(0), (2, 3, 8)) * 3 + 1
+  ln = layers.LayerNorm(8, eps=1e-5, rngs=nnx.Rngs(0))
+  xn = np.asarray(x)
+  expected = (xn - xn.mean(-1, keepdims=True)) / np.sqrt(xn.var(-1, keepdims=True) + 1e-5)
+  np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(ln, x), expected, atol=1e-5)
+  rms = layers.RMSNorm(8, eps=1e-6, zero_centered=True, rngs=nnx.Rngs(0))
+  rms.scale[...] = jnp.full((8,), 0.5)
+  expected = xn / np.sqrt((xn**2).mean(-1, keepdims=True) + 1e-6) * 1.5
+  np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(rms, x), expected, atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+  q = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
+  k = jax.random.normal(jax.random.key(2), (1, 1, 1, 16))
+
+  @jax.jit
+  def score_fn(m, n):
+    qm = layers.apply_rope(q, m[None, None], theta=10000.0)
+    kn = layers.apply_rope(k, n[None, None], theta=10000.0)
+    return jnp.sum(qm * kn)
+
+  score = lambda m, n: float(score_fn(jnp.int32(m), jnp.int32(n)))
+
+  np.testing.assert_allclose(score(5, 2), score(13, 10), rtol=1e-4)
+  assert abs(score(5, 2) - score(5, 4)) > 1e-3
+  np.testing.assert_allclose(layers.apply_rope(q, jnp.zeros((1, 1)), theta=1e4), q)
+
+
+def test_attention_packed_rows_equal_separate_samples():
+  attn = layers.host_random_init(nnx.eval_shape(lambda: layers.Attention(
+      16, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, rope_theta=1e4, rngs=nnx.Rngs(0))), stddev=0.3)
+  a = jax.random.normal(jax.random.key(3), (1, 3, 16))
+  b = jax.random.normal(jax.random.key(4), (1, 4, 16))
+  packed = jnp.concatenate([a, b, jnp.zeros((1, 1, 16))], axis=1)
+  segment_ids = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0]])
+  positions = jnp.array([[0, 1, 2, 0, 1, 2, 3, 0]])
+  run = nnx.jit(lambda m, x, s, p: m(x, mask_kind="causal", q_segment_ids=s, q_positions=p))
+  out = run(attn, packed, segment_ids, positions)
+  out_a = run(attn, a, jnp.ones((1, 3), jnp.int32), jnp.arange(3)[None])
+  out_b = run(attn, b, jnp.ones((1, 4), jnp.int32), jnp.arange(4)[None])
+  np.testing.assert_allclose(out[:, :3], out_a, atol=1e-5)
+  np.testing.assert_allclose(out[:, 3:7], out_b, atol=1e-5)
+
+
+def test_siglip_shapes_and_every_parameter_has_axis_names():
+  config = siglip.SiglipConfig(width=32, depth=2, mlp_dim=64, num_heads=4, patch_size=4, image_size=16)
+  model = layers.host_random_init(nnx.eval_shape(lambda: siglip.SiglipVisionTransformer(config, rngs=nnx.Rngs(0))))
+  images = siglip.normalize_images(jnp.full((2, 16, 16, 3), 255, jnp.uint8))
+  assert float(images.max()) == 1.0
+  assert nnx.jit(lambda m, x: m(x))(model, images).shape == (2, 16, 32)
+  for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    names = variable_axis_names(variable)
+    assert names is not None and len(names) == variable.get_value().ndim, path
+  # patchify keeps each patch's pixels together, row-major over patches.
+  image = jnp.arange(2 * 8 * 8 * 1, dtype=jnp.float32).reshape(2, 8, 8, 1)
+  patches = siglip.patchify(image, 4)
+  np.testing.assert_array_equal(patches[0, 1], np.asarray(image[0, :4, 4:8, 0]).reshape(-1))
