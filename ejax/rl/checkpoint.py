@@ -1,0 +1,61 @@
+"""Checkpoint and resume of an RL run: parameters, optimizer state and the run's counters (orbax).
+
+The trees are stored as flat {path: array} dicts keyed by their pytree paths, so any pytree of
+arrays (NNX states, optax states) round-trips, and a restore into a differently built policy fails
+with the names of the missing or extra leaves instead of silently misplacing weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+  return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _unflat(flat: dict[str, Any], like: Any) -> Any:
+  paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+  keys = [jax.tree_util.keystr(path) for path, _ in paths_and_leaves]
+  missing, extra = sorted(set(keys) - set(flat)), sorted(set(flat) - set(keys))
+  if missing or extra:
+    raise ValueError(f"RL checkpoint does not match the policy being restored: missing {missing[:5]}, "
+                     f"unexpected {extra[:5]}; restore with the config that wrote it")
+  return jax.tree_util.tree_unflatten(treedef, [flat[key] for key in keys])
+
+
+class RLCheckpointer:
+  """Saves {"params", "opt_state"} and JSON metadata (version, env steps, ...) per policy version."""
+
+  def __init__(self, directory: str, *, keep: int = 3):
+    self.directory = os.path.abspath(directory)
+    self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+  def save(self, version: int, params: Any, opt_state: Any, metadata: dict) -> None:
+    state = {"params": _flat(params), "opt_state": _flat(opt_state)}
+    self._manager.save(version, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                          metadata=ocp.args.JsonSave(dict(metadata, version=version))),
+                       force=True)
+    self._manager.wait_until_finished()  # a shutdown right after must not lose the save
+
+  def latest_version(self) -> int | None:
+    return self._manager.latest_step()
+
+  def restore(self, params_like: Any, opt_state_like: Any, version: int | None = None) -> tuple[Any, Any, dict]:
+    version = self.latest_version() if version is None else version
+    if version is None:
+      raise FileNotFoundError(f"no RL checkpoint in {self.directory}")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
+                            {"params": _flat(params_like), "opt_state": _flat(opt_state_like)})
+    restored = self._manager.restore(version, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                        metadata=ocp.args.JsonRestore()))
+    state = restored["state"]
+    return _unflat(state["params"], params_like), _unflat(state["opt_state"], opt_state_like), dict(restored["metadata"])
+
+  def close(self) -> None:
+    self._manager.close()

@@ -1,0 +1,185 @@
+"""Level 3: the learner, decoupled PPO (value head + GAE) or GRPO on trajectory segments.
+
+The learner pulls segments from the bounded trajectory queue, puts them back in ticket order
+(shards finish out of order; update k trains on tickets [k B, (k + 1) B) exactly, which is what
+makes the staleness bound hold), checks that no sample is more than eta versions old, runs one
+jitted update over shuffled micro-batches, and publishes the new version to the inference server.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ejax.rl import losses
+from ejax.rl.coordination import ParamStore, Stopped, get_until_stopped
+from ejax.rl.timeline import ActivityLog
+
+
+class StalenessError(RuntimeError):
+  """A sample older than eta versions reached the learner: the staleness gate is broken."""
+
+
+def _flatten_time(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), tree)
+
+
+def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm: str, gamma: float, gae_lambda: float,
+                   clip_epsilon: float, behaviour_weight_threshold: float | None, dual_clip: float | None,
+                   value_coef: float, num_epochs: int, num_minibatches: int, group_size: int,
+                   normalize_advantages: bool = True) -> Callable:
+  """(params, opt_state, batch, rng) -> (params, opt_state, metrics): one policy version's update.
+
+  batch: time-major segments concatenated along the env axis ([T, N, ...] leaves plus
+  "bootstrap_observation" [N, ...]). The proximal policy is `params` as passed in: log-probs and
+  values under it are computed once, before the first gradient step.
+  """
+  if algorithm not in ("ppo", "grpo"):
+    raise ValueError(f"RL algorithm {algorithm!r}: use 'ppo' or 'grpo'")
+
+  def update(params, opt_state, batch, rng):
+    steps, envs = batch["reward"].shape
+    observation = _flatten_time(batch["observation"])
+    chain, step_index = _flatten_time(batch["chain"]), _flatten_time(batch["step_index"])
+    valid = batch["valid"].astype(jnp.float32)
+    proximal_log_prob, values = policy.evaluate(params, observation, chain, step_index)
+
+    if algorithm == "ppo":
+      bootstrap_value = policy.value(params, batch["bootstrap_observation"])
+      advantages, returns = losses.gae(batch["reward"], values.reshape(steps, envs), batch["done"], bootstrap_value,
+                                       gamma=gamma, lam=gae_lambda, valid=valid)
+      if normalize_advantages:
+        advantages = losses.normalize_advantages(advantages, valid)
+    else:
+      # Sparse success reward per episode; every step of an episode shares its group-normalised advantage.
+      episode_success = jnp.any(batch["success"] & batch["valid"], axis=0).astype(jnp.float32)  # [N]
+      advantages = jnp.broadcast_to(losses.grpo_advantages(episode_success, group_size=group_size), (steps, envs)) * valid
+      returns = jnp.zeros_like(advantages)
+
+    samples = {"observation": observation, "chain": chain, "step_index": step_index,
+               "behaviour_log_prob": _flatten_time(batch["log_prob"]), "proximal_log_prob": proximal_log_prob,
+               "old_value": values, "advantage": advantages.reshape(-1), "return": returns.reshape(-1),
+               "valid": valid.reshape(-1)}
+    num_samples = steps * envs
+    minibatch_size = num_samples // num_minibatches
+
+    def loss_fn(params, minibatch):
+      log_prob, value = policy.evaluate(params, minibatch["observation"], minibatch["chain"], minibatch["step_index"])
+      policy_loss, metrics = losses.decoupled_ppo_loss(
+          log_prob, minibatch["proximal_log_prob"], minibatch["behaviour_log_prob"], minibatch["advantage"],
+          clip_epsilon=clip_epsilon, behaviour_weight_threshold=behaviour_weight_threshold, dual_clip=dual_clip,
+          mask=minibatch["valid"])
+      value_error = losses.value_loss(value, minibatch["return"], mask=minibatch["valid"])
+      total = policy_loss + (value_coef * value_error if algorithm == "ppo" else 0.0)
+      return total, dict(metrics, policy_loss=policy_loss, value_loss=value_error)
+
+    def minibatch_step(carry, minibatch):
+      params, opt_state = carry
+      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, minibatch)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      return (params, opt_state), dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+
+    def epoch(carry, epoch_rng):
+      order = jax.random.permutation(epoch_rng, num_samples)[:minibatch_size * num_minibatches]
+      shuffled = jax.tree.map(lambda x: x[order].reshape((num_minibatches, minibatch_size) + x.shape[1:]), samples)
+      return jax.lax.scan(minibatch_step, carry, shuffled)
+
+    (params, opt_state), metrics = jax.lax.scan(epoch, (params, opt_state), jax.random.split(rng, num_epochs))
+    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["value_mean"] = jnp.mean(values)
+    metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantages) * valid) / jnp.maximum(jnp.sum(valid), 1.0)
+    return params, opt_state, metrics
+
+  return update
+
+
+def segment_statistics(batch: dict[str, np.ndarray], update: int) -> dict[str, float]:
+  """Policy lag and episode outcomes of one update's batch (host-side, numpy)."""
+  valid = batch["valid"].astype(bool)
+  lag = update - batch["policy_version"][valid]
+  finished = batch["done"] & valid
+  episodes = int(finished.sum())
+  return {"lag_mean": float(lag.mean()), "lag_p95": float(np.percentile(lag, 95)), "lag_max": int(lag.max()),
+          "episodes": episodes, "success_rate": float((batch["success"] & finished).sum() / max(episodes, 1)),
+          "reward_mean": float(batch["reward"][valid].mean())}
+
+
+class Learner:
+  def __init__(self, update_fn: Callable, params: Any, opt_state: Any, *, start_version: int, num_updates: int,
+               segments_per_update: int, eta: int, segment_queue: queue.Queue, param_store: ParamStore,
+               activity: ActivityLog, stop: threading.Event, seed: int,
+               put_batch: Callable[[dict], dict] = lambda batch: batch,
+               on_update: Callable[[int, Any, Any, dict], None] | None = None,
+               on_fatal: Callable[[BaseException], None] | None = None):
+    """put_batch places a host batch on the learner's devices; on_update(version, params, opt_state,
+    metrics) runs after each publish (metrics logging, periodic checkpoints)."""
+    self._update = update_fn  # jitted by the caller (no donation: see ejax.rl.pipeline)
+    self.params, self.opt_state = params, opt_state
+    self.version, self.num_updates = start_version, num_updates
+    self.segments_per_update, self.eta = segments_per_update, eta
+    self.segment_queue, self.param_store, self.activity, self.stop = segment_queue, param_store, activity, stop
+    self.put_batch, self.on_update, self.on_fatal = put_batch, on_update, on_fatal
+    self._rng = jax.random.fold_in(jax.random.key(seed), start_version)
+    self._buffer: dict[int, dict] = {}
+    self.history: list[dict] = []
+    self.samples_consumed = 0
+    self.lags: list[np.ndarray] = []  # every consumed sample's policy lag, for exact run statistics
+    self.error: BaseException | None = None
+    self.thread = threading.Thread(target=self._run, name="learner", daemon=True)
+
+  def start(self) -> None:
+    self.thread.start()
+
+  def _gather(self, update: int) -> dict[str, np.ndarray]:
+    first = update * self.segments_per_update
+    wanted = range(first, first + self.segments_per_update)
+    while any(ticket not in self._buffer for ticket in wanted):
+      segment, waited = get_until_stopped(self.segment_queue, self.stop)
+      self.activity.wait("learner_queue_get", waited)
+      self._buffer[segment["ticket"]] = segment
+    segments = [self._buffer.pop(ticket) for ticket in wanted]
+    arrays = [{key: value for key, value in segment.items() if key not in ("ticket", "shard_id")} for segment in segments]
+    # Time-major leaves concatenate along the env axis (1); bootstrap observations along axis 0.
+    batch = {key: jax.tree.map(lambda *xs: np.concatenate(xs, axis=1), *[a[key] for a in arrays])
+             for key in arrays[0] if key != "bootstrap_observation"}
+    batch["bootstrap_observation"] = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0),
+                                                  *[a["bootstrap_observation"] for a in arrays])
+    return batch
+
+  def _run(self) -> None:
+    try:
+      while self.version < self.num_updates:
+        update = self.version
+        batch = self._gather(update)
+        statistics = segment_statistics(batch, update)
+        self.lags.append(update - batch["policy_version"][batch["valid"].astype(bool)])
+        if statistics["lag_max"] > self.eta or statistics["lag_mean"] < 0:
+          raise StalenessError(f"update {update} got samples {statistics['lag_max']} versions old, more than eta={self.eta}")
+        start = self.activity.now()
+        self._rng, rng = jax.random.split(self._rng)
+        device_batch = self.put_batch({key: value for key, value in batch.items() if key != "policy_version"})
+        params, opt_state, metrics = self._update(self.params, self.opt_state, device_batch, rng)
+        self.param_store.publish(params, update + 1)  # blocks until the arrays are ready (see ParamStore)
+        self.params, self.opt_state, self.version = params, opt_state, update + 1
+        end = self.activity.now()
+        self.activity.busy("learner", start, end)
+        self.samples_consumed += int(batch["valid"].sum())
+        record = {"version": self.version, "time": end, "update_seconds": end - start,
+                  **statistics, **{key: float(value) for key, value in jax.device_get(metrics).items()}}
+        self.history.append(record)
+        if self.on_update is not None:
+          self.on_update(self.version, params, opt_state, record)
+    except Stopped:
+      return
+    except Exception as error:
+      self.error = error
+      if self.on_fatal is not None:
+        self.on_fatal(error)

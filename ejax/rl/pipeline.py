@@ -1,0 +1,238 @@
+"""RL-VLA3: env shards, inference server and learner wired together, run, measured and shut down.
+
+    env shard 0..S-1 --observations--> request board --dynamic batch--> inference server
+         ^                                                                      |
+         +------------------ action chunks tagged with policy_version ---------+
+    env shards --segments (bounded queue)--> learner --versioned params--> param store --> server
+
+The synchronous baseline is this same code with eta = 0 and a barrier (the server waits for every
+shard each step): `mode="sync"`. Everything blocking waits in short slices on one stop event, so
+the end of the run, an error in any component or a SIGTERM shuts every thread down; the learner's
+last good state is checkpointed on the way out.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+from ml_collections import ConfigDict
+
+from ejax.rl.checkpoint import RLCheckpointer
+from ejax.rl.coordination import ParamStore, RequestBoard, SegmentTickets
+from ejax.rl.delays import DelaySampler, DelaySpec, delay_spec_from_config
+from ejax.rl.env_shard import EnvShard, env_functions
+from ejax.rl.inference import InferenceServer
+from ejax.rl.learner import Learner, make_update_fn
+from ejax.rl.timeline import ActivityLog, plot_timeline
+
+JOIN_TIMEOUT_S = 30.0
+
+
+def default_config() -> ConfigDict:
+  """The `rl` section of a config: pipeline shape, staleness, algorithm, placement, faults."""
+  return ConfigDict(dict(
+      mode="async",              # async | sync (sync = eta 0 + a barrier every step: the baseline)
+      eta=2,                     # max policy versions between a sample's policy and the update using it
+      num_shards=4, envs_per_shard=8, segment_length=8, actions_per_step=4,
+      segments_per_update=4, num_updates=10, queue_size=8,
+      delay=ConfigDict(dict(kind="none", mean=0.0, low=0.0, high=0.0, median=0.0, sigma=0.0)),
+      shard_delays=[],           # optional per-shard overrides: list of dicts like `delay`
+      algorithm="ppo",           # ppo (value head + GAE) | grpo (group-normalised success)
+      group_size=4, gamma=0.99, gae_lambda=0.95, clip_epsilon=0.2, behaviour_weight_threshold=2.0,
+      dual_clip=3.0, value_coef=0.5, num_epochs=2, num_minibatches=4, learning_rate=3e-4, grad_clip_norm=1.0,
+      noise_level=0.5,
+      placement=ConfigDict(dict(env_devices=[], inference_device=-1, learner_devices=[])),  # device indexes; empty/-1 = default
+      inference_full_batch_only=False,  # pad every inference batch to all shards: fewer compilations
+      max_restarts=3, checkpoint_every_updates=0, seed=0,
+  ))
+
+
+def shard_delay_specs(config: ConfigDict) -> list[DelaySpec]:
+  overrides = list(config.shard_delays)
+  return [delay_spec_from_config(ConfigDict(overrides[i]) if i < len(overrides) else config.delay)
+          for i in range(config.num_shards)]
+
+
+class RLRunError(RuntimeError):
+  """A component failed; the run stopped every thread and saved the learner's last good state."""
+
+
+class RLPipeline:
+  def __init__(self, config: ConfigDict, env, policy, *, checkpoint_dir: str | None = None,
+               fault_injector: Callable[[int, int, np.ndarray], np.ndarray] | None = None,
+               update_wrapper: Callable[[Callable], Callable] | None = None):
+    """env: pure reset(rng) / step(state, action) (ejax.sim's Env interface), shared by the shards;
+    policy: a FlowPolicy. fault_injector(shard_id, step, reward) -> reward runs after each shard
+    step (tests raise from it or return NaNs); update_wrapper wraps the learner's jitted update (tests make it fail)."""
+    self.config = config
+    sync = config.mode == "sync"
+    if config.mode not in ("sync", "async"):
+      raise ValueError(f"rl.mode {config.mode!r}: use 'sync' or 'async'")
+    self.eta = 0 if sync else int(config.eta)
+    self.stop = threading.Event()
+    self.activity = ActivityLog()
+    self.errors: list[BaseException] = []
+    self._error_lock = threading.Lock()
+    self.stop_reason: str | None = None
+    devices = jax.devices()
+    placement = config.placement
+    env_devices = [devices[i] for i in placement.env_devices] or [None]
+    inference_device = devices[placement.inference_device] if placement.inference_device >= 0 else None
+    learner_devices = [devices[i] for i in placement.learner_devices]
+
+    # Learner state, resumed from the newest checkpoint when there is one.
+    self.policy = policy
+    self.optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), optax.adam(config.learning_rate))
+    params = policy.initial_params
+    opt_state = self.optimizer.init(params)
+    self.checkpointer = RLCheckpointer(checkpoint_dir) if checkpoint_dir else None
+    start_version, self.resumed_metadata = 0, None
+    if self.checkpointer is not None and self.checkpointer.latest_version() is not None:
+      params, opt_state, self.resumed_metadata = self.checkpointer.restore(params, opt_state)
+      start_version = int(self.resumed_metadata["version"])
+    put_batch = lambda batch: batch
+    if len(learner_devices) > 1:
+      mesh = jax.sharding.Mesh(np.array(learner_devices), ("data",))
+      replicated = NamedSharding(mesh, PartitionSpec())
+      params, opt_state = jax.device_put((params, opt_state), replicated)
+      envs_axis = NamedSharding(mesh, PartitionSpec(None, "data"))   # time-major [T, N, ...]: split the envs
+      first_axis = NamedSharding(mesh, PartitionSpec("data"))
+      put_batch = lambda batch: {key: jax.device_put(value, first_axis if key == "bootstrap_observation" else envs_axis)
+                                 for key, value in batch.items()}
+    elif learner_devices:
+      params, opt_state = jax.device_put((params, opt_state), learner_devices[0])
+      put_batch = lambda batch: jax.device_put(batch, learner_devices[0])
+    self.start_version = start_version
+
+    self.param_store = ParamStore(params, start_version,
+                                  device_put=(lambda tree: jax.device_put(tree, inference_device)) if inference_device else None)
+    total_segments = config.num_updates * config.segments_per_update
+    self.tickets = SegmentTickets(total_segments, config.segments_per_update, self.eta,
+                                  first_ticket=start_version * config.segments_per_update)
+    self.board = RequestBoard(lambda: self.param_store.version)
+    self.segment_queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+
+    delays = shard_delay_specs(config)
+    functions = env_functions(env, config.actions_per_step, auto_reset=config.algorithm != "grpo")
+    self.shards = [EnvShard(
+        shard_id, functions, num_envs=config.envs_per_shard, segment_length=config.segment_length,
+        actions_per_step=config.actions_per_step, mode="grpo" if config.algorithm == "grpo" else "gae",
+        group_size=config.group_size, tickets=self.tickets, board=self.board, segment_queue=self.segment_queue,
+        param_store=self.param_store, delay=DelaySampler(delays[shard_id], config.seed * 1000 + shard_id),
+        activity=self.activity, stop=self.stop, seed=config.seed * 1000 + 100 + shard_id + 7919 * start_version,
+        max_restarts=config.max_restarts, device=env_devices[shard_id % len(env_devices)],
+        on_fatal=self._fatal, fault_injector=fault_injector) for shard_id in range(config.num_shards)]
+    self.server = InferenceServer(policy.jit_sample, board=self.board, param_store=self.param_store,
+                                  num_shards=config.num_shards, envs_per_shard=config.envs_per_shard, barrier=sync,
+                                  activity=self.activity, stop=self.stop, seed=config.seed + 17 + start_version,
+                                  device=inference_device, full_batch_only=config.inference_full_batch_only,
+                                  on_fatal=self._fatal)
+    update_fn = self._jitted_update(policy, config)
+    if update_wrapper is not None:
+      update_fn = update_wrapper(update_fn)
+    self.learner = Learner(update_fn, params, opt_state, start_version=start_version, num_updates=config.num_updates,
+                           segments_per_update=config.segments_per_update, eta=self.eta,
+                           segment_queue=self.segment_queue, param_store=self.param_store, activity=self.activity,
+                           stop=self.stop, seed=config.seed + 29, put_batch=put_batch, on_update=self._on_update,
+                           on_fatal=self._fatal)
+    self.wall_seconds = 0.0
+
+  def _jitted_update(self, policy, config: ConfigDict) -> Callable:
+    """The learner's update, jitted once per policy and hyper-parameters (pipelines that share a
+    policy, like a run and its resume, share the compilation). No donation: on the colocated
+    placement the published parameters share buffers with the learner's, and the last good state
+    must outlive a failed update to be checkpointed."""
+    hyper = dict(algorithm=config.algorithm, gamma=config.gamma, gae_lambda=config.gae_lambda,
+                 clip_epsilon=config.clip_epsilon, behaviour_weight_threshold=config.behaviour_weight_threshold,
+                 dual_clip=config.dual_clip, value_coef=config.value_coef, num_epochs=config.num_epochs,
+                 num_minibatches=config.num_minibatches, group_size=config.group_size)
+    key = ("update", config.learning_rate, config.grad_clip_norm, tuple(sorted(hyper.items())))
+    if key not in policy.compiled:
+      policy.compiled[key] = jax.jit(make_update_fn(policy, self.optimizer, **hyper))
+    return policy.compiled[key]
+
+  # -- control -------------------------------------------------------------------------------
+
+  def _fatal(self, error: BaseException) -> None:
+    with self._error_lock:
+      self.errors.append(error)
+      self.stop_reason = self.stop_reason or f"error: {error!r}"
+    self.stop.set()
+
+  def request_stop(self, reason: str) -> None:
+    """From a signal handler or another thread: stop at the next wait slice, then checkpoint."""
+    self.stop_reason = self.stop_reason or reason
+    self.stop.set()
+
+  def _on_update(self, version: int, params, opt_state, record: dict) -> None:
+    every = self.config.checkpoint_every_updates
+    if self.checkpointer is not None and every and version % every == 0 and version < self.config.num_updates:
+      self.save_checkpoint()
+
+  def save_checkpoint(self) -> None:
+    if self.checkpointer is None or self.learner.version == 0:
+      return
+    self.checkpointer.save(self.learner.version, self.learner.params, self.learner.opt_state,
+                           {"env_steps": int(sum(shard.env_steps for shard in self.shards)),
+                            "samples_consumed": self.learner.samples_consumed})
+
+  @property
+  def threads(self) -> list[threading.Thread]:
+    return [shard.thread for shard in self.shards] + [self.server.thread, self.learner.thread]
+
+  def run(self) -> dict:
+    """Runs to num_updates (or until an error / request_stop), joins every thread, returns metrics."""
+    start = time.perf_counter()
+    for component in [self.learner, self.server, *self.shards]:
+      component.start()
+    try:
+      while self.learner.thread.is_alive() and not self.stop.is_set():
+        self.learner.thread.join(timeout=0.1)
+    finally:
+      self.stop.set()
+      self.wall_seconds = time.perf_counter() - start
+      for thread in self.threads:
+        thread.join(timeout=JOIN_TIMEOUT_S)
+      hanging = [thread.name for thread in self.threads if thread.is_alive()]
+      if self.checkpointer is not None and self.learner.version > self.start_version:
+        self.save_checkpoint()  # the last good state: at the end, on error and on SIGTERM alike
+      if hanging:
+        raise RLRunError(f"threads still running after shutdown: {hanging}")
+    if self.errors:
+      raise RLRunError(f"RL run stopped at version {self.learner.version} after {self.errors[0]!r}; "
+                       f"last good state checkpointed") from self.errors[0]
+    return self.summary()
+
+  # -- metrics -------------------------------------------------------------------------------
+
+  def summary(self) -> dict:
+    wall = max(self.wall_seconds, 1e-9)
+    history = self.learner.history
+    lags = np.concatenate(self.learner.lags) if self.learner.lags else np.zeros((1,))
+    env_steps = sum(shard.env_steps for shard in self.shards)
+    result = {
+        "mode": self.config.mode, "eta": self.eta, "wall_seconds": wall, "version": self.learner.version,
+        "stop_reason": self.stop_reason, "env_steps": env_steps, "env_steps_per_s": env_steps / wall,
+        "learner_updates_per_s": len(history) / wall, "samples_consumed_per_s": self.learner.samples_consumed / wall,
+        "lag_mean": float(lags.mean()), "lag_p95": float(np.percentile(lags, 95)), "lag_max": int(lags.max()),
+        "shard_restarts": [shard.restarts for shard in self.shards],
+        "inference_batches": self.server.batches,
+        "inference_shards_per_batch": float(np.mean(self.server.batch_shards)) if self.server.batch_shards else 0.0,
+        "busy_fraction": self.activity.busy_fractions(wall),
+        **self.activity.wait_summary(),
+        "success_vs_time": [(record["time"], record["success_rate"]) for record in history],
+    }
+    for key in ("approx_kl_behaviour", "clip_fraction", "loss", "value_loss"):
+      if history:
+        result[key] = float(np.mean([record[key] for record in history]))
+    return result
+
+  def plot(self, path: str) -> None:
+    plot_timeline(self.activity, path, title=f"RL-VLA3 {self.config.mode} (eta={self.eta})")

@@ -1,0 +1,113 @@
+"""Actor-critic around a flow-matching policy: Flow-SDE sampling, log-probs and a value head.
+
+The actor is any flow-matching model with a `velocity(noisy_actions, t, *inputs)` method in its
+own time convention (ejax.models.tiny.TinyFlowPolicy; the VLAs expose the same through an
+adapter). Exploration and likelihoods come from Flow-SDE (ejax.models.flow): one randomly chosen
+denoising step is a Gaussian transition, the rest stay Euler; a sample stores its chain and the
+chosen step, so the learner recomputes its log-prob under new parameters with one velocity call.
+
+The critic is a small MLP on the same observation inputs. Everything is functional over
+(graphdef, params) so the inference server and the learner, each on its own thread and device,
+share no mutable module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ejax.models import flow
+from ejax.parallel import axes as ax
+
+# observation dict -> the positional inputs the actor's velocity takes after (x, t).
+ActorInputs = Callable[[dict], tuple]
+
+
+def state_and_task(observation: dict) -> tuple:
+  """Inputs of ejax.models.tiny.TinyFlowPolicy.velocity: (state [n, s], task_id [n])."""
+  return observation["observation.state"], observation["task_index"]
+
+
+class ValueHead(nnx.Module):
+  """V(state, task): MLP on the proprioceptive state and a task embedding."""
+
+  def __init__(self, state_dim: int, num_tasks: int, hidden: int, rngs: nnx.Rngs):
+    dense = lambda i, o, axes: nnx.Linear(i, o, rngs=rngs, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), axes),
+                                          bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axes[1],)))
+    self.state_in = dense(state_dim, hidden, (ax.IN_FEATURES, ax.MLP))
+    self.task_embed = nnx.Embed(num_tasks, hidden, rngs=rngs,
+                                embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.1), (ax.VOCAB, ax.MLP)))
+    self.hidden = dense(hidden, hidden, (ax.MLP, ax.EMBED))
+    self.out = dense(hidden, 1, (ax.EMBED, ax.IN_FEATURES))
+
+  def __call__(self, observation: dict) -> jax.Array:
+    x = jnp.tanh(self.state_in(observation["observation.state"].astype(jnp.float32))
+                 + self.task_embed(observation["task_index"]))
+    return self.out(jnp.tanh(self.hidden(x)))[:, 0]
+
+
+class ActorCritic(nnx.Module):
+  def __init__(self, actor: nnx.Module, critic: nnx.Module):
+    self.actor, self.critic = actor, critic
+
+
+class FlowPolicy:
+  """Pure functions of (params, observation) for a flow actor and a value critic.
+
+  sample(params, observation, rng) -> {"actions" [n, h, a], "chain" [n, steps + 1, h, a],
+      "step_index" [n], "log_prob" [n], "value" [n]}
+  evaluate(params, observation, chain, step_index) -> (log_prob [n], value [n])
+  value(params, observation) -> [n]
+  """
+
+  def __init__(self, model: ActorCritic, *, horizon: int, action_dim: int, num_steps: int,
+               convention: str, noise_level: float = 0.5, actor_inputs: ActorInputs = state_and_task):
+    self.graphdef, params = nnx.split(model)
+    self.initial_params = params
+    self.horizon, self.action_dim, self.num_steps = horizon, action_dim, num_steps
+    self.convention, self.noise_level, self.actor_inputs = convention, noise_level, actor_inputs
+    self.jit_sample = jax.jit(self.sample)  # one compiled sampler per policy, shared by every server
+    self.compiled: dict = {}  # other jitted functions of this policy, built once (see ejax.rl.pipeline)
+
+  def _velocity_fn(self, model: ActorCritic, observation: dict):
+    inputs = self.actor_inputs(observation)
+    return lambda x, t: model.actor.velocity(x, t, *inputs)
+
+  def sample(self, params: Any, observation: dict, rng: jax.Array) -> dict[str, jax.Array]:
+    model = nnx.merge(self.graphdef, params)
+    n = observation["observation.state"].shape[0]
+    noise_rng, sde_rng = jax.random.split(rng)
+    noise = jax.random.normal(noise_rng, (n, self.horizon, self.action_dim), jnp.float32)
+    result = flow.flow_sde_sample(self._velocity_fn(model, observation), noise, self.num_steps, sde_rng,
+                                  convention=self.convention, noise_level=self.noise_level)
+    return {"actions": result.actions, "chain": result.chain, "step_index": result.step_index,
+            "log_prob": result.log_prob, "value": model.critic(observation)}
+
+  def evaluate(self, params: Any, observation: dict, chain: jax.Array, step_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    model = nnx.merge(self.graphdef, params)
+    log_prob = flow.flow_sde_log_prob(self._velocity_fn(model, observation), chain, step_index,
+                                      convention=self.convention, noise_level=self.noise_level)
+    return log_prob, model.critic(observation)
+
+  def value(self, params: Any, observation: dict) -> jax.Array:
+    return nnx.merge(self.graphdef, params).critic(observation)
+
+  def deterministic_actions(self, params: Any, observation: dict, rng: jax.Array) -> jax.Array:
+    """Euler (ODE) sampling, as evaluation runs the policy."""
+    model = nnx.merge(self.graphdef, params)
+    n = observation["observation.state"].shape[0]
+    noise = jax.random.normal(rng, (n, self.horizon, self.action_dim), jnp.float32)
+    return flow.euler_sample(self._velocity_fn(model, observation), noise, self.num_steps, convention=self.convention)
+
+
+def tiny_flow_policy(model_config, *, rngs: nnx.Rngs, value_hidden: int = 64, noise_level: float = 0.5,
+                     actor: nnx.Module | None = None) -> FlowPolicy:
+  """ejax.models.tiny's flow transformer (GR00T convention) as actor, a ValueHead as critic."""
+  from ejax.models.tiny import TinyFlowPolicy
+  actor = actor if actor is not None else TinyFlowPolicy(model_config, rngs)
+  critic = ValueHead(model_config.state_dim, model_config.num_tasks, value_hidden, rngs)
+  return FlowPolicy(ActorCritic(actor, critic), horizon=model_config.horizon, action_dim=model_config.action_dim,
+                    num_steps=model_config.num_inference_steps, convention="groot", noise_level=noise_level)

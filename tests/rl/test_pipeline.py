@@ -1,0 +1,133 @@
+"""The three-level pipeline end to end on CPU: staleness, barriers, metrics, checkpoints, faults.
+
+One small flow policy and one env are shared by every test so the sampler, the chunk step and the
+learner update compile once for the whole module.
+"""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ejax.models.tiny import default_config as tiny_config
+from ejax.rl.checkpoint import RLCheckpointer
+from ejax.rl.pipeline import RLPipeline, RLRunError, default_config
+from ejax.rl.point_env import PointReach
+from ejax.rl.policy import tiny_flow_policy
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_SHARDS, ENVS, STEPS, ACTIONS_PER_STEP, SEGMENTS_PER_UPDATE = 3, 4, 3, 2, 3
+
+
+@pytest.fixture(scope="module")
+def policy():
+  model_config = tiny_config()
+  model_config.update(width=16, depth=1, num_heads=2, state_dim=4, action_dim=2, horizon=2, num_tasks=4,
+                      num_inference_steps=2)
+  return tiny_flow_policy(model_config, rngs=nnx.Rngs(0), value_hidden=16)
+
+
+@pytest.fixture(scope="module")
+def env():
+  return PointReach(num_tasks=4, state_dim=4, action_dim=2, max_steps=6)
+
+
+def make_config(**overrides):
+  config = default_config()
+  config.update(num_shards=NUM_SHARDS, envs_per_shard=ENVS, segment_length=STEPS, actions_per_step=ACTIONS_PER_STEP,
+                segments_per_update=SEGMENTS_PER_UPDATE, num_updates=4, num_minibatches=3, num_epochs=1, eta=1,
+                inference_full_batch_only=True, queue_size=4)
+  config.delay.update(kind="exponential", mean=0.002)
+  config.update(overrides)
+  return config
+
+
+def assert_all_joined(pipeline):
+  assert not [thread.name for thread in pipeline.threads if thread.is_alive()]
+
+
+def test_async_run_bounds_lag_and_reports_metrics(policy, env, tmp_path):
+  pipeline = RLPipeline(make_config(num_updates=4, eta=1), env, policy, checkpoint_dir=str(tmp_path / "ckpt"))
+  summary = pipeline.run()
+  assert_all_joined(pipeline)
+  assert summary["version"] == 4 and summary["stop_reason"] is None
+  assert 0 <= summary["lag_max"] <= 1
+  assert summary["env_steps"] == 4 * SEGMENTS_PER_UPDATE * STEPS * ENVS * ACTIONS_PER_STEP
+  assert summary["env_steps_per_s"] > 0 and summary["learner_updates_per_s"] > 0
+  assert set(summary["busy_fraction"]) == {"env0", "env1", "env2", "inference", "learner"}
+  assert all(0 < fraction <= 1.0 for fraction in summary["busy_fraction"].values())
+  for key in ("wait/learner_queue_get/mean_s", "wait/env_inference/mean_s", "approx_kl_behaviour", "clip_fraction"):
+    assert np.isfinite(summary[key])
+  assert len(summary["success_vs_time"]) == 4
+  # Parameters moved and each update published a new version.
+  assert pipeline.param_store.version == 4
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(policy.initial_params),
+                                                   jax.tree.leaves(pipeline.learner.params)))
+  pipeline.plot(str(tmp_path / "timeline.png"))
+  assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+  # Resume: a new pipeline on the same directory continues from version 4 to 6.
+  assert RLCheckpointer(str(tmp_path / "ckpt")).latest_version() == 4
+  resumed = RLPipeline(make_config(num_updates=6, eta=1), env, policy, checkpoint_dir=str(tmp_path / "ckpt"))
+  assert resumed.start_version == 4
+  for restored, saved in zip(jax.tree.leaves(resumed.learner.params), jax.tree.leaves(pipeline.learner.params)):
+    np.testing.assert_array_equal(restored, saved)
+  summary = resumed.run()
+  assert_all_joined(resumed)
+  assert summary["version"] == 6
+  assert summary["env_steps"] == 2 * SEGMENTS_PER_UPDATE * STEPS * ENVS * ACTIONS_PER_STEP
+
+
+def test_sync_mode_steps_all_shards_in_lockstep_with_zero_lag(policy, env):
+  pipeline = RLPipeline(make_config(mode="sync", num_updates=2), env, policy)
+  summary = pipeline.run()
+  assert_all_joined(pipeline)
+  assert summary["eta"] == 0 and summary["lag_max"] == 0
+  assert pipeline.server.batch_shards == [NUM_SHARDS] * (2 * STEPS)  # the barrier: every batch holds every shard
+
+
+def test_faulty_shard_is_restarted_and_the_run_goes_on(policy, env):
+  faults = {(1, 1): "raise", (2, 4): "nan"}
+
+  def inject(shard_id, step, reward):
+    fault = faults.pop((shard_id, step), None)
+    if fault == "raise":
+      raise RuntimeError("simulator crashed")
+    return np.full_like(reward, np.nan) if fault == "nan" else reward
+
+  pipeline = RLPipeline(make_config(num_updates=3), env, policy, fault_injector=inject)
+  summary = pipeline.run()
+  assert_all_joined(pipeline)
+  assert summary["version"] == 3
+  assert summary["shard_restarts"] == [0, 1, 1]
+  assert summary["lag_max"] <= 1
+
+
+def test_learner_error_stops_every_thread_and_checkpoints(policy, env, tmp_path):
+  def failing_at_third_update(update):
+    calls = []
+    def wrapped(*args):
+      calls.append(1)
+      if len(calls) == 3:
+        raise FloatingPointError("loss became NaN")
+      return update(*args)
+    return wrapped
+
+  pipeline = RLPipeline(make_config(num_updates=5), env, policy, checkpoint_dir=str(tmp_path / "ckpt"),
+                        update_wrapper=failing_at_third_update)
+  with pytest.raises(RLRunError, match="loss became NaN"):
+    pipeline.run()
+  assert_all_joined(pipeline)
+  assert RLCheckpointer(str(tmp_path / "ckpt")).latest_version() == 2
+
+
+def test_stop_request_shuts_down_cleanly_and_checkpoints(policy, env, tmp_path):
+  pipeline = RLPipeline(make_config(num_updates=50), env, policy, checkpoint_dir=str(tmp_path / "ckpt"))
+  pipeline.learner.on_update = lambda version, *_: version == 2 and pipeline.request_stop("SIGTERM")
+  summary = pipeline.run()
+  assert_all_joined(pipeline)
+  assert summary["stop_reason"] == "SIGTERM" and summary["version"] == 2
+  assert RLCheckpointer(str(tmp_path / "ckpt")).latest_version() == 2
