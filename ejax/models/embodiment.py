@@ -1,0 +1,75 @@
+"""Category-specific (per-embodiment) layers: one weight table per robot, gathered by id.
+
+GR00T keeps W[num_embodiments, in, out] and b[num_embodiments, out] and picks each sample's
+table by its embodiment id, so one model serves robots with different state/action layouts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ejax.models import layers
+from ejax.parallel.axes import EMBED, EMBODIMENT, IN_FEATURES, MLP
+
+
+class CategorySpecificLinear(nnx.Module):
+  """x [n, len, in] with ids [n] -> x @ W[id] + b[id]; W is named (EMBODIMENT, *axes)."""
+
+  def __init__(self, num_categories: int, in_features: int, out_features: int, *, axes: tuple[str, str],
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.num_categories = num_categories
+    self.W = layers.make_param(rngs, nnx.initializers.normal(0.02), (num_categories, in_features, out_features),
+                               (EMBODIMENT,) + tuple(axes), param_dtype)
+    self.b = layers.make_param(rngs, layers.ZEROS, (num_categories, out_features), (EMBODIMENT, axes[1]), param_dtype)
+
+  def __call__(self, x: jax.Array, category_ids: jax.Array) -> jax.Array:
+    w = jnp.take(self.W[...], category_ids, axis=0).astype(self.dtype)   # [n, in, out]
+    b = jnp.take(self.b[...], category_ids, axis=0).astype(self.dtype)   # [n, out]
+    return jnp.einsum("nli,nio->nlo", x.astype(self.dtype), w) + b[:, None, :]
+
+
+class CategorySpecificMLP(nnx.Module):
+  """layer2(relu(layer1(x))), both per category (GR00T's state encoder and action decoder)."""
+
+  def __init__(self, num_categories: int, in_features: int, hidden: int, out_features: int, *,
+               in_axis: str = IN_FEATURES, out_axis: str = EMBED, dtype=jnp.float32, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.layer1 = CategorySpecificLinear(num_categories, in_features, hidden, axes=(in_axis, MLP), **common)
+    self.layer2 = CategorySpecificLinear(num_categories, hidden, out_features, axes=(MLP, out_axis), **common)
+
+  def __call__(self, x: jax.Array, category_ids: jax.Array) -> jax.Array:
+    return self.layer2(jax.nn.relu(self.layer1(x, category_ids)), category_ids)
+
+
+def sinusoidal_encoding(positions: jax.Array, dim: int) -> jax.Array:
+  """GR00T's action-encoder time encoding: [sin(p * f_i), cos(p * f_i)], f_i = 10000^(-i / (dim/2))."""
+  half = dim // 2
+  freqs = jnp.exp(-jnp.arange(half, dtype=jnp.float32) * (jnp.log(10000.0) / half))
+  angles = positions.astype(jnp.float32)[..., None] * freqs
+  return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+class MultiEmbodimentActionEncoder(nnx.Module):
+  """Noisy actions [n, horizon, action_dim] + timestep buckets [n] -> [n, horizon, width].
+
+  W1 embeds actions, W2 mixes them with a sinusoidal encoding of the timestep (swish), W3 projects.
+  """
+
+  def __init__(self, num_categories: int, action_dim: int, width: int, *, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.width = width
+    self.W1 = CategorySpecificLinear(num_categories, action_dim, width, axes=(IN_FEATURES, EMBED), **common)
+    self.W2 = CategorySpecificLinear(num_categories, 2 * width, width, axes=(MLP, EMBED), **common)
+    self.W3 = CategorySpecificLinear(num_categories, width, width, axes=(MLP, EMBED), **common)
+
+  def __call__(self, actions: jax.Array, timestep_buckets: jax.Array, category_ids: jax.Array) -> jax.Array:
+    a = self.W1(actions, category_ids)
+    tau = jnp.broadcast_to(timestep_buckets[:, None], actions.shape[:2])
+    tau_emb = sinusoidal_encoding(tau, self.width).astype(a.dtype)
+    x = jax.nn.swish(self.W2(jnp.concatenate([a, tau_emb], axis=-1), category_ids))
+    return self.W3(x, category_ids)

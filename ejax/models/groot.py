@@ -1,0 +1,255 @@
+"""GR00T-N1.5: Eagle 2.5 VL backbone + flow-matching DiT action head, on packed VL rows.
+
+    images -> SigLIP -> connector (mlp1) --+
+    instruction tokens -> Qwen3 embedding -+-> first 12 Qwen3 layers -> VL features [rows, L, 2048]
+    VL features -> LayerNorm (vlln) -> 4-layer self-attention         (per segment, packed rows)
+    state -> per-embodiment MLP -> 1 token ; 32 learned future tokens ; noisy actions -> 16 tokens
+    DiT (16 blocks, AdaLN(t), even blocks cross-attend to the sample's own VL segment)
+    -> per-embodiment decoder -> velocity for the 16 action steps
+
+Batch layout (see `ejax.models.groot_inputs`): the VL stream is packed into rows
+(vl_tokens / vl_segment_ids / vl_positions / vl_image_slot [rows, L], images [num_images, H, W, 3]),
+while state, actions and masks are per sample ([n, ...]) with (sample_row, sample_segment) saying
+where each sample's VL tokens live. Sizes come from the released GR00T-N1.5-3B config.json
+(`model_config("full")`); `model_config("runlocal")` shrinks every width for CPU runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from ejax.models import flow, layers
+from ejax.models.connector import MLPConnector
+from ejax.models.dit import DiT, DiTConfig, VLSelfAttentionTransformer, VLTransformerConfig
+from ejax.models.embodiment import CategorySpecificMLP, MultiEmbodimentActionEncoder
+from ejax.models.qwen3 import Qwen3, Qwen3Config
+from ejax.models.registry import ModelSpec
+from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
+from ejax.parallel.axes import EMBED, IN_FEATURES, MLP
+
+# Parameter path prefixes of each reported component (ejax.models.summary).
+COMPONENTS = {
+    "vision": ("backbone/vision",),
+    "connector": ("backbone/connector",),
+    "llm": ("backbone/llm",),
+    "vl_self_attention": ("action_head/vlln", "action_head/vl_self_attention"),
+    "dit": ("action_head/dit",),
+    "per_embodiment": ("action_head/state_encoder", "action_head/action_encoder", "action_head/action_decoder"),
+    "action_head_embeddings": ("action_head/future_tokens", "action_head/position_embedding"),
+}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def model_config(variant: str = "full") -> ml_collections.ConfigDict:
+  """"full": the released GR00T-N1.5-3B sizes; "runlocal": the same architecture, CPU-sized."""
+  c = ml_collections.ConfigDict()
+  c.name = "groot"
+  c.dtype = "bfloat16"
+  c.param_dtype = "float32"
+  c.fp8 = False
+  c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224)
+  c.connector = dict(num_layers=1, use_pixel_shuffle=False)   # released: mlp1.0 = Linear(1152, 2048)
+  c.llm = dict(vocab_size=151680, width=2048, mlp_dim=6144, num_heads=16, num_kv_heads=8, head_dim=128,
+               num_layers=12, rope_theta=1_000_000.0)          # Qwen3-1.7B, select_layer = 12
+  c.vl_transformer = dict(num_layers=4, num_heads=32, head_dim=64, dropout=0.2)
+  c.dit = dict(num_layers=16, num_heads=32, head_dim=48, output_dim=1024, dropout=0.2)
+  c.hidden_size = 1024               # state-encoder hidden, DiT output and decoder width
+  c.max_num_embodiments = 32
+  c.max_state_dim = 64
+  c.max_action_dim = 32
+  c.action_horizon = 16
+  c.num_future_tokens = 32
+  c.max_seq_len = 1024               # rows of the action position-embedding table
+  c.num_inference_steps = 4
+  c.num_timestep_buckets = 1000
+  c.num_cameras = 1
+  c.image_token_id = 151669          # <IMG_CONTEXT> in Eagle 2.5's Qwen3 vocabulary
+  c.tokenizer_path = ""              # a local tokenizer.json (ejax.models.qwen_tokenizer)
+  c.packing = dict(row_length=1024, samples_per_row=2)
+  # Freezing (LeRobot's fine-tuning defaults; the released pre-training config had tune_visual=True).
+  c.tune_llm = False
+  c.tune_visual = False
+  c.tune_projector = True
+  c.tune_diffusion_model = True
+  if variant == "runlocal":
+    c.dtype = "float32"
+    c.vision = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=8, image_size=32)
+    c.llm = dict(vocab_size=512, width=64, mlp_dim=128, num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2,
+                 rope_theta=10_000.0)
+    c.vl_transformer = dict(num_layers=1, num_heads=4, head_dim=16, dropout=0.0)
+    c.dit = dict(num_layers=2, num_heads=4, head_dim=16, output_dim=64, dropout=0.0)
+    c.hidden_size = 64
+    c.max_num_embodiments = 2
+    c.max_state_dim = 8
+    c.max_action_dim = 4
+    c.action_horizon = 8
+    c.num_future_tokens = 4
+    c.max_seq_len = 32
+    c.image_token_id = 511
+    c.packing = dict(row_length=64, samples_per_row=2)
+  elif variant != "full":
+    raise ValueError(f"GR00T variant {variant!r} is not one of 'full', 'runlocal'")
+  return c
+
+
+def tokens_per_image(config) -> int:
+  patches = (config.vision.image_size // config.vision.patch_size) ** 2
+  return patches // 4 if config.connector.use_pixel_shuffle else patches
+
+
+class GrootBackbone(nnx.Module):
+  """Eagle 2.5: vision tower + connector + truncated Qwen3 -> VL features on packed rows."""
+
+  def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), **common)
+    self.connector = MLPConnector(config.vision.width, config.llm.width, **config.connector, **common)
+    self.llm = Qwen3(Qwen3Config(**config.llm), **common)
+
+  def __call__(self, batch) -> jax.Array:
+    images = normalize_images(batch["images"], self.llm.dtype)
+    image_tokens = self.connector(self.vision(images))                    # [num_images, P, d]
+    flat = image_tokens.reshape(-1, image_tokens.shape[-1])
+    slot = batch["vl_image_slot"]
+    text = self.llm.embed(batch["vl_tokens"])
+    embeddings = jnp.where((slot >= 0)[..., None], jnp.take(flat, jnp.maximum(slot, 0), axis=0), text)
+    return self.llm(embeddings, batch["vl_segment_ids"], batch["vl_positions"])
+
+
+class GrootActionHead(nnx.Module):
+
+  def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    vl_width = config.llm.width
+    dit_config = DiTConfig(cross_attention_dim=vl_width, **config.dit)
+    width = dit_config.width                                             # input_embedding_dim (1536)
+    self.config = config
+    self.vlln = layers.LayerNorm(vl_width, eps=1e-5, **common)
+    self.vl_self_attention = VLSelfAttentionTransformer(VLTransformerConfig(**config.vl_transformer), **common)
+    self.dit = DiT(dit_config, fp8=config.fp8, **common)
+    self.state_encoder = CategorySpecificMLP(config.max_num_embodiments, config.max_state_dim, config.hidden_size,
+                                             width, **common)
+    self.action_encoder = MultiEmbodimentActionEncoder(config.max_num_embodiments, config.max_action_dim, width,
+                                                       **common)
+    self.action_decoder = CategorySpecificMLP(config.max_num_embodiments, config.hidden_size, config.hidden_size,
+                                              config.max_action_dim, in_axis=EMBED, out_axis=IN_FEATURES, **common)
+    normal = nnx.initializers.normal(0.02)
+    self.future_tokens = layers.make_param(rngs, normal, (config.num_future_tokens, width), (None, EMBED), param_dtype)
+    self.position_embedding = layers.make_param(rngs, normal, (config.max_seq_len, width), (None, EMBED), param_dtype)
+    self.dtype = dtype
+
+  def encode_vl(self, features: jax.Array, segment_ids: jax.Array, rng=None) -> jax.Array:
+    return self.vl_self_attention(self.vlln(features), segment_ids, rng)
+
+  def velocity(self, noisy_actions, timestep_buckets, state_tokens, vl, batch, rng=None) -> jax.Array:
+    """Predicted velocity (action - noise) [n, horizon, max_action_dim]."""
+    embodiment = batch["embodiment_id"]
+    horizon = noisy_actions.shape[1]
+    action_tokens = self.action_encoder(noisy_actions, timestep_buckets, embodiment)
+    action_tokens = action_tokens + self.position_embedding[:horizon].astype(action_tokens.dtype)
+    future = jnp.broadcast_to(self.future_tokens[...].astype(action_tokens.dtype),
+                              (noisy_actions.shape[0],) + self.future_tokens.shape)
+    tokens = jnp.concatenate([state_tokens.astype(action_tokens.dtype), future, action_tokens], axis=1)
+    out = self.dit(tokens, timestep_buckets, vl_tokens=vl, vl_segment_ids=batch["vl_segment_ids"],
+                   sample_row=batch["sample_row"], sample_segment=batch["sample_segment"], rng=rng)
+    return self.action_decoder(out, embodiment)[:, -horizon:].astype(jnp.float32)
+
+
+class Groot(nnx.Module):
+  """GR00T-N1.5 with the registry interface: compute_loss and sample_actions."""
+
+  def __init__(self, config, rngs: nnx.Rngs):
+    dtype, param_dtype = DTYPES[config.dtype], DTYPES[config.param_dtype]
+    self.config = config
+    self.backbone = GrootBackbone(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.action_head = GrootActionHead(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def _context(self, batch, rng=None):
+    """VL tokens after the action head's VL transformer, and the state token, per sample."""
+    features = self.backbone(batch)
+    if not (self.config.tune_llm or self.config.tune_visual):
+      features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
+    vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
+    state = batch["state"][:, None, :]
+    state_tokens = self.action_head.state_encoder(state, batch["embodiment_id"])
+    return vl, state_tokens
+
+  def velocity_fn(self, batch, *, vl=None, state_tokens=None):
+    """velocity_fn(x [n, horizon, dim], t [n]) in the GR00T convention, for ejax.models.flow."""
+    if vl is None:
+      vl, state_tokens = self._context(batch)
+    buckets = self.config.num_timestep_buckets
+
+    def fn(x, t):
+      return self.action_head.velocity(x, flow.groot_timestep_buckets(t, buckets), state_tokens, vl, batch)
+    return fn
+
+  def compute_loss(self, batch, rng):
+    time_rng, noise_rng, dropout_rng = jax.random.split(rng, 3)
+    vl, state_tokens = self._context(batch, jax.random.fold_in(dropout_rng, 0))
+    actions = batch["actions"].astype(jnp.float32)
+    n = actions.shape[0]
+    t = flow.sample_time(time_rng, n, convention="groot")
+    noise = jax.random.normal(noise_rng, actions.shape, jnp.float32)
+    noisy, target = flow.interpolate(noise, actions, t, convention="groot")
+    buckets = flow.groot_timestep_buckets(t, self.config.num_timestep_buckets)
+    pred = self.action_head.velocity(noisy, buckets, state_tokens, vl, batch, rng=jax.random.fold_in(dropout_rng, 1))
+    mask = batch["action_mask"].astype(jnp.float32)
+    squared = jnp.square(pred - target) * mask
+    per_sample_mask = jnp.sum(mask, axis=(1, 2))
+    per_sample_loss = jnp.sum(squared, axis=(1, 2)) / jnp.maximum(per_sample_mask, 1.0)
+    # Like GR00T: the mean over every real action entry of the batch.
+    loss = jnp.sum(squared) / jnp.maximum(jnp.sum(per_sample_mask), 1.0)
+    return loss, {"per_sample_loss": per_sample_loss, "flow_loss": loss}
+
+  def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
+    n = batch["state"].shape[0]
+    shape = (n, self.config.action_horizon, self.config.max_action_dim)
+    if noise is None:
+      noise = jax.random.normal(rng, shape, jnp.float32)
+    num_steps = num_steps or self.config.num_inference_steps
+    return flow.euler_sample(self.velocity_fn(batch), noise, num_steps, convention="groot")
+
+
+def create(config, rngs: nnx.Rngs) -> Groot:
+  return Groot(config, rngs)
+
+
+def trainable_filter(config):
+  """nnx filter of the parameters the trainer updates, as GR00T sets requires_grad: LLM frozen
+  unless tune_llm; vision tower and connector (mlp1) frozen unless tune_visual; the projector
+  (state/action encoders, decoder, position embedding) and the DiT by their flags; vlln, the VL
+  self-attention and the future tokens always train."""
+  frozen = []
+  if not config.tune_llm:
+    frozen.append(nnx.PathContains("llm"))
+  if not config.tune_visual:
+    frozen += [nnx.PathContains("vision"), nnx.PathContains("connector")]
+  if not config.tune_projector:
+    frozen += [nnx.PathContains(name) for name in
+               ("state_encoder", "action_encoder", "action_decoder", "position_embedding")]
+  if not config.tune_diffusion_model:
+    frozen.append(nnx.PathContains("dit"))
+  if not frozen:
+    return nnx.Param
+  return nnx.All(nnx.Param, nnx.Not(nnx.Any(*frozen)))
+
+
+def example_batch(model_config, batch_size: int, seed: int = 0):
+  from ejax.models.groot_inputs import example_batch as build  # groot_inputs imports this module
+  return build(model_config, batch_size, seed)
+
+
+def make_collate(model_config, data_config=None):
+  """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path."""
+  del data_config
+  from ejax.models.groot_inputs import make_collate as build
+  return build(model_config)
+
+
+SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,
+                 make_collate=make_collate)

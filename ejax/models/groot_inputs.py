@@ -1,0 +1,157 @@
+"""GR00T input assembly: pipeline samples -> a packed model batch (numpy).
+
+Per sample (from ejax.data): "observation.state" [state_dim], "observation.images.<cam>" uint8
+[H, W, 3], "action" [horizon, action_dim], "action_is_pad" [horizon], "task" str, "embodiment_id".
+
+The VL stream of each sample (Eagle prompt with its image-context tokens) is packed with
+`ejax.data.packing.pack_sequences` into `num_rows` rows of `row_length` tokens; per-sample arrays
+keep one row each. State and actions are zero-padded to max_state_dim / max_action_dim and the
+action mask marks real entries (not padded steps, not padded dims).
+
+Batch keys:
+  images [num_samples * num_cameras, S, S, 3] uint8
+  vl_tokens, vl_segment_ids, vl_positions, vl_image_slot [num_rows, row_length] int32
+      (vl_image_slot: index into the flattened image tokens, -1 for text and padding)
+  sample_row, sample_segment, embodiment_id [n] int32
+  state [n, max_state_dim], actions / action_mask [n, horizon, max_action_dim] float32
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ejax.data.packing import pack_sequences
+from ejax.models.groot import tokens_per_image
+from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt
+
+IMAGE_PREFIX = "observation.images."
+
+
+def rows_for(model_config, num_samples: int) -> int:
+  """Rows per batch: fixed by the batch size so that batch shapes (and jit) stay static."""
+  return max(1, math.ceil(num_samples / model_config.packing.samples_per_row))
+
+
+def _resize(image: np.ndarray, size: int) -> np.ndarray:
+  if image.shape[0] == size and image.shape[1] == size:
+    return image
+  from PIL import Image
+  return np.asarray(Image.fromarray(image).resize((size, size), Image.BILINEAR))
+
+
+def _pad_to(x: np.ndarray, size: int, axis: int, what: str) -> np.ndarray:
+  if x.shape[axis] > size:
+    raise ValueError(f"{what} has {x.shape[axis]} dims > the model's maximum {size}: raise config.model.max_{what}_dim")
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return np.pad(x, pad)
+
+
+def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray, states: np.ndarray,
+             actions: np.ndarray, action_masks: np.ndarray, embodiment_ids: np.ndarray, *,
+             num_rows: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+  """Packs token prompts (image-context tokens marked by model_config.image_token_id) into rows."""
+  n = len(prompts)
+  per_image = tokens_per_image(model_config)
+  row_length = model_config.packing.row_length
+  num_rows = rows_for(model_config, n) if num_rows is None else num_rows
+  rows = pack_sequences([len(p) for p in prompts], row_length, buffer_size=max(n, 1), seed=seed)
+  if len(rows) > num_rows:
+    raise ValueError(f"{n} samples need {len(rows)} rows of {row_length} tokens but the batch has {num_rows}: "
+                     f"raise config.model.packing.row_length or lower packing.samples_per_row")
+  tokens = np.zeros((num_rows, row_length), np.int32)
+  segment_ids = np.zeros((num_rows, row_length), np.int32)
+  positions = np.zeros((num_rows, row_length), np.int32)
+  image_slot = np.full((num_rows, row_length), -1, np.int32)
+  sample_row = np.zeros((n,), np.int32)
+  sample_segment = np.zeros((n,), np.int32)
+  images_per_sample = images.shape[0] // max(n, 1)
+  for row, members in enumerate(rows):
+    offset = 0
+    for segment, sample in enumerate(members, start=1):
+      prompt = np.asarray(prompts[sample], np.int32)
+      length = len(prompt)
+      span = slice(offset, offset + length)
+      tokens[row, span] = prompt
+      segment_ids[row, span] = segment
+      positions[row, span] = np.arange(length)
+      is_image = prompt == model_config.image_token_id
+      if is_image.sum() != images_per_sample * per_image:
+        raise ValueError(f"sample {sample}'s prompt has {int(is_image.sum())} image tokens, expected "
+                         f"{images_per_sample} images x {per_image}")
+      first_token = sample * images_per_sample * per_image
+      image_slot[row, offset + np.flatnonzero(is_image)] = first_token + np.arange(int(is_image.sum()))
+      sample_row[sample], sample_segment[sample] = row, segment
+      offset += length
+  return {
+      "images": images.astype(np.uint8),
+      "vl_tokens": tokens, "vl_segment_ids": segment_ids, "vl_positions": positions, "vl_image_slot": image_slot,
+      "sample_row": sample_row, "sample_segment": sample_segment,
+      "embodiment_id": np.asarray(embodiment_ids, np.int32),
+      "state": states.astype(np.float32), "actions": actions.astype(np.float32),
+      "action_mask": action_masks.astype(np.float32),
+  }
+
+
+def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_rows: int | None = None,
+            seed: int = 0) -> dict[str, np.ndarray]:
+  """Tokenises, pads and packs pipeline samples into one GR00T batch."""
+  c = model_config
+  cameras = sorted(k for k in samples[0] if k.startswith(IMAGE_PREFIX))
+  if len(cameras) != c.num_cameras:
+    raise ValueError(f"samples have {len(cameras)} cameras {cameras} but config.model.num_cameras={c.num_cameras}")
+  prompts, images, states, actions, masks, embodiments = [], [], [], [], [], []
+  for sample in samples:
+    prompts.append(eagle_prompt(tokenizer, str(sample["task"]), len(cameras), tokens_per_image(c),
+                                image_token_id=c.image_token_id))
+    images += [_resize(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras]
+    states.append(_pad_to(np.asarray(sample["observation.state"], np.float32), c.max_state_dim, 0, "state"))
+    action = np.asarray(sample["action"], np.float32)
+    if action.shape[0] != c.action_horizon:
+      raise ValueError(f"action chunk has {action.shape[0]} steps, the model's horizon is {c.action_horizon}")
+    real_steps = 1.0 - np.asarray(sample.get("action_is_pad", np.zeros(action.shape[0])), np.float32)
+    mask = np.zeros((c.action_horizon, c.max_action_dim), np.float32)
+    mask[:, :action.shape[1]] = real_steps[:, None]
+    actions.append(_pad_to(action, c.max_action_dim, 1, "action"))
+    masks.append(mask)
+    embodiments.append(int(sample.get("embodiment_id", 0)))
+  return assemble(c, prompts, np.stack(images), np.stack(states), np.stack(actions), np.stack(masks),
+                  np.asarray(embodiments), num_rows=num_rows, seed=seed)
+
+
+def make_collate(model_config, tokenizer: QwenTokenizer | None = None) -> Callable[[list[dict]], dict]:
+  tokenizer = tokenizer or QwenTokenizer.from_file(model_config.tokenizer_path)
+  return lambda samples: collate(samples, model_config, tokenizer)
+
+
+def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """A real-shaped batch without a tokenizer: prompts are random ids around the image tokens,
+  with instruction lengths that vary per sample so rows really pack."""
+  c = model_config
+  rng = np.random.default_rng(seed)
+  per_image = tokens_per_image(c)
+  text_vocab = min(c.llm.vocab_size, c.image_token_id)
+  prompts = []
+  for _ in range(batch_size):
+    prompt = list(rng.integers(0, text_vocab, 2))
+    for _ in range(c.num_cameras):
+      prompt += [c.image_token_id] * per_image
+    prompt += list(rng.integers(0, text_vocab, int(rng.integers(3, 12))))
+    prompts.append(prompt)
+  size = c.vision.image_size
+  images = rng.integers(0, 256, (batch_size * c.num_cameras, size, size, 3), dtype=np.uint8)
+  state_dims = rng.integers(1, c.max_state_dim + 1, batch_size)
+  action_dims = rng.integers(1, c.max_action_dim + 1, batch_size)
+  states = np.zeros((batch_size, c.max_state_dim), np.float32)
+  actions = np.zeros((batch_size, c.action_horizon, c.max_action_dim), np.float32)
+  masks = np.zeros_like(actions)
+  for i in range(batch_size):
+    states[i, :state_dims[i]] = rng.normal(size=state_dims[i])
+    actions[i, :, :action_dims[i]] = rng.uniform(-1, 1, (c.action_horizon, action_dims[i]))
+    real_steps = c.action_horizon - int(rng.integers(0, c.action_horizon // 4 + 1))
+    masks[i, :real_steps, :action_dims[i]] = 1.0
+  embodiments = rng.integers(0, c.max_num_embodiments, batch_size)
+  return assemble(c, prompts, images, states, actions, masks, embodiments, seed=seed)

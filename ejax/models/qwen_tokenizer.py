@@ -1,0 +1,60 @@
+"""Qwen3 BPE tokenizer from a local `tokenizer.json`, and the Eagle 2.5 prompt GR00T feeds it.
+
+Nothing is downloaded: point `config.model.tokenizer_path` at the tokenizer.json shipped with the
+checkpoint (Eagle 2.5's Qwen3 vocabulary with <img>, </img> and <IMG_CONTEXT> added).
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import Tokenizer
+
+IMAGE_START = "<img>"
+IMAGE_END = "</img>"
+IMAGE_CONTEXT = "<IMG_CONTEXT>"
+
+
+class QwenTokenizer:
+
+  def __init__(self, tokenizer: Tokenizer):
+    self._tokenizer = tokenizer
+
+  @classmethod
+  def from_file(cls, path: str) -> "QwenTokenizer":
+    if os.path.isdir(path):
+      path = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"Qwen tokenizer file {path!r} does not exist: set config.model.tokenizer_path to a "
+                              "local tokenizer.json (no downloads at run time)")
+    return cls(Tokenizer.from_file(path))
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+  def decode(self, ids: list[int]) -> str:
+    return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+  def token_id(self, token: str) -> int:
+    token_id = self._tokenizer.token_to_id(token)
+    if token_id is None:
+      raise KeyError(f"token {token!r} is not in the tokenizer's vocabulary: use the tokenizer.json of the "
+                     "checkpoint (Eagle 2.5 adds <img>, </img>, <IMG_CONTEXT>)")
+    return token_id
+
+
+def eagle_prompt(tokenizer: QwenTokenizer, task: str, num_images: int, tokens_per_image: int,
+                 image_token_id: int | None = None) -> list[int]:
+  """Token ids of Eagle 2.5's chat prompt: each image as <img> + N x <IMG_CONTEXT> + </img>, then the
+  instruction, in Qwen's chat format. The image-context ids are where vision tokens go."""
+  context = tokenizer.token_id(IMAGE_CONTEXT) if image_token_id is None else image_token_id
+  ids = tokenizer.encode("<|im_start|>user\n")
+  for _ in range(num_images):
+    ids += [tokenizer.token_id(IMAGE_START)] + [context] * tokens_per_image + [tokenizer.token_id(IMAGE_END)]
+    ids += tokenizer.encode("\n")
+  ids += tokenizer.encode(task) + tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
+  return ids
