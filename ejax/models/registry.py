@@ -19,11 +19,16 @@ from typing import Any, Callable
 class ModelSpec:
   create: Callable[..., Any]          # (model_config, rngs: nnx.Rngs) -> nnx.Module
   example_batch: Callable[..., dict]  # (model_config, batch_size: int, seed: int) -> dict[str, np.ndarray]
+  # (model_config) -> nnx filter of the parameters the optimizer trains; None trains every Param.
+  trainable_filter: Callable[..., Any] | None = None
+  # (model_config, data_config) -> collate(list of per-sample dicts) -> batch; None stacks fields.
+  make_collate: Callable[..., Any] | None = None
 
 
 # name -> "module:attribute" of a ModelSpec; imported only when the model is chosen.
 MODELS: dict[str, str] = {
     "tiny_flow": "ejax.models.tiny:SPEC",
+    "groot": "ejax.models.groot:SPEC",
 }
 
 
