@@ -201,12 +201,25 @@ class DataPipeline:
 
 
 _LIVE_PIPELINES: "weakref.WeakSet[DataPipeline]" = weakref.WeakSet()
+_EXIT_HOOK_REGISTERED = False
 
 
-@atexit.register
 def _close_live_pipelines() -> None:
   for pipeline in list(_LIVE_PIPELINES):
     pipeline.close()
+
+
+def _register_exit_hook() -> None:
+  """Closes unclosed pipelines at exit before multiprocessing's own exit handler runs.
+
+  atexit runs hooks last-in first-out; registering after multiprocessing.util (whose handler
+  finalises grain's workers without unlinking their in-flight shared memory) puts ours first.
+  """
+  global _EXIT_HOOK_REGISTERED
+  if not _EXIT_HOOK_REGISTERED:
+    import multiprocessing.util  # noqa: F401 (its atexit hook must be registered before ours)
+    atexit.register(_close_live_pipelines)
+    _EXIT_HOOK_REGISTERED = True
 
 
 def _json_default(value):
@@ -227,6 +240,7 @@ def build_pipeline(data_config, *, batch_size: int, seed: int, process_index: in
                    collate: Callable[[list[dict]], dict] | None = None) -> DataPipeline:
   """The process-local input pipeline described in the module docstring."""
   grain = _quiet_grain_import()
+  _register_exit_hook()
   source = make_source(data_config)
   mode = data_config.get("normalization", "mean_std")
   keys = [getattr(source, "state_key", "observation.state"), "action"]

@@ -1,0 +1,111 @@
+"""Bad input gives a DataError naming the file and the episode, or is skipped and counted."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ejax.data.errors import DataError
+from ejax.data.lerobot import LeRobotSource
+
+pytestmark = pytest.mark.timeout(60)  # a bad file must fail fast, never hang
+
+WRIST_MP4 = "videos/observation.images.wrist/chunk-000/file-000.mp4"
+DATA_FILE = "data/chunk-000/file-000.parquet"
+EPISODES_FILE = "meta/episodes/chunk-000/file-000.parquet"
+
+
+@pytest.fixture
+def copy(tmp_path, v3_root):
+  root = tmp_path / "dataset"
+  shutil.copytree(v3_root, root)
+  return root
+
+
+def _corrupt_mdat(path):
+  """Overwrites the middle third of the encoded frames, keeping the mp4 index intact."""
+  data = bytearray(open(path, "rb").read())
+  mdat = data.find(b"mdat")
+  size = int.from_bytes(data[mdat - 4:mdat], "big")
+  start = mdat + 4 + size // 3
+  data[start:start + size // 3] = np.random.default_rng(0).integers(0, 256, size // 3,
+                                                                    dtype=np.uint8).tobytes()
+  open(path, "wb").write(bytes(data))
+
+
+def test_missing_video_names_file_and_episode(copy):
+  os.remove(copy / WRIST_MP4)
+  source = LeRobotSource(str(copy), horizon=2)
+  with pytest.raises(DataError, match=r"video file is missing.*file-000\.mp4, episode 1\)"):
+    source[10]
+
+
+def test_truncated_mp4(copy):
+  path = copy / WRIST_MP4
+  data = open(path, "rb").read()
+  open(path, "wb").write(data[:len(data) // 2])
+  source = LeRobotSource(str(copy), horizon=2)
+  with pytest.raises(DataError, match=r"truncated or corrupt.*file-000\.mp4, episode 2\)"):
+    source[25]
+
+
+def test_corrupt_frames_inside_an_mp4_raise_instead_of_returning_garbage(copy, episodes):
+  _corrupt_mdat(copy / WRIST_MP4)
+  source = LeRobotSource(str(copy), horizon=1)
+  failures = 0
+  for index in range(len(source)):
+    try:
+      sample = source[index]
+    except DataError as error:
+      assert "file-000.mp4" in str(error) and "episode" in str(error)
+      failures += 1
+      continue
+    written = episodes[sample["episode_index"]]["observation.images.wrist"][sample["frame_index"]]
+    assert np.abs(sample["observation.images.wrist"].astype(int) - written).max() <= 4
+  assert failures > 0
+
+
+def test_missing_and_corrupt_parquet(copy):
+  open(copy / DATA_FILE, "wb").write(b"PAR1 this is not a parquet file")
+  with pytest.raises(DataError, match=r"cannot read parquet.*file-000\.parquet, episode 0\)"):
+    LeRobotSource(str(copy), horizon=2)[3]
+  os.remove(copy / DATA_FILE)
+  with pytest.raises(DataError, match=r"parquet file is missing.*file-000\.parquet, episode 0\)"):
+    LeRobotSource(str(copy), horizon=2)[3]
+
+
+def test_feature_missing_from_info_json(copy):
+  info_path = copy / "meta" / "info.json"
+  info = json.load(open(info_path))
+  del info["features"]["action"]
+  json.dump(info, open(info_path, "w"))
+  with pytest.raises(DataError, match=r"'action' is not declared in info\.json.*info\.json\)"):
+    LeRobotSource(str(copy))
+  with pytest.raises(DataError, match=r"camera 'top' is not a video feature"):
+    LeRobotSource(str(copy), cameras=["top"], action_key="observation.state")
+
+
+def test_timestamp_outside_the_video(copy):
+  path = copy / EPISODES_FILE
+  table = pq.read_table(path).to_pylist()
+  table[2]["videos/observation.images.wrist/from_timestamp"] += 100.0
+  pq.write_table(pa.Table.from_pylist(table), path)
+  source = LeRobotSource(str(copy), horizon=2)
+  source[0]
+  with pytest.raises(DataError, match=r"past the end of the video.*file-000\.mp4, episode 2\)"):
+    source[22]
+
+
+def test_skip_mode_counts_and_logs(copy, caplog):
+  os.remove(copy / WRIST_MP4)
+  source = LeRobotSource(str(copy), horizon=2, cameras=["wrist"], on_bad_sample="skip")
+  with caplog.at_level("WARNING"):
+    results = [source[i] for i in range(5)]
+  assert results == [None] * 5
+  assert source.skipped == 5
+  assert "skipping frame 4 (5 skipped so far" in caplog.text and "episode 0" in caplog.text
+  assert LeRobotSource(str(copy), horizon=2, cameras=[])[4]["frame_index"] == 4
