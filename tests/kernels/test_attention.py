@@ -1,0 +1,166 @@
+"""The attention op's blockwise paths against the jnp reference: values and gradients.
+
+One test class runs every case; on a GPU it compiles the Pallas kernels, and the CPU subclass runs
+them in interpret mode (STYLE.md). Shapes are small and the block sizes tiny so that every row spans
+several tiles, with skipped tiles, padded tails and partial segments in each.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejax.kernels.attention import (BlockSizes, attention, attention_reference,
+                                    block_ids_from_ar_flags, choose_impl, flash_attention)
+from ejax.kernels.attention.tiles import MaskInputs, active_fraction, active_tiles
+
+BATCH, LEN, HEADS, KV_HEADS, HEAD_DIM = 3, 80, 4, 2, 32
+# Forward and backward tiles differ so that both tile lists are exercised; 80 is no multiple of 32.
+BLOCKS = BlockSizes(block_q=16, block_kv=32, block_q_bwd=32, block_kv_bwd=16)
+
+
+def _packed_layout(rng: np.random.Generator, length: int):
+  """Segment ids, per-segment positions and block ids for three rows:
+  random segments with length-1 ones and a padded tail; one segment; all padding."""
+  segment_ids = np.zeros((BATCH, length), np.int32)
+  lengths, filled = [], 0
+  while filled < length - 10:
+    n = int(rng.choice([1, 1, 3, 7, 12, 20]))
+    lengths.append(min(n, length - 10 - filled))
+    filled += lengths[-1]
+  segment_ids[0, :filled] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+  segment_ids[1, :] = 1
+  positions = np.zeros_like(segment_ids)
+  ar_flags = np.zeros_like(segment_ids)
+  for row in range(BATCH):
+    for seg in np.unique(segment_ids[row]):
+      where = np.flatnonzero(segment_ids[row] == seg)
+      positions[row, where] = np.arange(len(where))
+      # pi0-style: a bidirectional prefix, then suffix tokens that open new blocks.
+      ar_flags[row, where[len(where) // 2:]] = rng.integers(0, 2, len(where) - len(where) // 2)
+  return segment_ids, positions, block_ids_from_ar_flags(jnp.asarray(ar_flags))
+
+
+class AttentionTest:
+  INTERPRET = False
+  IMPLS = ("pallas", "xla")
+
+  @pytest.fixture(scope="class")
+  def data(self):
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    segment_ids, positions, block_ids = _packed_layout(rng, LEN)
+    return dict(q=normal(BATCH, LEN, HEADS, HEAD_DIM), k=normal(BATCH, LEN, KV_HEADS, HEAD_DIM),
+                v=normal(BATCH, LEN, KV_HEADS, HEAD_DIM), d_out=normal(BATCH, LEN, HEADS, HEAD_DIM),
+                segment_ids=jnp.asarray(segment_ids), positions=jnp.asarray(positions),
+                block_ids=block_ids)
+
+  def _mask_kwargs(self, data, mask_kind):
+    kwargs = dict(mask_kind=mask_kind, q_segment_ids=data["segment_ids"],
+                  kv_segment_ids=data["segment_ids"])
+    if mask_kind == "causal":
+      kwargs.update(q_positions=data["positions"], kv_positions=data["positions"])
+    if mask_kind == "block_causal":
+      kwargs.update(q_block_ids=data["block_ids"], kv_block_ids=data["block_ids"])
+    return kwargs
+
+  def _check(self, impl, q, k, v, d_out, mask_kwargs, *, dtype, atol, grad_atol):
+    """Output and (dq, dk, dv) of `impl` vs the fp32 reference on the same (rounded) inputs."""
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+
+    def loss(attend, q, k, v):
+      out = attend(q, k, v)
+      return jnp.sum(out.astype(jnp.float32) * d_out), out
+
+    tested = lambda q, k, v: flash_attention(q, k, v, impl=impl, block_sizes=BLOCKS,
+                                             interpret=self.INTERPRET, **mask_kwargs)
+    spec = lambda q, k, v: attention_reference(q, k, v, **mask_kwargs)
+    grad = lambda attend: jax.jit(jax.grad(lambda *a: loss(attend, *a), argnums=(0, 1, 2),
+                                           has_aux=True))
+    upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+    grads, out = grad(tested)(q, k, v)
+    want_grads, want_out = grad(spec)(*upcast)
+    assert out.dtype == dtype and out.shape == q.shape
+    np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=atol, rtol=atol)
+    for name, got, want, primal in zip("qkv", grads, want_grads, (q, k, v)):
+      assert got.dtype == primal.dtype, name
+      scale = float(jnp.abs(want).max())
+      np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=grad_atol * scale,
+                                 err_msg=f"d{name} of impl={impl}")
+    return out
+
+  @pytest.mark.parametrize("impl", IMPLS)
+  @pytest.mark.parametrize("mask_kind", ["bidirectional", "causal", "block_causal"])
+  def test_packed_rows_fp32(self, data, impl, mask_kind):
+    out = self._check(impl, data["q"], data["k"], data["v"], data["d_out"],
+                      self._mask_kwargs(data, mask_kind), dtype=jnp.float32, atol=2e-5,
+                      grad_atol=2e-5)
+    # Padding queries (the tail of row 0 and all of row 2) output exact zeros.
+    padding = np.asarray(data["segment_ids"] == 0)
+    assert padding[2].all() and padding[0].any()
+    assert not np.asarray(out)[padding].any()
+
+  @pytest.mark.parametrize("impl,mask_kind", [("pallas", "block_causal"), ("xla", "causal")])
+  def test_packed_rows_bf16(self, data, impl, mask_kind):
+    self._check(impl, data["q"], data["k"], data["v"], data["d_out"],
+                self._mask_kwargs(data, mask_kind), dtype=jnp.bfloat16, atol=3e-2, grad_atol=3e-2)
+
+  @pytest.mark.parametrize("impl", IMPLS)
+  def test_cross_attention_multi_query_default_positions(self, data, impl):
+    # 24 queries over 80 keys, one kv head (MQA), causal with the spec's default positions: the
+    # queries are the last 24 of the 80 positions.
+    q = data["q"][:, :24]
+    k, v = data["k"][:, :, :1], data["v"][:, :, :1]
+    self._check(impl, q, k, v, data["d_out"][:, :24], dict(mask_kind="causal"),
+                dtype=jnp.float32, atol=2e-5, grad_atol=2e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU class covers this backend")
+class TestAttentionInterpret(AttentionTest):
+  INTERPRET = True
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiles the Pallas kernels for a GPU")
+class TestAttentionGpu(AttentionTest):
+  INTERPRET = False
+
+
+def test_tile_skipping_follows_segment_lengths():
+  # Four 32-token segments in a 128-token row with 16-token tiles: each segment covers 2x2 tiles,
+  # so 16 of 64 tiles are active bidirectionally and 12 (lower triangles) causally.
+  segment_ids = jnp.repeat(jnp.arange(1, 5), 32)[None]
+  positions = jnp.tile(jnp.arange(32), 4)[None]
+  mask = MaskInputs(segment_ids, segment_ids, positions, positions)
+  blocks = BlockSizes(16, 16, 16, 16)
+  assert float(active_fraction(mask, blocks, ordered=False)) == 16 / 64
+  assert float(active_fraction(mask, blocks, ordered=True)) == 12 / 64
+  # A row of padding runs no tile at all.
+  empty = MaskInputs(*(jnp.zeros((1, 128), jnp.int32),) * 4)
+  assert not active_tiles(empty, 16, 16, ordered=False).any()
+
+
+def test_choose_impl_and_errors():
+  q = jnp.zeros((1, 1024, 2, 32))
+  expected = "pallas" if jax.default_backend() == "gpu" else "xla"
+  assert choose_impl(q, q) == expected
+  if jax.default_backend() != "gpu":
+    assert choose_impl(q[:, :64], q[:, :64]) == "reference"
+    with pytest.raises(ValueError, match="needs a GPU"):
+      attention(q, q, q, impl="cudnn")
+  with pytest.raises(ValueError, match="not one of"):
+    attention(q, q, q, impl="flash")
+  with pytest.raises(ValueError, match="head_dim"):
+    attention(jnp.zeros((1, 16, 2, 24)), jnp.zeros((1, 16, 2, 24)), jnp.zeros((1, 16, 2, 24)),
+              impl="pallas")
+  with pytest.raises(ValueError, match="multiple of kv_heads"):
+    attention(jnp.zeros((1, 16, 3, 32)), q[:, :16], q[:, :16], impl="xla")
+
+
+def test_auto_matches_reference_on_a_long_row():
+  # Long enough that auto picks the blockwise path off GPU; through the public signature.
+  rng = np.random.default_rng(1)
+  q = jnp.asarray(rng.normal(size=(1, 320, 2, 16)), jnp.float32)
+  segment_ids = jnp.asarray(np.repeat([1, 2, 3, 0], [100, 150, 50, 20])[None])
+  kwargs = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, mask_kind="causal")
+  np.testing.assert_allclose(attention(q, q, q, **kwargs), attention_reference(q, q, q, **kwargs),
+                             atol=2e-5)
