@@ -47,3 +47,55 @@ def write_dataset(root, writer_class, episodes, **kwargs):
   return writer.finalize()
 
 
+
+
+RLDS_LENGTHS = (5, 8, 6)
+
+
+def rlds_episode(episode: int) -> list[dict]:
+  """Steps of one RLDS episode with values that identify (episode, step)."""
+  steps = []
+  for t in range(RLDS_LENGTHS[episode]):
+    steps.append({
+        "image": np.full((16, 16, 3), 10 * t + 50 * episode, np.uint8),
+        "state": np.asarray([episode, t, 0.5 * t, -t], np.float32),
+        "action": np.asarray([t, episode, 1.0], np.float32),
+        "instruction": f"task {episode % 2}",
+    })
+  return steps
+
+
+def build_rlds(data_dir: str) -> str:
+  """A tiny RLDS dataset ("ejax_test_rlds") in array_record format; returns its builder name."""
+  import PIL.Image
+  import tensorflow_datasets as tfds
+
+  class EjaxTestRlds(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+          "steps": tfds.features.Dataset({
+              "observation": tfds.features.FeaturesDict({
+                  "image": tfds.features.Image(shape=(16, 16, 3)),
+                  "state": tfds.features.Tensor(shape=(4,), dtype=np.float32)}),
+              "action": tfds.features.Tensor(shape=(3,), dtype=np.float32),
+              "language_instruction": tfds.features.Text(),
+              "is_first": np.bool_, "is_last": np.bool_}),
+      }))
+
+    def _split_generators(self, dl_manager):
+      return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+      for episode in range(len(RLDS_LENGTHS)):
+        steps = rlds_episode(episode)
+        # TFDS encodes Image features from PIL images without TensorFlow (not from numpy).
+        yield f"episode_{episode}", {"steps": [{
+            "observation": {"image": PIL.Image.fromarray(s["image"]), "state": s["state"]},
+            "action": s["action"], "language_instruction": s["instruction"],
+            "is_first": t == 0, "is_last": t == len(steps) - 1} for t, s in enumerate(steps)]}
+
+  tfds.disable_progress_bar()
+  EjaxTestRlds(data_dir=data_dir, file_format="array_record").download_and_prepare()
+  return "ejax_test_rlds"
