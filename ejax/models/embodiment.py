@@ -35,11 +35,12 @@ class CategorySpecificMLP(nnx.Module):
   """layer2(relu(layer1(x))), both per category (GR00T's state encoder and action decoder)."""
 
   def __init__(self, num_categories: int, in_features: int, hidden: int, out_features: int, *,
-               in_axis: str = IN_FEATURES, out_axis: str = EMBED, dtype=jnp.float32, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               layer1_axes: tuple[str, str] = (IN_FEATURES, EMBED), layer2_axes: tuple[str, str] = (MLP, EMBED),
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    """Every table keeps one EMBED axis so FSDP shards it (they are 2-200 MiB each at full size)."""
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.layer1 = CategorySpecificLinear(num_categories, in_features, hidden, axes=(in_axis, MLP), **common)
-    self.layer2 = CategorySpecificLinear(num_categories, hidden, out_features, axes=(MLP, out_axis), **common)
+    self.layer1 = CategorySpecificLinear(num_categories, in_features, hidden, axes=layer1_axes, **common)
+    self.layer2 = CategorySpecificLinear(num_categories, hidden, out_features, axes=layer2_axes, **common)
 
   def __call__(self, x: jax.Array, category_ids: jax.Array) -> jax.Array:
     return self.layer2(jax.nn.relu(self.layer1(x, category_ids)), category_ids)

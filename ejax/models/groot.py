@@ -136,7 +136,8 @@ class GrootActionHead(nnx.Module):
     self.action_encoder = MultiEmbodimentActionEncoder(config.max_num_embodiments, config.max_action_dim, width,
                                                        **common)
     self.action_decoder = CategorySpecificMLP(config.max_num_embodiments, config.hidden_size, config.hidden_size,
-                                              config.max_action_dim, in_axis=EMBED, out_axis=IN_FEATURES, **common)
+                                              config.max_action_dim, layer1_axes=(EMBED, MLP),
+                                              layer2_axes=(EMBED, IN_FEATURES), **common)
     normal = nnx.initializers.normal(0.02)
     self.future_tokens = layers.make_param(rngs, normal, (config.num_future_tokens, width), (None, EMBED), param_dtype)
     self.position_embedding = layers.make_param(rngs, normal, (config.max_seq_len, width), (None, EMBED), param_dtype)
@@ -188,16 +189,19 @@ class Groot(nnx.Module):
       return self.action_head.velocity(x, flow.groot_timestep_buckets(t, buckets), state_tokens, vl, batch)
     return fn
 
-  def compute_loss(self, batch, rng):
+  def compute_loss(self, batch, rng, *, time=None, noise=None, train: bool = True):
+    """Flow-matching loss; `time` [n] / `noise` fix the draws (tests), train=False drops dropout."""
     time_rng, noise_rng, dropout_rng = jax.random.split(rng, 3)
-    vl, state_tokens = self._context(batch, jax.random.fold_in(dropout_rng, 0))
     actions = batch["actions"].astype(jnp.float32)
     n = actions.shape[0]
-    t = flow.sample_time(time_rng, n, convention="groot")
-    noise = jax.random.normal(noise_rng, actions.shape, jnp.float32)
+    t = flow.sample_time(time_rng, n, convention="groot") if time is None else time
+    noise = jax.random.normal(noise_rng, actions.shape, jnp.float32) if noise is None else noise
+    dropout_rng = dropout_rng if train else None
+    vl, state_tokens = self._context(batch, None if dropout_rng is None else jax.random.fold_in(dropout_rng, 0))
     noisy, target = flow.interpolate(noise, actions, t, convention="groot")
     buckets = flow.groot_timestep_buckets(t, self.config.num_timestep_buckets)
-    pred = self.action_head.velocity(noisy, buckets, state_tokens, vl, batch, rng=jax.random.fold_in(dropout_rng, 1))
+    pred = self.action_head.velocity(noisy, buckets, state_tokens, vl, batch,
+                                     rng=None if dropout_rng is None else jax.random.fold_in(dropout_rng, 1))
     mask = batch["action_mask"].astype(jnp.float32)
     squared = jnp.square(pred - target) * mask
     per_sample_mask = jnp.sum(mask, axis=(1, 2))

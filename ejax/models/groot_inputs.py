@@ -52,13 +52,18 @@ def _pad_to(x: np.ndarray, size: int, axis: int, what: str) -> np.ndarray:
 
 def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray, states: np.ndarray,
              actions: np.ndarray, action_masks: np.ndarray, embodiment_ids: np.ndarray, *,
-             num_rows: int | None = None, seed: int = 0) -> dict[str, np.ndarray]:
-  """Packs token prompts (image-context tokens marked by model_config.image_token_id) into rows."""
+             num_rows: int | None = None, seed: int = 0, pack: bool = True) -> dict[str, np.ndarray]:
+  """Packs token prompts (image-context tokens marked by model_config.image_token_id) into rows;
+  pack=False puts each sample alone in its own row (the padded, unpacked layout)."""
   n = len(prompts)
   per_image = tokens_per_image(model_config)
   row_length = model_config.packing.row_length
-  num_rows = rows_for(model_config, n) if num_rows is None else num_rows
-  rows = pack_sequences([len(p) for p in prompts], row_length, buffer_size=max(n, 1), seed=seed)
+  if pack:
+    num_rows = rows_for(model_config, n) if num_rows is None else num_rows
+    rows = pack_sequences([len(p) for p in prompts], row_length, buffer_size=max(n, 1), seed=seed)
+  else:
+    num_rows = n if num_rows is None else num_rows
+    rows = [[i] for i in range(n)]
   if len(rows) > num_rows:
     raise ValueError(f"{n} samples need {len(rows)} rows of {row_length} tokens but the batch has {num_rows}: "
                      f"raise config.model.packing.row_length or lower packing.samples_per_row")

@@ -8,6 +8,7 @@ rows (segment ids, per-segment positions) and every mask kind behave the same in
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import jax
@@ -38,12 +39,32 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
   return ACTIVATIONS[name]
 
 
+_param_keys: "weakref.WeakKeyDictionary[nnx.Rngs, list]" = weakref.WeakKeyDictionary()
+
+
+def param_key(rngs: nnx.Rngs) -> jax.Array:
+  """A fresh init key: one draw from `rngs.params` per trace, then fold_in with a counter.
+
+  Drawing from the nnx stream for every parameter updates its counter variable under the trace,
+  and each update costs time proportional to the trace so far (a failed `.sharding` lookup walks
+  the whole jaxpr): `nnx.eval_shape` of the 2.4B GR00T took minutes. One draw per trace keeps
+  init linear; keys stay distinct per parameter and deterministic for a given seed.
+  """
+  trace_state = jax.core.get_opaque_trace_state(convention="flax")
+  entry = _param_keys.get(rngs)
+  if entry is None or entry[0] != trace_state:
+    entry = [trace_state, rngs.params(), 0]
+    _param_keys[rngs] = entry
+  entry[2] += 1
+  return jax.random.fold_in(entry[1], entry[2])
+
+
 def make_param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], names: Sequence[str | None],
                param_dtype=jnp.float32) -> nnx.Param:
   """An nnx.Param initialised by `init` and carrying one logical axis name per dimension."""
   if len(names) != len(shape):
     raise ValueError(f"parameter of shape {tuple(shape)} needs {len(shape)} axis names, got {tuple(names)}")
-  return nnx.Param(init(rngs.params(), tuple(shape), param_dtype), sharding_names=tuple(names))
+  return nnx.Param(init(param_key(rngs), tuple(shape), param_dtype), sharding_names=tuple(names))
 
 
 class Dense(nnx.Module):
