@@ -1,0 +1,67 @@
+"""PaliGemma's sentencepiece tokenizer and pi0.5's prompt format (task text + discretised state).
+
+pi0.5 writes the robot state into the language prompt as 256-bin integers of the normalised state:
+"Task: pick up the cup, State: 12 200 128;\nAction: " (openpi tokenizer.py, `PaligemmaTokenizer`).
+The model file is the released `paligemma_tokenizer.model`, read from a local path: nothing is
+downloaded. Prompts are returned unpadded: packing (ejax/data/packing.py) removes padding entirely.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+STATE_BINS = 256
+
+
+def discretize_state(state: np.ndarray, num_bins: int = STATE_BINS) -> np.ndarray:
+  """Normalised state in [-1, 1] -> integer bins 0..num_bins-1 (openpi's np.digitize rule).
+
+  Values outside [-1, 1] land in the first or last bin.
+  """
+  bins = np.linspace(-1.0, 1.0, num_bins + 1)[:-1]
+  return np.clip(np.digitize(np.asarray(state, np.float64), bins) - 1, 0, num_bins - 1)
+
+
+def pi05_prompt(task: str, state: np.ndarray | None) -> str:
+  """The prompt text: "Task: <task>, State: <bins>;\\nAction: " (state omitted when None)."""
+  cleaned = task.strip().replace("_", " ").replace("\n", " ")
+  if state is None:
+    return f"Task: {cleaned};\nAction: "
+  state_text = " ".join(str(int(b)) for b in discretize_state(np.ravel(state)))
+  return f"Task: {cleaned}, State: {state_text};\nAction: "
+
+
+class PaligemmaTokenizer:
+  """Sentencepiece tokenizer loaded from a local `.model` file."""
+
+  def __init__(self, model_path: str, *, max_len: int = 200):
+    import sentencepiece  # Lazy: only input assembly needs it.
+
+    if not os.path.exists(model_path):
+      raise FileNotFoundError(
+          f"PaliGemma tokenizer model {model_path!r} not found: copy paligemma_tokenizer.model to "
+          "this path (it is big_vision's / openpi's released file) or set config.model.tokenizer_path")
+    with open(model_path, "rb") as f:
+      self._processor = sentencepiece.SentencePieceProcessor(model_proto=f.read())
+    self.max_len = max_len
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self._processor.get_piece_size())
+
+  def encode(self, text: str, *, add_bos: bool = True) -> np.ndarray:
+    return np.asarray(self._processor.encode(text, add_bos=add_bos), np.int32)
+
+  def decode(self, ids) -> str:
+    return self._processor.decode([int(i) for i in ids])
+
+  def tokenize_prompt(self, task: str, state: np.ndarray | None) -> np.ndarray:
+    """Token ids [len] (BOS first) of pi0.5's prompt; error past `max_len` instead of silent cut."""
+    ids = self.encode(pi05_prompt(task, state), add_bos=True)
+    if len(ids) > self.max_len:
+      raise ValueError(
+          f"pi0.5 prompt has {len(ids)} tokens > max_len {self.max_len} (task {task[:60]!r}): raise "
+          "config.model.max_token_len or shorten the task text")
+    return ids
