@@ -131,29 +131,41 @@ class InferenceRequest:
 class RequestBoard:
   """At most one pending observation batch per shard; the server takes whichever are ready.
 
-  Shards register the segment they hold (with the policy version that segment needs) from the
-  moment they take its ticket until they have their last action. In barrier (synchronous) mode the
-  server waits until every registered shard whose segment can run now (required version already
-  published) has posted, so all shards of a round step in lockstep; shards still waiting for a newer
-  policy are not waited for, which is what keeps the barrier from deadlocking against the learner.
-  Otherwise the server takes whatever is there (dynamic batching).
+  Each shard is either running a segment (registered with the policy version that segment needs),
+  between segments (just started, finishing a segment, restarting), or retired (no work left). In
+  barrier (synchronous) mode the server waits until every shard that is between segments or whose
+  segment can run now (required version already published) has posted, so all shards of a round
+  step in lockstep; shards waiting for a newer policy are not waited for, which is what keeps the
+  barrier from deadlocking against the learner. Otherwise the server takes whatever is there
+  (dynamic batching).
   """
 
-  def __init__(self, current_version):
+  def __init__(self, current_version, shard_ids):
     self._current_version = current_version  # () -> the newest published policy version
     self._condition = threading.Condition()
     self._pending: dict[int, InferenceRequest] = {}
     self._registered: dict[int, int] = {}      # shard id -> required policy version
+    self._between: set[int] = set(shard_ids)   # neither running a segment nor retired
 
   def register(self, shard_id: int, required_version: int) -> None:
     with self._condition:
+      self._between.discard(shard_id)
       self._registered[shard_id] = required_version
       self._condition.notify_all()
 
   def unregister(self, shard_id: int) -> None:
+    """The shard's segment needs no more actions (or failed); it is between segments."""
     with self._condition:
       self._registered.pop(shard_id, None)
       self._pending.pop(shard_id, None)
+      self._between.add(shard_id)
+      self._condition.notify_all()
+
+  def retire(self, shard_id: int) -> None:
+    with self._condition:
+      self._registered.pop(shard_id, None)
+      self._pending.pop(shard_id, None)
+      self._between.discard(shard_id)
       self._condition.notify_all()
 
   def post(self, request: InferenceRequest) -> None:
@@ -166,7 +178,7 @@ class RequestBoard:
   def _barrier_complete(self) -> bool:
     version = self._current_version()
     runnable = sum(1 for required in self._registered.values() if required <= version)
-    return len(self._pending) >= runnable
+    return len(self._pending) >= runnable + len(self._between)
 
   def take_batch(self, *, barrier: bool, max_shards: int, stop: threading.Event) -> list[InferenceRequest]:
     with self._condition:

@@ -138,6 +138,12 @@ class EnvShard:
     return self._reset(keys)
 
   def _run(self) -> None:
+    try:
+      self._run_with_restarts()
+    finally:
+      self.board.retire(self.shard_id)  # a barrier must never wait for a shard that has left
+
+  def _run_with_restarts(self) -> None:
     while True:
       ticket = None
       try:

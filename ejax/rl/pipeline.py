@@ -116,7 +116,7 @@ class RLPipeline:
     total_segments = config.num_updates * config.segments_per_update
     self.tickets = SegmentTickets(total_segments, config.segments_per_update, self.eta,
                                   first_ticket=start_version * config.segments_per_update)
-    self.board = RequestBoard(lambda: self.param_store.version)
+    self.board = RequestBoard(lambda: self.param_store.version, range(config.num_shards))
     self.segment_queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
 
     delays = shard_delay_specs(config)

@@ -49,6 +49,37 @@ class ValueHead(nnx.Module):
     return self.out(jnp.tanh(self.hidden(x)))[:, 0]
 
 
+class MlpFlowActor(nnx.Module):
+  """A small flow-matching actor: velocity = MLP(noisy chunk, sinusoidal t, state, task embedding).
+
+  For CPU-sized RL runs and tests, where a transformer actor would spend most of the time compiling.
+  Convention-agnostic: it learns whatever time convention it is trained and sampled with.
+  """
+
+  def __init__(self, *, state_dim: int, action_dim: int, horizon: int, num_tasks: int, hidden: int, rngs: nnx.Rngs):
+    dense = lambda i, o, axes, init=nnx.initializers.lecun_normal(): nnx.Linear(
+        i, o, rngs=rngs, kernel_init=nnx.with_partitioning(init, axes),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axes[1],)))
+    self.horizon, self.action_dim, self.hidden = horizon, action_dim, hidden
+    self.inputs = dense(horizon * action_dim + state_dim + hidden, hidden, (ax.IN_FEATURES, ax.MLP))
+    self.task_embed = nnx.Embed(num_tasks, hidden, rngs=rngs,
+                                embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.1), (ax.VOCAB, ax.MLP)))
+    self.hidden_layer = dense(hidden, hidden, (ax.MLP, ax.EMBED))
+    self.out = dense(hidden, horizon * action_dim, (ax.EMBED, ax.IN_FEATURES), nnx.initializers.zeros_init())
+
+  def velocity(self, noisy_actions: jax.Array, t: jax.Array, state: jax.Array, task_id: jax.Array) -> jax.Array:
+    """noisy_actions [n, h, a], t [n], state [n, s], task_id [n] -> velocity [n, h, a]."""
+    n = noisy_actions.shape[0]
+    half = self.hidden // 2
+    angles = t.astype(jnp.float32)[:, None] * jnp.exp(jnp.linspace(0.0, jnp.log(1000.0), half))[None]
+    time_features = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    features = jnp.concatenate([noisy_actions.reshape(n, -1).astype(jnp.float32), state.astype(jnp.float32),
+                                time_features], axis=-1)
+    x = jax.nn.gelu(self.inputs(features) + self.task_embed(task_id))
+    x = jax.nn.gelu(self.hidden_layer(x))
+    return self.out(x).reshape(n, self.horizon, self.action_dim)
+
+
 class ActorCritic(nnx.Module):
   def __init__(self, actor: nnx.Module, critic: nnx.Module):
     self.actor, self.critic = actor, critic
@@ -111,3 +142,13 @@ def tiny_flow_policy(model_config, *, rngs: nnx.Rngs, value_hidden: int = 64, no
   critic = ValueHead(model_config.state_dim, model_config.num_tasks, value_hidden, rngs)
   return FlowPolicy(ActorCritic(actor, critic), horizon=model_config.horizon, action_dim=model_config.action_dim,
                     num_steps=model_config.num_inference_steps, convention="groot", noise_level=noise_level)
+
+
+def mlp_flow_policy(*, state_dim: int, action_dim: int, horizon: int, num_tasks: int, num_steps: int,
+                    hidden: int, rngs: nnx.Rngs, convention: str = "groot", noise_level: float = 0.5) -> FlowPolicy:
+  """MlpFlowActor + ValueHead: the CPU-sized flow policy of the RL tests and the `runlocal` run."""
+  actor = MlpFlowActor(state_dim=state_dim, action_dim=action_dim, horizon=horizon, num_tasks=num_tasks,
+                       hidden=hidden, rngs=rngs)
+  critic = ValueHead(state_dim, num_tasks, hidden, rngs)
+  return FlowPolicy(ActorCritic(actor, critic), horizon=horizon, action_dim=action_dim, num_steps=num_steps,
+                    convention=convention, noise_level=noise_level)

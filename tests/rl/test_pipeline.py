@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ejax.models.tiny import default_config as tiny_config
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.pipeline import RLPipeline, RLRunError, default_config
 from ejax.rl.point_env import PointReach
-from ejax.rl.policy import tiny_flow_policy
+from ejax.rl.policy import mlp_flow_policy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,10 +23,7 @@ NUM_SHARDS, ENVS, STEPS, ACTIONS_PER_STEP, SEGMENTS_PER_UPDATE = 3, 4, 3, 2, 3
 
 @pytest.fixture(scope="module")
 def policy():
-  model_config = tiny_config()
-  model_config.update(width=16, depth=1, num_heads=2, state_dim=4, action_dim=2, horizon=2, num_tasks=4,
-                      num_inference_steps=2)
-  return tiny_flow_policy(model_config, rngs=nnx.Rngs(0), value_hidden=16)
+  return mlp_flow_policy(state_dim=4, action_dim=2, horizon=2, num_tasks=4, num_steps=2, hidden=16, rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +127,20 @@ def test_stop_request_shuts_down_cleanly_and_checkpoints(policy, env, tmp_path):
   assert_all_joined(pipeline)
   assert summary["stop_reason"] == "SIGTERM" and summary["version"] == 2
   assert RLCheckpointer(str(tmp_path / "ckpt")).latest_version() == 2
+
+
+def test_grpo_groups_share_their_start_and_finished_envs_are_masked(policy, env):
+  pipeline = RLPipeline(make_config(algorithm="grpo", group_size=2, num_updates=2, segment_length=4), env, policy)
+  batches = []
+  gather = pipeline.learner._gather
+  pipeline.learner._gather = lambda update: batches.append(gather(update)) or batches[-1]
+  summary = pipeline.run()
+  assert_all_joined(pipeline)
+  assert summary["version"] == 2 and summary["lag_max"] <= 1
+  for batch in batches:
+    first_state = batch["observation"]["observation.state"][0]  # [N, state_dim]
+    np.testing.assert_array_equal(first_state[0::2], first_state[1::2])  # each group of 2 starts identically
+    np.testing.assert_array_equal(batch["observation"]["task_index"][0, 0::2], batch["observation"]["task_index"][0, 1::2])
+    # PointReach ends every episode within 6 actions = 3 steps: once done, an env stays masked out.
+    valid = batch["valid"].astype(int)
+    assert valid[0].all() and not valid[3].any() and (np.diff(valid, axis=0) <= 0).all()
