@@ -1,0 +1,95 @@
+"""GR00T input assembly from pipeline samples, with a tiny Qwen-style BPE tokenizer built here."""
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ejax.models import groot, groot_inputs
+from ejax.models.qwen_tokenizer import IMAGE_CONTEXT, IMAGE_END, IMAGE_START, QwenTokenizer, eagle_prompt
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", IMAGE_START, IMAGE_END, IMAGE_CONTEXT]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+  """A byte-level BPE tokenizer.json like Qwen's (tiny vocabulary, same added tokens)."""
+  bpe = Tokenizer(models.BPE())
+  bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  bpe.decoder = decoders.ByteLevel()
+  corpus = ["pick up the red cube", "place the cube in the bowl", "open the drawer", "user assistant\n"] * 20
+  bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+  bpe.save(str(path))
+  return QwenTokenizer.from_file(str(path.parent))
+
+
+def config_for(tokenizer):
+  c = groot.model_config("runlocal")
+  c.num_cameras = 2
+  c.image_token_id = tokenizer.token_id(IMAGE_CONTEXT)
+  c.packing.row_length = 128
+  return c
+
+
+def sample(rng, task, state_dim, action_dim, pads, embodiment):
+  s = {"observation.state": rng.normal(size=state_dim).astype(np.float32),
+       "observation.images.wrist": rng.integers(0, 256, (48, 48, 3), dtype=np.uint8),
+       "observation.images.front": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+       "action": rng.normal(size=(8, action_dim)).astype(np.float32),
+       "action_is_pad": np.arange(8) >= 8 - pads, "task": task, "embodiment_id": embodiment}
+  return s
+
+
+def test_tokenizer_round_trip_and_prompt(tokenizer):
+  ids = tokenizer.encode("pick up the red cube")
+  assert tokenizer.decode(ids) == "pick up the red cube"
+  prompt = eagle_prompt(tokenizer, "open the drawer", num_images=2, tokens_per_image=3)
+  context = tokenizer.token_id(IMAGE_CONTEXT)
+  assert prompt.count(context) == 6 and prompt.count(tokenizer.token_id(IMAGE_START)) == 2
+  text = tokenizer.decode(prompt)
+  assert text.startswith("<|im_start|>user\n<img>") and "open the drawer<|im_end|>" in text
+  with pytest.raises(KeyError, match="<unknown>"):
+    tokenizer.token_id("<unknown>")
+  with pytest.raises(FileNotFoundError, match="tokenizer_path"):
+    QwenTokenizer.from_file("/nonexistent/tokenizer.json")
+
+
+def test_collate_pads_masks_and_packs(tokenizer):
+  c = config_for(tokenizer)
+  rng = np.random.default_rng(0)
+  samples = [sample(rng, "pick up the red cube", 5, 3, 2, 1), sample(rng, "open the drawer", 8, 4, 0, 0),
+             sample(rng, "place the cube in the bowl", 2, 1, 5, 1)]
+  batch = groot_inputs.collate(samples, c, tokenizer)
+  per_image = groot.tokens_per_image(c)
+  assert batch["images"].shape == (6, 32, 32, 3)          # resized to the model's image size
+  assert batch["state"].shape == (3, 8) and np.array_equal(batch["state"][0, 5:], np.zeros(3))
+  np.testing.assert_array_equal(batch["state"][0, :5], samples[0]["observation.state"])
+  assert batch["actions"].shape == (3, 8, 4)
+  np.testing.assert_array_equal(batch["action_mask"][0].sum(axis=1), [3] * 6 + [0] * 2)
+  np.testing.assert_array_equal(batch["action_mask"][2].sum(axis=1), [1] * 3 + [0] * 5)
+  np.testing.assert_array_equal(batch["embodiment_id"], [1, 0, 1])
+  for i in range(3):
+    row, segment = batch["sample_row"][i], batch["sample_segment"][i]
+    in_sample = batch["vl_segment_ids"][row] == segment
+    tokens = batch["vl_tokens"][row][in_sample]
+    assert tokenizer.decode(list(tokens)).count(samples[i]["task"]) == 1
+    np.testing.assert_array_equal(batch["vl_positions"][row][in_sample], np.arange(in_sample.sum()))
+    slots = batch["vl_image_slot"][row][in_sample]
+    np.testing.assert_array_equal(slots[slots >= 0], i * 2 * per_image + np.arange(2 * per_image))
+  assert batch["vl_tokens"].shape == (groot_inputs.rows_for(c, 3), 128)
+  assert (batch["vl_image_slot"][batch["vl_segment_ids"] == 0] == -1).all()
+
+
+def test_collate_errors_name_the_fix(tokenizer):
+  c = config_for(tokenizer)
+  rng = np.random.default_rng(1)
+  one_camera = sample(rng, "open the drawer", 3, 3, 0, 0)
+  del one_camera["observation.images.front"]
+  with pytest.raises(ValueError, match="num_cameras=2"):
+    groot_inputs.collate([one_camera], c, tokenizer)
+  with pytest.raises(ValueError, match="max_action_dim"):
+    groot_inputs.collate([sample(rng, "open the drawer", 3, 9, 0, 0)], c, tokenizer)
+  c.packing.row_length = 40
+  with pytest.raises(ValueError, match="row_length"):
+    groot_inputs.collate([sample(rng, "open the drawer", 3, 3, 0, 0)], c, tokenizer)
