@@ -26,9 +26,16 @@ from ejax.parallel import axes as ax
 ActorInputs = Callable[[dict], tuple]
 
 
+def task_index(observation: dict) -> jax.Array:
+  """The task id of each env [n]; single-task envs without a "task_index" observation are task 0."""
+  if "task_index" in observation:
+    return observation["task_index"]
+  return jnp.zeros(observation["observation.state"].shape[:1], jnp.int32)
+
+
 def state_and_task(observation: dict) -> tuple:
   """Inputs of ejax.models.tiny.TinyFlowPolicy.velocity: (state [n, s], task_id [n])."""
-  return observation["observation.state"], observation["task_index"]
+  return observation["observation.state"], task_index(observation)
 
 
 class ValueHead(nnx.Module):
@@ -45,7 +52,7 @@ class ValueHead(nnx.Module):
 
   def __call__(self, observation: dict) -> jax.Array:
     x = jnp.tanh(self.state_in(observation["observation.state"].astype(jnp.float32))
-                 + self.task_embed(observation["task_index"]))
+                 + self.task_embed(task_index(observation)))
     return self.out(jnp.tanh(self.hidden(x)))[:, 0]
 
 

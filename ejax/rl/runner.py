@@ -1,0 +1,121 @@
+"""Job `rl`: SFT warm start, RL-VLA3 fine-tuning, and success judged before and after.
+
+    python -m ejax.main --config=configs/rl_vla3.py:runlocal
+
+1. Build the env (config.rl.env) and the flow policy (config.rl.policy).
+2. Warm start: resume an interrupted RL run from workdir/rl_checkpoints if there is one; otherwise
+   start from SFT: behaviour cloning on the env's scripted expert (config.rl.warm_start).
+3. Judge the starting policy's closed-loop success rate.
+4. Run the asynchronous pipeline (ejax.rl.pipeline) to config.rl.num_updates; SIGTERM stops it
+   cleanly and checkpoints.
+5. Judge again; write rl_summary.json, rl_history.jsonl and timeline.png into the workdir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+
+import jax
+from absl import logging
+from flax import nnx
+from ml_collections import ConfigDict
+
+from ejax.rl import warm_start
+from ejax.rl.checkpoint import RLCheckpointer
+from ejax.rl.pipeline import RLPipeline
+
+
+def make_env(env_config: ConfigDict):
+  """"point_reach" (ejax.rl.point_env) or any task name of ejax.sim.registry."""
+  kwargs = dict(env_config.get("kwargs", {}))
+  if env_config.name == "point_reach":
+    from ejax.rl.point_env import PointReach
+    return PointReach(**kwargs)
+  from ejax.sim import registry
+  return registry.make(env_config.name, **kwargs)
+
+
+def make_policy(policy_config: ConfigDict, seed: int):
+  from ejax.rl import policy as policies
+  rngs = nnx.Rngs(seed)
+  if policy_config.kind == "mlp_flow":
+    return policies.mlp_flow_policy(state_dim=policy_config.state_dim, action_dim=policy_config.action_dim,
+                                    horizon=policy_config.horizon, num_tasks=policy_config.num_tasks,
+                                    num_steps=policy_config.num_steps, hidden=policy_config.hidden, rngs=rngs,
+                                    noise_level=policy_config.noise_level)
+  if policy_config.kind == "tiny_flow":
+    from ejax.models.tiny import default_config
+    model_config = default_config()
+    model_config.update(dict(policy_config.get("model", {})))
+    return policies.tiny_flow_policy(model_config, rngs=rngs, value_hidden=policy_config.hidden,
+                                     noise_level=policy_config.noise_level)
+  raise ValueError(f"rl.policy.kind {policy_config.kind!r}: use 'mlp_flow' or 'tiny_flow'")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm(pipeline: RLPipeline):
+  """SIGTERM (a preempted job) asks the pipeline to stop, checkpoint and join its threads."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: pipeline.request_stop("SIGTERM"))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def run_job(config: ConfigDict, workdir: str) -> dict:
+  rl = config.rl
+  os.makedirs(workdir, exist_ok=True)
+  env = make_env(rl.env)
+  policy = make_policy(rl.policy, config.seed)
+  checkpoint_dir = os.path.join(workdir, "rl_checkpoints")
+  resuming = os.path.isdir(checkpoint_dir) and RLCheckpointer(checkpoint_dir).latest_version() is not None
+  judge = lambda params, salt: warm_start.success_rate(
+      policy, params, env, num_episodes=rl.judge.episodes, actions_per_step=rl.actions_per_step,
+      rng=jax.random.key(rl.judge.seed + salt))
+
+  # -- warm start ----------------------------------------------------------------------------
+  if not resuming:
+    start = time.perf_counter()
+    if not hasattr(env, "expert_action"):
+      raise ValueError(f"env {rl.env.name!r} has no scripted expert for the SFT warm start: train a policy "
+                       f"with the train job first (loading its checkpoint here is not wired yet)")
+    demos = warm_start.collect_expert_demos(env, num_episodes=rl.warm_start.demo_episodes, horizon=rl.policy.horizon,
+                                            action_noise=rl.warm_start.action_noise, rng=jax.random.key(config.seed))
+    policy.initial_params = warm_start.behaviour_clone(
+        policy, policy.initial_params, demos, steps=rl.warm_start.steps, batch_size=rl.warm_start.batch_size,
+        learning_rate=rl.warm_start.learning_rate, rng=jax.random.key(config.seed + 1))
+    logging.info("SFT warm start: %d demo samples, %d steps, %.1f s", demos["actions"].shape[0],
+                 rl.warm_start.steps, time.perf_counter() - start)
+
+  pipeline = RLPipeline(rl, env, policy, checkpoint_dir=checkpoint_dir)
+  success_before = judge(pipeline.learner.params, 0)
+  logging.info("success rate before RL (version %d): %.3f", pipeline.start_version, success_before)
+
+  # -- RL ------------------------------------------------------------------------------------
+  with stop_on_sigterm(pipeline):
+    summary = pipeline.run()
+  success_after = judge(pipeline.learner.params, 0)
+  logging.info("success rate after RL (version %d): %.3f", pipeline.learner.version, success_after)
+
+  # -- outputs -------------------------------------------------------------------------------
+  summary.update(success_before=success_before, success_after=success_after, resumed=resuming,
+                 start_version=pipeline.start_version,
+                 threads_alive=[thread.name for thread in pipeline.threads if thread.is_alive()])
+  pipeline.plot(os.path.join(workdir, "timeline.png"))
+  with open(os.path.join(workdir, "rl_summary.json"), "w") as file:
+    json.dump(summary, file, indent=1, default=float)
+  with open(os.path.join(workdir, "rl_history.jsonl"), "a") as file:
+    for record in pipeline.learner.history:
+      file.write(json.dumps(record, default=float) + "\n")
+  logging.info("RL done: %.0f env steps/s, %.2f updates/s, lag mean %.2f max %d (eta %d), busy %s",
+               summary["env_steps_per_s"], summary["learner_updates_per_s"], summary["lag_mean"], summary["lag_max"],
+               summary["eta"], {name: round(value, 2) for name, value in summary["busy_fraction"].items()})
+  return summary
