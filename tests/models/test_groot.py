@@ -122,3 +122,29 @@ def test_every_parameter_has_axis_names():
   for path, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
     names = variable_axis_names(variable)
     assert names is not None and len(names) == len(variable.get_value().shape), path
+
+
+def test_fp8_routes_the_dit_feed_forward_and_keeps_parameter_paths():
+  from ejax.kernels.fp8.dense import Fp8Dense
+  from ejax.models.io.tensors import param_shapes
+  c = tiny_config()
+  c.fp8 = True
+  fp8 = nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0)))
+  plain = nnx.eval_shape(lambda: groot.create(tiny_config(), nnx.Rngs(0)))
+  assert isinstance(fp8.action_head.dit.blocks[0].ff.fc1, Fp8Dense)
+  assert param_shapes(fp8) == param_shapes(plain)
+
+
+def test_summary_job_prints_components_and_writes_json(tmp_path, capsys):
+  import json
+  import ml_collections
+  config = ml_collections.ConfigDict(dict(model=tiny_config(), mesh=dict(data=2, fsdp=4, tensor=1),
+                                          sharding_rules=[list(r) for r in RULES]))
+  result = summary.run_job(config, str(tmp_path))
+  out = capsys.readouterr().out
+  for name in groot.COMPONENTS:
+    assert name in out
+  assert "data=2 x fsdp=4 x tensor=1" in out
+  saved = json.loads((tmp_path / "summary.json").read_text())
+  assert saved["total_params"] == result["total_params"] == sum(result["param_counts"].values())
+  assert saved["total_param_bytes_per_device"] < 4 * saved["total_params"]
