@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ejax.kernels.attention import attention, block_ids_from_ar_flags  # noqa: F401  (re-exported for callers)
-from ejax.models.layers import apply_rope
+from ejax.models.layers import apply_rope, make_param
 from ejax.parallel import axes as ax
 from ejax.parallel import constrain, remat_policy
 
@@ -61,7 +61,7 @@ def _init(in_axis, out_axis, batch_axis=()):
 
 
 def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
-  return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=names)
+  return make_param(rngs, init, shape, names, dtype)
 
 
 class StackedRMSNorm(nnx.Module):

@@ -29,6 +29,7 @@ class ModelSpec:
 MODELS: dict[str, str] = {
     "tiny_flow": "ejax.models.tiny:SPEC",
     "groot": "ejax.models.groot:SPEC",
+    "pi05": "ejax.models.pi05:SPEC",
 }
 
 

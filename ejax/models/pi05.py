@@ -1,0 +1,262 @@
+"""pi0.5 (Physical Intelligence openpi): PaliGemma prefix + Gemma-300M action expert, flow matching.
+
+    images --SigLIP So400m/14--> 256 tokens/image --projection--> \\
+                                                                   prefix (Gemma-2B weights)
+    "Task: ..., State: <256-bin state>;\\nAction: " --embed-->      /        |  ONE joint attention
+    noisy actions --action_in_proj--> suffix (Gemma-300M weights, adaRMSNorm(time)) per layer
+    suffix output --action_out_proj--> velocity (openpi convention: t = 1 noise, u = noise - action)
+
+The prefix sees itself bidirectionally, the suffix sees the prefix and itself, the prefix never sees
+the suffix (block-causal mask from per-token ar flags). Sampling fills the prefix KV cache once and
+runs 10 Euler steps of the expert only.
+
+Packed inputs (built by `ejax.models.pi05_inputs`): the prefixes of several samples share a row of
+`packing.row_length` tokens (segment ids, per-sample positions; no padding tokens and no tokens for
+masked camera slots), and each row carries `packing.samples_per_row` action-chunk slots of
+`action_horizon` tokens for its samples' suffixes. Per-sample arrays (actions, masks) are [n, ...];
+`sample_row` / `sample_slot` say where each sample's suffix sits.
+
+Batch keys: images [num_images, S, S, 3] uint8; prefix_tokens, prefix_image_index,
+prefix_segment_ids, prefix_positions [rows, row_length]; suffix_segment_ids, suffix_positions
+[rows, slots * horizon]; sample_row, sample_slot [n]; actions, action_mask [n, horizon, action_dim].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from ejax.models import flow, gemma, layers
+from ejax.models.registry import ModelSpec
+from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
+from ejax.parallel import axes as ax
+
+# Parameter path prefixes per reported component (ejax.models.summary).
+COMPONENTS = {
+    "siglip_so400m": ("vision",),
+    "vision_projection": ("vision_projection",),
+    "gemma_2b": ("llm",),
+    # The action expert's adaRMSNorm modulation is reported apart: "Gemma-300M" is the plain decoder.
+    "gemma_300m_adarms": ("expert/layers/pre_attention_norm", "expert/layers/pre_ffw_norm", "expert/final_norm"),
+    "gemma_300m": ("expert",),
+    "action_time_projections": ("action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out"),
+}
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+TIME_MIN_PERIOD = 4e-3
+TIME_MAX_PERIOD = 4.0
+
+
+def model_config(variant: str = "full") -> ml_collections.ConfigDict:
+  """"full": the published pi0.5 sizes (openpi pi0_config, pi05=True); "runlocal": CPU-sized."""
+  c = ml_collections.ConfigDict()
+  c.name = "pi05"
+  c.dtype = "bfloat16"
+  c.param_dtype = "float32"
+  c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224)
+  c.paligemma = dict(width=2048, depth=18, mlp_dim=16_384, num_heads=8, num_kv_heads=1, head_dim=256,
+                     vocab_size=gemma.PALIGEMMA_VOCAB_SIZE)
+  c.action_expert = dict(width=1024, depth=18, mlp_dim=4096, num_heads=8, num_kv_heads=1, head_dim=256)
+  c.action_dim = 32                 # openpi pads every robot's actions (and state) to 32 dims
+  c.action_horizon = 50
+  c.max_state_dim = 32
+  c.num_cameras = 3                 # base + two wrists; absent cameras cost no tokens
+  c.max_token_len = 200             # prompt tokens (openpi pads to this; ejax packs instead)
+  c.num_inference_steps = 10
+  c.tokenizer_path = ""             # local paligemma_tokenizer.model (ejax.models.paligemma_tokenizer)
+  # ~850 prefix tokens per 3-camera sample: two samples per 2048-token row.
+  c.packing = dict(row_length=2048, samples_per_row=2, max_images_per_sample=3)
+  c.remat = "full"
+  c.attention_impl = "auto"
+  # openpi fine-tunes every parameter by default (pi05 configs have no freeze filter).
+  c.train_vision = True
+  c.train_llm = True
+  if variant == "runlocal":
+    c.dtype = "float32"
+    c.vision = dict(width=32, depth=1, mlp_dim=64, num_heads=2, patch_size=8, image_size=32)
+    c.paligemma = dict(width=64, depth=2, mlp_dim=128, num_heads=2, num_kv_heads=1, head_dim=16, vocab_size=1024)
+    c.action_expert = dict(width=32, depth=2, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16)
+    c.action_dim = 4
+    c.action_horizon = 8
+    c.max_state_dim = 4
+    c.num_cameras = 2
+    c.max_token_len = 64
+    c.num_inference_steps = 10
+    c.packing = dict(row_length=192, samples_per_row=2, max_images_per_sample=2)
+    c.remat = "none"
+  elif variant != "full":
+    raise ValueError(f"pi0.5 variant {variant!r} is not one of 'full', 'runlocal'")
+  return c
+
+
+def gemma_configs(config) -> tuple[gemma.GemmaConfig, gemma.GemmaConfig]:
+  """(PaliGemma LLM, action expert) configs; the expert's norms are adaRMS on its own width."""
+  llm = gemma.GemmaConfig(**dict(config.paligemma))
+  expert_fields = dict(config.action_expert)
+  expert = gemma.GemmaConfig(**expert_fields, adarms_cond_dim=expert_fields["width"])
+  return llm, expert
+
+
+def time_embedding(t: jax.Array, width: int) -> jax.Array:
+  """openpi's sine-cosine embedding of t [n] in [0, 1], periods 4e-3 .. 4 -> [n, width] fp32."""
+  fraction = jnp.linspace(0.0, 1.0, width // 2)
+  period = TIME_MIN_PERIOD * (TIME_MAX_PERIOD / TIME_MIN_PERIOD) ** fraction
+  angles = t.astype(jnp.float32)[:, None] * (2.0 * jnp.pi / period)[None, :]
+  return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+class Pi05(nnx.Module):
+  """pi0.5 with the registry interface: compute_loss and sample_actions on packed batches."""
+
+  def __init__(self, config, rngs: nnx.Rngs):
+    self.config = config
+    self.dtype = DTYPES[config.dtype]
+    param_dtype = DTYPES[config.param_dtype]
+    llm_config, expert_config = gemma_configs(config)
+    vision_config = SiglipConfig(**dict(config.vision))
+    common = dict(dtype=self.dtype, param_dtype=param_dtype, rngs=rngs)
+    self.vision = SiglipVisionTransformer(vision_config, **common)
+    # openpi "img/head": SigLIP width -> PaliGemma width (PaliGemma's multi-modal projector).
+    self.vision_projection = layers.Dense(vision_config.width, llm_config.width, axes=(ax.IN_FEATURES, ax.EMBED),
+                                          **common)
+    self.llm = gemma.GemmaDecoder(llm_config, rngs=rngs, param_dtype=param_dtype)
+    self.expert = gemma.GemmaDecoder(expert_config, rngs=rngs, param_dtype=param_dtype)
+    width = expert_config.width
+    self.action_in_proj = layers.Dense(config.action_dim, width, axes=(ax.IN_FEATURES, ax.EMBED), **common)
+    self.time_mlp_in = layers.Dense(width, width, axes=(ax.EMBED, ax.MLP), **common)
+    self.time_mlp_out = layers.Dense(width, width, axes=(ax.MLP, ax.EMBED), **common)
+    self.action_out_proj = layers.Dense(width, config.action_dim, axes=(ax.EMBED, ax.IN_FEATURES), **common)
+
+  # -- prefix -----------------------------------------------------------------------------------
+
+  def embed_prefix(self, batch) -> gemma.Stream:
+    """Image and prompt tokens laid out in packed rows: x [rows, row_length, llm width]."""
+    dtype = self.dtype
+    image_tokens = self.vision_projection(self.vision(normalize_images(batch["images"], dtype)))
+    image_tokens = image_tokens.reshape(-1, image_tokens.shape[-1])  # [num_images * patches, width]
+    text = self.llm.embed(batch["prefix_tokens"], dtype)
+    index = batch["prefix_image_index"]
+    from_image = jnp.take(image_tokens, jnp.maximum(index, 0), axis=0)
+    x = jnp.where((index >= 0)[..., None], from_image.astype(dtype), text)
+    segment_ids = batch["prefix_segment_ids"]
+    # ar flag 0 everywhere: the prefix is one bidirectional block (block id 0).
+    return gemma.Stream(x=x, positions=batch["prefix_positions"], segment_ids=segment_ids,
+                        block_ids=gemma.block_ids_from_ar_flags(jnp.zeros_like(segment_ids)))
+
+  # -- suffix -----------------------------------------------------------------------------------
+
+  def _suffix_layout(self, batch) -> tuple[int, int, int]:
+    rows, suffix_len = batch["suffix_segment_ids"].shape
+    horizon = self.config.action_horizon
+    if suffix_len % horizon:
+      raise ValueError(f"suffix length {suffix_len} is not a multiple of action_horizon {horizon}")
+    return rows, suffix_len // horizon, horizon
+
+  def embed_suffix(self, batch, noisy_actions: jax.Array, t: jax.Array) -> gemma.Stream:
+    """Per-sample noisy chunks [n, H, A] and times [n] scattered into their rows' suffix slots."""
+    rows, slots, horizon = self._suffix_layout(batch)
+    dtype = self.dtype
+    tokens = self.action_in_proj(noisy_actions.astype(dtype))  # [n, H, W]
+    cond = time_embedding(t, tokens.shape[-1]).astype(dtype)
+    cond = jax.nn.swish(self.time_mlp_out(jax.nn.swish(self.time_mlp_in(cond))))  # [n, W]
+    sample_row, sample_slot = batch["sample_row"], batch["sample_slot"]
+    width = tokens.shape[-1]
+    x = jnp.zeros((rows, slots, horizon, width), dtype).at[sample_row, sample_slot].set(tokens)
+    slot_cond = jnp.zeros((rows, slots, width), dtype).at[sample_row, sample_slot].set(cond)
+    segment_ids = batch["suffix_segment_ids"]
+    # ar flag 1 on each chunk's first token: the prefix (block 0) cannot see it, it sees the prefix.
+    first_of_chunk = (jnp.arange(slots * horizon) % horizon == 0).astype(jnp.int32)
+    ar = jnp.concatenate([jnp.zeros_like(batch["prefix_segment_ids"]),
+                          jnp.broadcast_to(first_of_chunk, segment_ids.shape)], axis=1)
+    block_ids = gemma.block_ids_from_ar_flags(ar)[:, batch["prefix_segment_ids"].shape[1]:]
+    return gemma.Stream(x=x.reshape(rows, slots * horizon, width), positions=batch["suffix_positions"],
+                        segment_ids=segment_ids, block_ids=block_ids, cond=slot_cond)
+
+  def _velocity_from_suffix(self, batch, suffix_out: jax.Array) -> jax.Array:
+    rows, slots, horizon = self._suffix_layout(batch)
+    out = suffix_out.reshape(rows, slots, horizon, -1)[batch["sample_row"], batch["sample_slot"]]
+    return self.action_out_proj(out).astype(jnp.float32)  # [n, H, A]
+
+  # -- the registry interface -------------------------------------------------------------------
+
+  def _run(self, streams, **kwargs):
+    return gemma.run_mixture([self.llm, self.expert], streams, dtype=self.dtype, remat=self.config.remat,
+                             attention_impl=self.config.attention_impl, **kwargs)
+
+  def compute_loss(self, batch, rng, *, time=None, noise=None, train: bool = True):
+    """Flow-matching loss (openpi convention), one joint pass over prefix and suffix.
+
+    `time` [n] / `noise` [n, H, A] fix the draws (tests); the per-sample loss is the mean squared
+    velocity error over the real action entries (action_mask), the loss their mean over the batch.
+    """
+    del train  # pi0.5 has no dropout
+    time_rng, noise_rng = jax.random.split(rng)
+    actions = batch["actions"].astype(jnp.float32)
+    n = actions.shape[0]
+    t = flow.sample_time(time_rng, n, convention="openpi") if time is None else time
+    noise = jax.random.normal(noise_rng, actions.shape, jnp.float32) if noise is None else noise
+    noisy, target = flow.interpolate(noise, actions, t, convention="openpi")
+    prefix = self.embed_prefix(batch)
+    suffix = self.embed_suffix(batch, noisy, t)
+    (_, suffix_out), _ = self._run([prefix, suffix])
+    velocity = self._velocity_from_suffix(batch, suffix_out)
+    mask = batch["action_mask"].astype(jnp.float32)
+    squared = jnp.square(velocity - target) * mask
+    real = jnp.sum(mask, axis=(1, 2))
+    per_sample_loss = jnp.sum(squared, axis=(1, 2)) / jnp.maximum(real, 1.0)
+    loss = jnp.sum(squared) / jnp.maximum(jnp.sum(real), 1.0)
+    return loss, {"per_sample_loss": per_sample_loss, "flow_loss": loss}
+
+  def velocity_fn(self, batch):
+    """velocity_fn(x [n, H, A], t [n]) for ejax.models.flow; the prefix KV cache is filled here,
+    once, and every call runs only the action expert against it."""
+    prefix = self.embed_prefix(batch)
+    _, cache = self._run([prefix, None], return_kv_cache=True)
+
+    def fn(x, t):
+      (_, suffix_out), _ = self._run([None, self.embed_suffix(batch, x, t)], kv_cache=cache)
+      return self._velocity_from_suffix(batch, suffix_out)
+    return fn
+
+  def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
+    n = batch["sample_row"].shape[0]
+    shape = (n, self.config.action_horizon, self.config.action_dim)
+    if noise is None:
+      noise = jax.random.normal(rng, shape, jnp.float32)
+    num_steps = num_steps or self.config.num_inference_steps
+    return flow.euler_sample(self.velocity_fn(batch), noise, num_steps, convention="openpi")
+
+
+def create(config, rngs: nnx.Rngs) -> Pi05:
+  return Pi05(config, rngs)
+
+
+def trainable_filter(config):
+  """nnx filter of the trained parameters. openpi fine-tunes all of pi0.5 (its pi05 configs set no
+  freeze filter); train_vision / train_llm = False freeze SigLIP (+ projection) / the Gemma-2B."""
+  frozen = []
+  if not config.train_vision:
+    frozen += [nnx.PathContains("vision"), nnx.PathContains("vision_projection")]
+  if not config.train_llm:
+    frozen.append(nnx.PathContains("llm"))
+  if not frozen:
+    return nnx.Param
+  return nnx.All(nnx.Param, nnx.Not(nnx.Any(*frozen)))
+
+
+def example_batch(model_config, batch_size: int, seed: int = 0):
+  from ejax.models.pi05_inputs import example_batch as build  # pi05_inputs imports this module
+  return build(model_config, batch_size, seed)
+
+
+def make_collate(model_config, data_config=None):
+  """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path."""
+  del data_config
+  from ejax.models.pi05_inputs import make_collate as build
+  return build(model_config)
+
+
+SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,
+                 make_collate=make_collate)

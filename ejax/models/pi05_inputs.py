@@ -1,0 +1,213 @@
+"""pi0.5 input assembly: pipeline samples -> a packed model batch (numpy).
+
+Per sample (from ejax.data): "observation.state" [state_dim] (normalised to [-1, 1]),
+"observation.images.<cam>" uint8 [H, W, 3] (optionally "observation.images.<cam>_mask" False for
+an absent camera), "action" [horizon, action_dim], "action_is_pad" [horizon], "task" str.
+
+A sample's prefix is its present cameras' image tokens (256 per 224 px image) then its prompt
+("Task: ..., State: <bins>;\\nAction: ", `paligemma_tokenizer`). Prefixes are packed with
+`ejax.data.packing.pack_sequences` into `rows` rows of `packing.row_length` tokens, at most
+`packing.samples_per_row` per row; each row has that many action-chunk slots. Absent cameras have
+no image and no tokens; the image array holds `max_images_per_sample * n` slots (padding images are
+encoded but never placed in a row: set max_images_per_sample to the cameras a dataset really has).
+
+Batch keys (see ejax/models/pi05.py): images, prefix_tokens, prefix_image_index,
+prefix_segment_ids, prefix_positions, suffix_segment_ids, suffix_positions, sample_row,
+sample_slot, actions, action_mask.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ejax.data.packing import pack_sequences
+from ejax.models.paligemma_tokenizer import PaligemmaTokenizer
+
+IMAGE_PREFIX = "observation.images."
+MASK_SUFFIX = "_mask"
+
+
+def patches_per_image(model_config) -> int:
+  return (model_config.vision.image_size // model_config.vision.patch_size) ** 2
+
+
+def rows_for(model_config, num_samples: int) -> int:
+  """Rows per batch, fixed by the batch size so batch shapes (and jit) stay static."""
+  return max(1, math.ceil(num_samples / model_config.packing.samples_per_row))
+
+
+def images_for(model_config, num_samples: int) -> int:
+  return max(1, math.ceil(num_samples * model_config.packing.max_images_per_sample))
+
+
+def resize_with_pad(image: np.ndarray, size: int) -> np.ndarray:
+  """Aspect-preserving resize onto a black size x size canvas (openpi's resize_with_pad)."""
+  height, width = image.shape[:2]
+  if height == size and width == size:
+    return image
+  from PIL import Image
+  scale = size / max(height, width)
+  new_w, new_h = max(1, round(width * scale)), max(1, round(height * scale))
+  resized = np.asarray(Image.fromarray(image).resize((new_w, new_h), Image.BILINEAR))
+  canvas = np.zeros((size, size, 3), np.uint8)
+  top, left = (size - new_h) // 2, (size - new_w) // 2
+  canvas[top:top + new_h, left:left + new_w] = resized
+  return canvas
+
+
+def _limit_samples_per_row(rows: list[list[int]], samples_per_row: int) -> list[list[int]]:
+  """Best-fit packing may put more short samples in a row than it has action slots: move the
+  extras to rows of their own (they still fit: they were shorter than the room they had)."""
+  limited = []
+  for members in rows:
+    for start in range(0, len(members), samples_per_row):
+      limited.append(members[start:start + samples_per_row])
+  return limited
+
+
+def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Sequence[np.ndarray]],
+             actions: np.ndarray, action_masks: np.ndarray, *, num_rows: int | None = None,
+             num_images: int | None = None, seed: int = 0, pack: bool = True) -> dict[str, np.ndarray]:
+  """Lays out token prompts and per-sample lists of present images ([S, S, 3] uint8) in rows.
+
+  pack=False puts each sample alone in its own row: the one-by-one layout tests compare against.
+  """
+  c = model_config
+  n = len(prompts)
+  per_image = patches_per_image(c)
+  row_length, slots, horizon = c.packing.row_length, c.packing.samples_per_row, c.action_horizon
+  lengths = [len(imgs) * per_image + len(p) for imgs, p in zip(images, prompts)]
+  if pack:
+    rows = pack_sequences(lengths, row_length, buffer_size=max(n, 1), seed=seed)
+    rows = _limit_samples_per_row(rows, slots)
+    num_rows = rows_for(c, n) if num_rows is None else num_rows
+  else:
+    for i, length in enumerate(lengths):
+      if length > row_length:
+        raise ValueError(f"sample {i} has {length} prefix tokens > packing.row_length {row_length}")
+    rows = [[i] for i in range(n)]
+    num_rows = n if num_rows is None else num_rows
+  if len(rows) > num_rows:
+    raise ValueError(f"{n} samples need {len(rows)} rows of {row_length} tokens but the batch has {num_rows}: "
+                     "raise config.model.packing.row_length or lower packing.samples_per_row")
+  num_images = images_for(c, n) if num_images is None else num_images
+  present = sum(len(imgs) for imgs in images)
+  if present > num_images:
+    raise ValueError(f"{n} samples have {present} images but the batch has {num_images} image slots: raise "
+                     "config.model.packing.max_images_per_sample")
+  size = c.vision.image_size
+  image_array = np.zeros((num_images, size, size, 3), np.uint8)
+  first_image = np.zeros(n, np.int64)
+  cursor = 0
+  for i, imgs in enumerate(images):
+    first_image[i] = cursor
+    for img in imgs:
+      image_array[cursor] = img
+      cursor += 1
+
+  tokens = np.zeros((num_rows, row_length), np.int32)
+  image_index = np.full((num_rows, row_length), -1, np.int32)
+  segment_ids = np.zeros((num_rows, row_length), np.int32)
+  positions = np.zeros((num_rows, row_length), np.int32)
+  suffix_segment_ids = np.zeros((num_rows, slots * horizon), np.int32)
+  suffix_positions = np.zeros((num_rows, slots * horizon), np.int32)
+  sample_row = np.zeros(n, np.int32)
+  sample_slot = np.zeros(n, np.int32)
+  for row, members in enumerate(rows):
+    offset = 0
+    for slot, i in enumerate(members):
+      segment = slot + 1
+      image_tokens = len(images[i]) * per_image
+      length = lengths[i]
+      span = slice(offset, offset + length)
+      segment_ids[row, span] = segment
+      positions[row, span] = np.arange(length)
+      image_index[row, offset:offset + image_tokens] = first_image[i] * per_image + np.arange(image_tokens)
+      tokens[row, offset + image_tokens:offset + length] = prompts[i]
+      chunk = slice(slot * horizon, (slot + 1) * horizon)
+      suffix_segment_ids[row, chunk] = segment
+      suffix_positions[row, chunk] = length + np.arange(horizon)  # the suffix follows its prefix
+      sample_row[i], sample_slot[i] = row, slot
+      offset += length
+  return {
+      "images": image_array,
+      "prefix_tokens": tokens, "prefix_image_index": image_index,
+      "prefix_segment_ids": segment_ids, "prefix_positions": positions,
+      "suffix_segment_ids": suffix_segment_ids, "suffix_positions": suffix_positions,
+      "sample_row": sample_row, "sample_slot": sample_slot,
+      "actions": np.asarray(actions, np.float32), "action_mask": np.asarray(action_masks, np.float32),
+  }
+
+
+def _pad_to(x: np.ndarray, size: int, axis: int, what: str) -> np.ndarray:
+  if x.shape[axis] > size:
+    raise ValueError(f"{what} has {x.shape[axis]} dims > the model's {size}: raise config.model.{what}")
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return np.pad(x, pad)
+
+
+def present_cameras(sample: dict) -> list[str]:
+  """Camera keys of a sample in slot order, without those flagged absent by `<key>_mask` False."""
+  keys = sorted(k for k in sample if k.startswith(IMAGE_PREFIX) and not k.endswith(MASK_SUFFIX)
+                and not k.endswith("_is_pad"))
+  return [k for k in keys if bool(np.all(sample.get(k + MASK_SUFFIX, True)))]
+
+
+def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *, num_rows: int | None = None,
+            seed: int = 0, pack: bool = True) -> dict[str, np.ndarray]:
+  """Tokenises (task + discretised state), resizes, pads and packs pipeline samples into a batch."""
+  c = model_config
+  prompts, images, actions, masks = [], [], [], []
+  for index, sample in enumerate(samples):
+    cameras = present_cameras(sample)
+    if len(cameras) > c.num_cameras:
+      raise ValueError(f"sample {index} has {len(cameras)} cameras {cameras} > config.model.num_cameras "
+                       f"{c.num_cameras}")
+    state = _pad_to(np.asarray(sample["observation.state"], np.float32).reshape(-1), c.max_state_dim, 0,
+                    "max_state_dim")
+    prompts.append(tokenizer.tokenize_prompt(str(sample["task"]), state))
+    images.append([resize_with_pad(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras])
+    action = np.asarray(sample["action"], np.float32)
+    if action.shape[0] != c.action_horizon:
+      raise ValueError(f"sample {index}: action chunk has {action.shape[0]} steps, the model's horizon is "
+                       f"{c.action_horizon} (set the pipeline's action horizon to config.model.action_horizon)")
+    real_steps = 1.0 - np.asarray(sample.get("action_is_pad", np.zeros(action.shape[0])), np.float32)
+    mask = np.zeros((c.action_horizon, c.action_dim), np.float32)
+    mask[:, :action.shape[1]] = real_steps[:, None]
+    actions.append(_pad_to(action, c.action_dim, 1, "action_dim"))
+    masks.append(mask)
+  return assemble(c, prompts, images, np.stack(actions), np.stack(masks), num_rows=num_rows, seed=seed, pack=pack)
+
+
+def make_collate(model_config, tokenizer: PaligemmaTokenizer | None = None) -> Callable[[list[dict]], dict]:
+  tokenizer = tokenizer or PaligemmaTokenizer(model_config.tokenizer_path, max_len=model_config.max_token_len)
+  return lambda samples: collate(samples, model_config, tokenizer)
+
+
+def example_batch(model_config, batch_size: int, seed: int = 0, *, pack: bool = True) -> dict[str, np.ndarray]:
+  """A real-shaped batch without a tokenizer: random prompt ids of varying length, 1 to
+  max_images_per_sample cameras per sample, padded action steps and dims."""
+  c = model_config
+  rng = np.random.default_rng(seed)
+  per_image = patches_per_image(c)
+  max_images = min(c.num_cameras, int(c.packing.max_images_per_sample))
+  budget = c.packing.row_length // c.packing.samples_per_row - max_images * per_image
+  max_prompt = max(2, min(c.max_token_len, budget))
+  size = c.vision.image_size
+  prompts, images = [], []
+  for _ in range(batch_size):
+    prompts.append(rng.integers(1, c.paligemma.vocab_size, int(rng.integers(max(1, max_prompt // 4), max_prompt + 1))))
+    count = int(rng.integers(1, max_images + 1))
+    images.append([rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(count)])
+  actions = np.zeros((batch_size, c.action_horizon, c.action_dim), np.float32)
+  masks = np.zeros_like(actions)
+  for i in range(batch_size):
+    dims = int(rng.integers(1, c.action_dim + 1))
+    steps = c.action_horizon - int(rng.integers(0, c.action_horizon // 4 + 1))
+    actions[i, :, :dims] = rng.uniform(-1, 1, (c.action_horizon, dims))
+    masks[i, :steps, :dims] = 1.0
+  return assemble(c, prompts, images, actions, masks, seed=seed, pack=pack)

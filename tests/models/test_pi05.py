@@ -1,0 +1,115 @@
+"""pi0.5: packed == one by one, flow-matching training signal, sampling, sizes, freezing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ejax.models import layers, pi05, pi05_inputs, summary
+
+BATCH = 5
+
+
+@pytest.fixture(scope="module")
+def config():
+  return pi05.model_config("runlocal")
+
+
+@pytest.fixture(scope="module")
+def model(config):
+  # Host-filled random weights (a jitted init compiles one random program per shape, slow on CPU).
+  # Every weight is random, adaRMS included: its zero init would close every expert residual branch
+  # and hide bugs behind the gate.
+  return layers.host_random_init(nnx.eval_shape(lambda: pi05.create(config, nnx.Rngs(0))), seed=1, stddev=0.1)
+
+
+@pytest.fixture(scope="module")
+def batches(config):
+  packed = {k: jnp.asarray(v) for k, v in pi05_inputs.example_batch(config, BATCH, seed=3, pack=True).items()}
+  alone = {k: jnp.asarray(v) for k, v in pi05_inputs.example_batch(config, BATCH, seed=3, pack=False).items()}
+  return packed, alone
+
+
+@nnx.jit
+def _loss(model, batch, time, noise):
+  return model.compute_loss(batch, jax.random.key(0, impl="rbg"), time=time, noise=noise)
+
+
+@nnx.jit
+def _sample(model, batch, noise):
+  return model.sample_actions(batch, jax.random.key(0, impl="rbg"), noise=noise)
+
+
+def test_packing_really_packs(config, batches):
+  packed, alone = batches
+  assert packed["prefix_tokens"].shape[0] == pi05_inputs.rows_for(config, BATCH) < alone["prefix_tokens"].shape[0]
+  # No padding inside a packed sample and no tokens for absent cameras.
+  per_image = pi05_inputs.patches_per_image(config)
+  image_tokens = int(jnp.sum(packed["prefix_image_index"] >= 0))
+  assert image_tokens % per_image == 0 and image_tokens < BATCH * config.num_cameras * per_image
+
+
+def test_packed_batch_equals_samples_one_by_one(config, model, batches):
+  packed, alone = batches
+  rng = np.random.default_rng(0)
+  noise = jnp.asarray(rng.normal(size=(BATCH, config.action_horizon, config.action_dim)), jnp.float32)
+  time = jnp.asarray(rng.uniform(0.05, 1.0, BATCH), jnp.float32)
+  loss_packed, metrics_packed = _loss(model, packed, time, noise)
+  loss_alone, metrics_alone = _loss(model, alone, time, noise)
+  np.testing.assert_allclose(metrics_packed["per_sample_loss"], metrics_alone["per_sample_loss"], rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(loss_packed, loss_alone, rtol=2e-5)
+  assert np.all(np.asarray(metrics_packed["per_sample_loss"]) > 0)
+  actions_packed = _sample(model, packed, noise)
+  actions_alone = _sample(model, alone, noise)
+  assert actions_packed.shape == (BATCH, config.action_horizon, config.action_dim)
+  np.testing.assert_allclose(actions_packed, actions_alone, rtol=1e-4, atol=1e-5)
+  # Sampling used the noise: a different draw gives different actions.
+  other = _sample(model, packed, noise + 1.0)
+  assert np.abs(np.asarray(other) - np.asarray(actions_packed)).max() > 1e-3
+
+
+def test_velocity_at_noise_recovers_training_target(config, model, batches):
+  # 10-step Euler with the prefix KV cache vs the joint training pass: with time = 1 the training
+  # input is pure noise, so the first sampling step's velocity equals the training prediction.
+  packed, _ = batches
+  rng = np.random.default_rng(1)
+  noise = jnp.asarray(rng.normal(size=(BATCH, config.action_horizon, config.action_dim)), jnp.float32)
+  ones = jnp.ones((BATCH,), jnp.float32)
+  _, metrics = _loss(model, packed, ones, noise)
+
+  @nnx.jit
+  def first_velocity(model, batch, x):
+    return model.velocity_fn(batch)(x, jnp.ones((x.shape[0],), jnp.float32))
+
+  velocity = first_velocity(model, packed, noise)
+  target = noise - packed["actions"]
+  mask = packed["action_mask"]
+  expected = jnp.sum(jnp.square(velocity - target) * mask, axis=(1, 2)) / jnp.sum(mask, axis=(1, 2))
+  np.testing.assert_allclose(metrics["per_sample_loss"], expected, rtol=1e-4)
+
+
+def test_full_size_component_counts_match_published(config):
+  full = pi05.model_config("full")
+  result = summary.summarize(full, {"data": 1, "fsdp": 8, "tensor": 1}, [("embed", "fsdp")], num_devices=8)
+  counts = result["param_counts"]
+  # Gemma-2B (PaliGemma's LLM, HF gemma-2b): 2,506,172,416. Gemma-300M (openpi gemma.py: "311M").
+  assert abs(counts["gemma_2b"] - 2_506_172_416) / 2_506_172_416 < 0.02
+  assert abs(counts["gemma_300m"] - 311e6) / 311e6 < 0.02
+  # SigLIP So400m/14 at 224 px without the pooling head (pi0.5 uses the patch tokens): 412.4M; the
+  # "So400m" family name is nominal (0.4B), the released tower is 3 % above it.
+  assert abs(counts["siglip_so400m"] - 412.4e6) / 412.4e6 < 0.02
+  # ~3.3B in all (openpi / pi0 paper), adaRMS modulation included.
+  assert abs(result["total_params"] - 3.3e9) / 3.3e9 < 0.05
+
+
+def test_trainable_filter_trains_everything_by_default_and_can_freeze(config, model):
+  everything = nnx.state(model, nnx.Param)
+  trained = nnx.state(model, pi05.trainable_filter(config))
+  assert len(jax.tree.leaves(trained)) == len(jax.tree.leaves(everything))
+  frozen_config = config.copy_and_resolve_references()
+  frozen_config.train_vision = False
+  frozen_config.train_llm = False
+  trained = nnx.to_flat_state(nnx.state(model, pi05.trainable_filter(frozen_config)))
+  paths = ["/".join(map(str, p)) for p, _ in trained]
+  assert paths and all(p.startswith(("expert", "action_", "time_mlp")) for p in paths)
