@@ -63,10 +63,17 @@ def groot_timestep_buckets(t: jax.Array, num_buckets: int = GROOT_TIMESTEP_BUCKE
 
 
 def _tau_velocity(velocity_fn: VelocityFn, convention: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """The velocity in the noise-at-1 parameterisation, whatever the model's convention."""
-  if convention == "groot":
-    return lambda x, tau: -velocity_fn(x, 1.0 - tau)
-  return velocity_fn
+  """velocity(x, step [n]) in the noise-at-1 parameterisation, whatever the model's convention.
+
+  The model's time is computed from the step directly (GR00T: step / N, exactly as Isaac-GR00T
+  does before bucketing), not as 1 - tau, whose rounding would move floor(t * 1000) down a bucket.
+  """
+  def velocity(x, step, num_steps):
+    step = step.astype(jnp.float32)
+    if convention == "groot":
+      return -velocity_fn(x, step / num_steps)
+    return velocity_fn(x, 1.0 - step / num_steps)
+  return velocity
 
 
 def _tau_at(step: jax.Array | int, num_steps: int) -> jax.Array:
@@ -85,8 +92,7 @@ def euler_sample(velocity_fn: VelocityFn, noise: jax.Array, num_steps: int, *, c
   n = noise.shape[0]
 
   def body(step, x):
-    tau = jnp.full((n,), _tau_at(step, num_steps))
-    return x - dt * velocity(x, tau).astype(x.dtype)
+    return x - dt * velocity(x, jnp.full((n,), step), num_steps).astype(x.dtype)
 
   return jax.lax.fori_loop(0, num_steps, body, noise)
 
@@ -153,8 +159,9 @@ def flow_sde_sample(
 
   def body(step, carry):
     x, chain, log_prob = carry
-    tau = jnp.full((n,), _tau_at(step, num_steps))
-    v = velocity(x, tau).astype(jnp.float32)
+    steps = jnp.full((n,), step)
+    tau = _tau_at(steps, num_steps)
+    v = velocity(x, steps, num_steps).astype(jnp.float32)
     xf = x.astype(jnp.float32)
     mean, std = _sde_transition(xf, v, tau, num_steps, noise_level)
     stochastic = mean + std * eps
@@ -190,7 +197,7 @@ def flow_sde_log_prob(
   x = chain[rows, step_index].astype(jnp.float32)
   x_next = chain[rows, step_index + 1].astype(jnp.float32)
   tau = _tau_at(step_index, num_steps)
-  v = velocity(x.astype(chain.dtype), tau).astype(jnp.float32)
+  v = velocity(x.astype(chain.dtype), step_index, num_steps).astype(jnp.float32)
   mean, std = _sde_transition(x, v, tau, num_steps, noise_level)
   mask = None if action_mask is None else jnp.broadcast_to(action_mask, x.shape).astype(jnp.float32)
   return _gaussian_log_prob(x_next, mean, std, mask)
