@@ -25,7 +25,7 @@ import numpy as np
 
 from ejax.data.packing import pack_sequences
 from ejax.models.groot import tokens_per_image
-from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt
+from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt, load_tokenizer
 
 IMAGE_PREFIX = "observation.images."
 
@@ -128,7 +128,8 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
 
 
 def make_collate(model_config, tokenizer: QwenTokenizer | None = None) -> Callable[[list[dict]], dict]:
-  tokenizer = tokenizer or QwenTokenizer.from_file(model_config.tokenizer_path)
+  """collate bound to a tokenizer: config.model.tokenizer_path's Qwen BPE, or bytes when it is empty."""
+  tokenizer = tokenizer or load_tokenizer(model_config.tokenizer_path, model_config.llm.vocab_size)
   return lambda samples: collate(samples, model_config, tokenizer)
 
 

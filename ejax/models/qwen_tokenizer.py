@@ -58,3 +58,52 @@ def eagle_prompt(tokenizer: QwenTokenizer, task: str, num_images: int, tokens_pe
     ids += tokenizer.encode("\n")
   ids += tokenizer.encode(task) + tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
   return ids
+
+
+class ByteTokenizer:
+  """UTF-8 bytes as token ids (0-255) plus the chat/image specials after them.
+
+  For CPU-sized runs and tests without a tokenizer file (config.model.tokenizer_path empty): the
+  prompt has the same structure as with Qwen's BPE, only longer text. Never used with real weights.
+  """
+
+  SPECIALS = ("<|im_start|>", "<|im_end|>", IMAGE_START, IMAGE_END, IMAGE_CONTEXT)
+
+  def __init__(self, vocab_size: int = 512):
+    if vocab_size < 256 + len(self.SPECIALS):
+      raise ValueError(f"ByteTokenizer needs a vocabulary of at least {256 + len(self.SPECIALS)}, got {vocab_size}")
+    self.vocab_size = vocab_size
+    self._special_ids = {token: 256 + i for i, token in enumerate(self.SPECIALS)}
+
+  def encode(self, text: str) -> list[int]:
+    ids, rest = [], text
+    while rest:
+      hits = [(rest.find(s), s) for s in self.SPECIALS if s in rest]
+      if not hits:
+        return ids + list(rest.encode("utf-8"))
+      position, special = min(hits)
+      ids += list(rest[:position].encode("utf-8")) + [self._special_ids[special]]
+      rest = rest[position + len(special):]
+    return ids
+
+  def decode(self, ids: list[int]) -> str:
+    names = {v: k for k, v in self._special_ids.items()}
+    out, pending = [], bytearray()
+    for i in ids:
+      if i < 256:
+        pending.append(i)
+        continue
+      out.append(pending.decode("utf-8", errors="replace"))
+      pending = bytearray()
+      out.append(names.get(i, f"<{i}>"))
+    return "".join(out) + pending.decode("utf-8", errors="replace")
+
+  def token_id(self, token: str) -> int:
+    if token not in self._special_ids:
+      raise KeyError(f"token {token!r} is not one of the byte tokenizer's specials {self.SPECIALS}")
+    return self._special_ids[token]
+
+
+def load_tokenizer(path: str, vocab_size: int):
+  """The checkpoint's Qwen tokenizer when `path` is set, else the byte tokenizer (CPU runs)."""
+  return QwenTokenizer.from_file(path) if path else ByteTokenizer(vocab_size)

@@ -93,3 +93,17 @@ def test_collate_errors_name_the_fix(tokenizer):
   c.packing.row_length = 40
   with pytest.raises(ValueError, match="row_length"):
     groot_inputs.collate([sample(rng, "open the drawer", 3, 3, 0, 0)], c, tokenizer)
+
+
+def test_byte_tokenizer_collates_without_a_tokenizer_file():
+  c = groot.model_config("runlocal")
+  c.packing.row_length = 128
+  collate = groot_inputs.make_collate(c)
+  rng = np.random.default_rng(2)
+  s = sample(rng, "open the drawer", 3, 2, 0, 1)
+  del s["observation.images.front"]
+  batch = collate([s, dict(s, task="pick")])
+  tokens = batch["vl_tokens"][batch["vl_segment_ids"] == batch["sample_segment"][0]]
+  assert bytes(t for t in tokens if t < 256).decode().count("open the drawer") == 1
+  assert int((batch["vl_image_slot"] >= 0).sum()) == 2 * groot.tokens_per_image(c)
+  assert int(batch["vl_tokens"].max()) < c.llm.vocab_size
