@@ -1,0 +1,80 @@
+"""Defaults every ejax config starts from: mesh, sharding rules, optimiser, checkpoints, metrics.
+
+A config file calls `base_config()` and fills in `model` and `data`; variants come through the arg
+string (`configs/groot.py:runlocal`), and one-off changes through `--config.x=y`.
+"""
+
+from ml_collections import ConfigDict
+from ml_collections.config_dict import placeholder
+
+from ejax.parallel import axes as ax
+
+# The one table from logical axis names to mesh axes. The first rule that names an axis wins;
+# mesh axes that do not divide a dimension are dropped for it (see ejax/parallel/rules.py).
+SHARDING_RULES = (
+    (ax.ACT_BATCH, (ax.DATA, ax.FSDP)),
+    (ax.ACT_LEN, None),
+    (ax.ACT_EMBED, None),
+    (ax.ACT_HEADS, ax.TENSOR),
+    (ax.ACT_MLP, ax.TENSOR),
+    (ax.ACT_VOCAB, ax.TENSOR),
+    (ax.EMBED, ax.FSDP),
+    (ax.MLP, ax.TENSOR),
+    (ax.HEADS, ax.TENSOR),
+    (ax.KV_HEADS, ax.TENSOR),
+    (ax.HEAD_DIM, None),
+    (ax.VOCAB, (ax.TENSOR, ax.FSDP)),
+    (ax.EMBODIMENT, None),
+    (ax.IN_FEATURES, None),
+    (ax.NORM, None),
+    (ax.LAYERS, None),
+)
+
+
+def base_config() -> ConfigDict:
+  config = ConfigDict()
+  config.job = "train"
+  config.seed = 0
+  # Compiled programs persist here, so resumed and repeated runs skip compilation ("" disables).
+  config.compilation_cache_dir = "~/.cache/ejax/xla"
+
+  # Devices: sizes of the (data, fsdp, tensor) mesh; one may be -1 ("all remaining devices").
+  config.mesh = ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  config.sharding_rules = [list(rule) for rule in SHARDING_RULES]
+  # Multi-host: leave empty on one process; see README "Multi-host".
+  config.distributed = ConfigDict(dict(
+      coordinator_address=placeholder(str), num_processes=placeholder(int), process_id=-1,
+      initialization_timeout=300))
+
+  config.model = ConfigDict()
+  config.data = ConfigDict()
+
+  config.train = ConfigDict(dict(
+      steps=1000,
+      global_batch_size=32,
+      grad_accum_steps=1,        # micro-batches per step (gradients summed before the update)
+      learning_rate=1e-4,
+      warmup_fraction=0.05,
+      min_learning_rate_ratio=0.0,  # cosine decays to lr * this
+      b1=0.95, b2=0.999, eps=1e-8,
+      weight_decay=1e-5,
+      grad_clip_norm=1.0,
+      param_dtype="float32",     # master weights
+      compute_dtype="bfloat16",  # forward/backward
+      remat="none",              # none | dots | dots_no_batch | full (ejax/parallel/remat.py)
+      ema_decay=0.0,             # 0 disables the EMA copy of the parameters
+      transfer_guard="disallow",  # accidental host<->device copies in the loop are errors
+      stop_at=0,                 # >0: end this run after that step (to fit a time slice); resume later
+  ))
+  config.checkpoint = ConfigDict(dict(
+      every_steps=500, keep=3, async_save=True, resume=True))
+  config.metrics = ConfigDict(dict(
+      log_every_steps=10, tensorboard=True, progress_bar=True,
+      peak_flops_per_device=placeholder(float)))  # else from ejax/train/metrics.py's table
+  return config
+
+
+def parse_arg(arg: str | None, **defaults):
+  """'runlocal,steps=20' -> ConfigDict(runlocal=True, steps=20) over the given defaults."""
+  from ejax.config import parse_arg as _parse
+  return _parse(arg, **defaults)

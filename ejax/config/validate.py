@@ -1,0 +1,44 @@
+"""Checks run on a config before any work starts, so bad input fails in one clear line."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ml_collections import ConfigDict
+
+from ejax.errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+  """A config value that cannot work; the message names the field and the fix."""
+
+
+def validate(config: ConfigDict) -> None:
+  train = config.get("train")
+  if train is not None:
+    _positive(train, "steps", "train")
+    _positive(train, "global_batch_size", "train")
+    _positive(train, "grad_accum_steps", "train")
+    if train.global_batch_size % train.grad_accum_steps:
+      raise ConfigError(
+          f"train.global_batch_size={train.global_batch_size} is not divisible by "
+          f"train.grad_accum_steps={train.grad_accum_steps}")
+    if not 0.0 <= train.ema_decay < 1.0:
+      raise ConfigError(f"train.ema_decay={train.ema_decay} must be in [0, 1)")
+    if not 0.0 <= train.warmup_fraction < 1.0:
+      raise ConfigError(f"train.warmup_fraction={train.warmup_fraction} must be in [0, 1)")
+    if not (math.isfinite(train.learning_rate) and train.learning_rate > 0):
+      raise ConfigError(f"train.learning_rate={train.learning_rate} must be a positive number")
+  data = config.get("data")
+  if data is not None and data.get("path"):
+    if not os.path.exists(data.path):
+      raise ConfigError(
+          f"data.path {data.path!r} does not exist: point --config.data.path at a dataset "
+          f"(make one with --config.job=demos) or use --config.data.name=synthetic")
+
+
+def _positive(section: ConfigDict, key: str, prefix: str) -> None:
+  value = section.get(key)
+  if not isinstance(value, int) or value <= 0:
+    raise ConfigError(f"{prefix}.{key}={value!r} must be a positive integer")

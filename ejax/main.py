@@ -1,0 +1,87 @@
+"""ejax launcher: `python -m ejax.main --config=configs/groot.py:runlocal [--config.x=y] [--workdir=DIR]`.
+
+It parses the config, validates it, and calls the job the config names (config.job). Nothing else:
+the work lives in importable libraries (see ejax/jobs.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file, optionally with an arg: configs/groot.py:runlocal", lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Where checkpoints, metrics and outputs go (default: runs/<config>_<arg>).")
+flags.mark_flags_as_required(["config"])
+
+
+def default_workdir(config_arg: str) -> str:
+  path, _, arg = config_arg.partition(":")
+  name = os.path.splitext(os.path.basename(path))[0]
+  suffix = "_" + arg.replace(",", "_").replace("=", "-") if arg else ""
+  return os.path.join("runs", name + suffix)
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go through --config.x=y")
+  # Imported here so that `--help` stays fast and JAX starts after absl has parsed the flags.
+  from flax import nnx
+
+  from ejax.config import validate
+  from ejax.errors import UserError
+  from ejax.jobs import get_job
+
+  nnx.use_eager_sharding(False)  # parameters are placed by jit out_shardings (ejax/train/state.py)
+  _quiet_library_logs()
+  config = _CONFIG.value
+  workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
+  try:
+    validate(config)
+    job = get_job(config.job)
+    job(config, workdir)
+  except UserError as error:
+    logging.flush()
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _quiet_library_logs() -> None:
+  """orbax and grain log every file they touch at INFO; keep their warnings, drop the chatter."""
+  import logging as py_logging
+
+  noisy = ("orbax", "grain", "tensorstore", "etils")
+  def keep(record):
+    return record.levelno >= py_logging.WARNING or not any(n in record.pathname for n in noisy)
+  logging.get_absl_handler().addFilter(keep)
+
+
+def run() -> None:
+  # Flag-parsing problems (a missing config file, an unknown --config.key) become one line too.
+  try:
+    app.run(main, flags_parser=_parse_flags)
+  except KeyboardInterrupt:
+    sys.exit(130)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    print(f"error: {_flag_message(error)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _flag_message(error: Exception) -> str:
+  text = str(error).strip().splitlines()[0]
+  if "Could not find key" in text or "has no attribute" in text or "KeyError" in text:
+    return f"{text}: check the spelling against the config file (an unknown --config key)"
+  return text
+
+
+if __name__ == "__main__":
+  run()
