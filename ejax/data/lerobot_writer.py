@@ -10,8 +10,9 @@ Used by the simulation issue to save demonstrations and by tests to build small 
                       "observation.state": [T, 8], "action": [T, 7]}, task="stack the blocks")
   writer.finalize()
 
-Video frames are encoded as they arrive (h264 or AV1, a keyframe every 2 frames like LeRobot), so
-memory holds one data file's rows, not the episodes' images.
+Video frames are encoded as they arrive (h264 or AV1, a keyframe every 2 frames like LeRobot; h264
+tuned for fast decoding unless video_tune=None), so memory holds one data file's rows, not the
+episodes' images.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ class _LeRobotWriter:
   version = ""
 
   def __init__(self, root: str, *, fps: int, features: Mapping[str, Mapping[str, Any]],
-               robot_type: str, video_codec: str = "h264", gop_size: int = DEFAULT_GOP_SIZE):
+               robot_type: str, video_codec: str = "h264", gop_size: int = DEFAULT_GOP_SIZE,
+               video_tune: str | None = "default"):
     if os.path.exists(os.path.join(root, "meta", "info.json")):
       raise FileExistsError(f"{root} already holds a LeRobot dataset: write to a new directory")
     self.root, self.fps, self.robot_type = root, int(fps), robot_type
-    self.video_codec, self.gop_size = video_codec, gop_size
+    self.video_codec, self.gop_size, self.video_tune = video_codec, gop_size, video_tune
     self.features: dict[str, dict[str, Any]] = {}
     for key, feature in features.items():
       feature = copy.deepcopy(dict(feature))
@@ -137,9 +139,10 @@ class LeRobotV3Writer(_LeRobotWriter):
 
   def __init__(self, root: str, *, fps: int, features, robot_type: str,
                video_codec: str = "h264", gop_size: int = DEFAULT_GOP_SIZE,
-               data_files_size_in_mb: float = 100, video_files_size_in_mb: float = 200):
+               video_tune: str | None = "default", data_files_size_in_mb: float = 100,
+               video_files_size_in_mb: float = 200):
     super().__init__(root, fps=fps, features=features, robot_type=robot_type,
-                     video_codec=video_codec, gop_size=gop_size)
+                     video_codec=video_codec, gop_size=gop_size, video_tune=video_tune)
     self.data_files_size_in_mb = data_files_size_in_mb
     self.video_files_size_in_mb = video_files_size_in_mb
     self._data_file_number = 0
@@ -160,7 +163,7 @@ class LeRobotV3Writer(_LeRobotWriter):
           video_key=key, chunk_index=chunk, file_index=file))
       height, width, _ = self.features[key]["shape"]
       encoder = VideoEncoder(path, fps=self.fps, height=height, width=width,
-                             codec=self.video_codec, gop_size=self.gop_size)
+                             codec=self.video_codec, gop_size=self.gop_size, tune=self.video_tune)
       self._encoders[key] = encoder
     return encoder
 
@@ -238,9 +241,10 @@ class LeRobotV21Writer(_LeRobotWriter):
   version = fmt.V21
 
   def __init__(self, root: str, *, fps: int, features, robot_type: str,
-               video_codec: str = "h264", gop_size: int = DEFAULT_GOP_SIZE):
+               video_codec: str = "h264", gop_size: int = DEFAULT_GOP_SIZE,
+               video_tune: str | None = "default"):
     super().__init__(root, fps=fps, features=features, robot_type=robot_type,
-                     video_codec=video_codec, gop_size=gop_size)
+                     video_codec=video_codec, gop_size=gop_size, video_tune=video_tune)
     self._episodes: list[dict[str, Any]] = []
 
   def add_episode(self, frames: Mapping[str, np.ndarray], task: str) -> int:
@@ -257,7 +261,7 @@ class LeRobotV21Writer(_LeRobotWriter):
       encoder = VideoEncoder(os.path.join(self.root, fmt.V21_VIDEO_PATH.format(
           episode_chunk=chunk, video_key=key, episode_index=episode_index)),
           fps=self.fps, height=height, width=width, codec=self.video_codec,
-          gop_size=self.gop_size)
+          gop_size=self.gop_size, tune=self.video_tune)
       encoder.write(np.asarray(frames[key]))
       encoder.close()
     self.episode_stats.append(self._stats(frames, columns))

@@ -2,8 +2,9 @@
 
 LeRobot's own loader opens, probes, seeks and closes a shared mp4 for every sample and camera.
 `VideoReaderCache` keeps containers open per worker process (LRU), remembers where each decoder
-stands so a request just ahead of it decodes forward instead of seeking, and converts (and, when
-asked, resizes) frames in one swscale call.
+stands so a request just ahead of it decodes forward instead of seeking, decodes on one thread,
+and converts (and, when asked, resizes) frames in one swscale call with a converter kept per
+stream.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Sequence
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from ejax.data.errors import DataError
 
@@ -21,15 +23,22 @@ CODECS = {"h264": "libx264", "av1": "libsvtav1"}
 # A keyframe every 2 frames, as LeRobot encodes: a random seek decodes at most 2 frames.
 DEFAULT_GOP_SIZE = 2
 DEFAULT_CRF = {"h264": 23, "av1": 30}
+# Training reads are decode-bound: x264's fastdecode tuning (no CABAC, no deblocking) decodes
+# ~2.5x faster for ~40 % larger files, still plain h264 that any reader decodes.
+DEFAULT_TUNE = {"h264": "fastdecode", "av1": None}
 # A request at most this many frames ahead of the decoder decodes forward instead of seeking.
 MAX_FORWARD_FRAMES = 4
 
 
 class VideoEncoder:
-  """Appends uint8 RGB frames [T, H, W, 3] to one mp4 stream at a constant frame rate."""
+  """Appends uint8 RGB frames [T, H, W, 3] to one mp4 stream at a constant frame rate.
+
+  `tune`: "default" picks DEFAULT_TUNE for the codec; None encodes with the codec's defaults.
+  """
 
   def __init__(self, path: str, *, fps: int, height: int, width: int, codec: str = "h264",
-               gop_size: int = DEFAULT_GOP_SIZE, crf: int | None = None):
+               gop_size: int = DEFAULT_GOP_SIZE, crf: int | None = None,
+               tune: str | None = "default"):
     if codec not in CODECS:
       raise ValueError(f"video codec {codec!r} is not supported: use one of {sorted(CODECS)}")
     if codec == "av1":
@@ -43,7 +52,11 @@ class VideoEncoder:
     self._stream.width, self._stream.height = width, height
     self._stream.pix_fmt = "yuv420p"
     crf = DEFAULT_CRF[codec] if crf is None else crf
-    self._stream.options = {"g": str(gop_size), "crf": str(crf)}
+    options = {"g": str(gop_size), "crf": str(crf)}
+    tune = DEFAULT_TUNE[codec] if tune == "default" else tune
+    if tune:
+      options["tune"] = tune
+    self._stream.options = options
 
   def write(self, frames: np.ndarray) -> None:
     frames = np.asarray(frames)
@@ -70,7 +83,12 @@ class _OpenVideo:
   def __init__(self, path: str):
     self.container = av.open(path)
     self.stream = self.container.streams.video[0]
-    self.stream.thread_type = "SLICE"  # No frame threading: it adds latency to every seek.
+    # One decoding thread: frame threading adds latency to every seek and slice threads cost
+    # more CPU than they save on small frames; parallelism comes from grain workers instead.
+    self.stream.codec_context.thread_count = 1
+    # One colour converter per stream: a fresh frame's to_ndarray builds a new swscale context
+    # each time, which costs more than decoding a 224x224 frame.
+    self.reformatter = VideoReformatter()
     self.time_base = float(self.stream.time_base)
     rate = self.stream.average_rate or self.stream.guessed_rate
     self.frame_seconds = 1.0 / float(rate) if rate else 0.0
@@ -135,7 +153,7 @@ class VideoReaderCache:
         self._drop(path)
         raise DataError(f"cannot decode video ({error}): the mp4 is truncated or corrupt; "
                         "re-encode it", path=path, episode_index=episode_index) from error
-    return np.stack(out)
+    return out[0][None] if len(out) == 1 else np.stack(out)  # one frame: a view, no copy
 
   def _drop(self, path: str) -> None:
     video = self._open.pop(path, None)
@@ -166,10 +184,11 @@ class VideoReaderCache:
         raise DataError(f"no frame within {tolerance_s}s of timestamp {target:.4f}s (next frame "
                         f"at {time:.4f}s): the timestamps and the video's frame rate disagree")
       if size is not None and (frame.height, frame.width) != tuple(size):
-        image = frame.to_ndarray(format="rgb24", height=size[0], width=size[1],
-                                 interpolation="BILINEAR")
+        rgb = video.reformatter.reformat(frame, format="rgb24", height=size[0], width=size[1],
+                                         interpolation="BILINEAR")
       else:
-        image = frame.to_ndarray(format="rgb24")
+        rgb = video.reformatter.reformat(frame, format="rgb24")
+      image = rgb.to_ndarray()
       video.last_image, video.last_size = image, size
       return image
     video.frames = None
