@@ -1,15 +1,18 @@
 """Input pipeline vs a naive per-sample loader on a 3-camera 224x224 LeRobot v3 dataset.
 
   python benchmarks/data.py            (a few minutes on 2 shared CPU cores; no arguments needed)
+  python benchmarks/data.py --tune=none --codec=av1   (files encoded with the codec's defaults)
 
 Builds a small v3 dataset with ejax's writer in a temp dir (its defaults: h264 tuned for fast
-decoding, a keyframe every 2 frames as LeRobot encodes), then reads random steps (action chunk of 16 + 3 camera frames) two ways:
+decoding, a keyframe every 2 frames as LeRobot encodes), then reads random steps (action chunk of
+16 + 3 camera frames) two ways:
 
   naive:    per sample and camera, open the mp4, seek to the frame's timestamp, decode, close
             (what LeRobot's v3 loader does), then stack batches; parquet columns are preloaded
             for both, so only the video path differs;
-  pipeline: ejax.data.pipeline.build_pipeline in-process (containers cached per thread,
-            forward decoding instead of re-seeking, frames converted in one swscale call).
+  pipeline: ejax.data.pipeline.build_pipeline in-process, unthreaded (containers kept open,
+            one decoder thread, a colour converter kept per stream, forward decoding instead of
+            re-seeking), shuffled at step granularity, normalised, batched.
 
 Both are timed by CPU seconds (process time: every thread of this process), so "samples/s per
 core" = samples / CPU-seconds and the ratio does not depend on how many cores are free. Also
@@ -19,6 +22,7 @@ and the normalisation-statistics pass time. Last line: the per-core ratio (goal 
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -59,11 +63,12 @@ def _scene(length: int, episode: int, camera: int, noise: np.ndarray) -> np.ndar
   return frames
 
 
-def make_dataset(root: str) -> str:
+def make_dataset(root: str, codec: str = "h264", tune: str | None = "default") -> str:
   features = {key: {"dtype": "video", "shape": [SIZE, SIZE, 3]} for key in CAMERAS}
   features["observation.state"] = {"dtype": "float32", "shape": [14]}
   features["action"] = {"dtype": "float32", "shape": [14]}
-  writer = LeRobotV3Writer(root, fps=FPS, features=features, robot_type="bimanual_arm")
+  writer = LeRobotV3Writer(root, fps=FPS, features=features, robot_type="bimanual_arm",
+                           video_codec=codec, video_tune=tune)
   rng = np.random.default_rng(0)
   noise = rng.integers(-4, 5, (7, SIZE, SIZE, 3), dtype=np.int16)
   for episode in range(EPISODES):
@@ -96,12 +101,19 @@ def naive_sample(source: LeRobotSource, index: int) -> dict:
 
 
 def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--codec", default="h264", choices=["h264", "av1"])
+  parser.add_argument("--tune", default="default",
+                      help="encoder tuning: 'default' (the writer's), or 'none' (codec defaults)")
+  args = parser.parse_args()
+  tune = None if args.tune == "none" else args.tune
   with tempfile.TemporaryDirectory() as tmp:
     start = time.perf_counter()
-    root = make_dataset(os.path.join(tmp, "dataset"))
+    root = make_dataset(os.path.join(tmp, "dataset"), args.codec, tune)
     frames = EPISODES * EPISODE_LENGTH
     print(f"dataset: {EPISODES} episodes x {EPISODE_LENGTH} steps, {len(CAMERAS)} cameras "
-          f"{SIZE}x{SIZE} h264, written in {time.perf_counter() - start:.1f}s")
+          f"{SIZE}x{SIZE} {args.codec} (tune {args.tune}), written in "
+          f"{time.perf_counter() - start:.1f}s")
     source = LeRobotSource(root, horizon=HORIZON)
     source.columns()
     indices = np.random.default_rng(1).integers(0, frames, SAMPLES)

@@ -22,7 +22,7 @@ from ejax.data.errors import DataError
 
 @dataclasses.dataclass
 class EpisodeTable:
-  """Per-episode arrays, sorted by episode index; `dataset_from` / `dataset_to` bound global rows."""
+  """Per-episode arrays sorted by episode index; `dataset_from` / `dataset_to` bound global rows."""
   episode_index: np.ndarray  # [E] int64
   length: np.ndarray  # [E] int64
   dataset_from: np.ndarray  # [E] int64

@@ -244,7 +244,7 @@ def _json_default(value):
 
 
 def _ensure_absl_flags_parsed() -> None:
-  # grain's worker processes read absl flags; outside `app.run` (tests, notebooks) they are unparsed.
+  # grain's workers read absl flags; outside `app.run` (tests, notebooks) they are unparsed.
   from absl import flags
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()

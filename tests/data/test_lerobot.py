@@ -111,3 +111,22 @@ def test_writer_rejects_bad_episodes(tmp_path, episodes):
   wrong = dict(episodes[0], action=np.zeros((9, 5), np.float32))
   with pytest.raises(ValueError, match=r"'action' has per-frame shape \[5\], declared \[4\]"):
     writer.add_episode(wrong, task="x")
+
+
+def test_v3_episodes_spread_over_several_data_and_video_files(tmp_path, episodes):
+  # Tiny size limits: every episode starts a new data file and new mp4s (chunk-000/file-00k).
+  root = write_dataset(tmp_path / "many_files", LeRobotV3Writer, episodes,
+                       data_files_size_in_mb=1e-6, video_files_size_in_mb=1e-6)
+  for k in range(3):
+    assert os.path.exists(os.path.join(root, f"data/chunk-000/file-{k:03d}.parquet"))
+    assert os.path.exists(os.path.join(root, f"videos/observation.images.wrist/chunk-000/"
+                                             f"file-{k:03d}.mp4"))
+  rows = pq.read_table(os.path.join(root, "meta/episodes/chunk-000/file-000.parquet")).to_pylist()
+  assert [r["videos/observation.images.wrist/from_timestamp"] for r in rows] == [0.0] * 3
+  source = LeRobotSource(root, horizon=2)
+  for episode, frame in ((0, 8), (1, 0), (1, 11), (2, 6)):
+    sample = source[_global(episode, frame)]
+    assert (sample["episode_index"], sample["frame_index"]) == (episode, frame)
+    np.testing.assert_array_equal(sample["action"][0], episodes[episode]["action"][frame])
+    written = episodes[episode]["observation.images.wrist"][frame].astype(int)
+    assert np.abs(sample["observation.images.wrist"].astype(int) - written).max() <= 4
