@@ -58,14 +58,22 @@ def resize_with_pad(image: np.ndarray, size: int) -> np.ndarray:
   return canvas
 
 
-def _limit_samples_per_row(rows: list[list[int]], samples_per_row: int) -> list[list[int]]:
+def _limit_samples_per_row(rows: list[list[int]], lengths: Sequence[int], row_length: int,
+                           samples_per_row: int) -> list[list[int]]:
   """Best-fit packing may put more short samples in a row than it has action slots: move the
-  extras to rows of their own (they still fit: they were shorter than the room they had)."""
-  limited = []
+  extras, longest first, into rows with a free slot and room, else into new rows."""
+  kept, overflow = [], []
   for members in rows:
-    for start in range(0, len(members), samples_per_row):
-      limited.append(members[start:start + samples_per_row])
-  return limited
+    kept.append(list(members[:samples_per_row]))
+    overflow += members[samples_per_row:]
+  for i in sorted(overflow, key=lambda i: -lengths[i]):
+    for members in kept:
+      if len(members) < samples_per_row and sum(lengths[j] for j in members) + lengths[i] <= row_length:
+        members.append(i)
+        break
+    else:
+      kept.append([i])
+  return kept
 
 
 def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Sequence[np.ndarray]],
@@ -82,7 +90,7 @@ def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Seque
   lengths = [len(imgs) * per_image + len(p) for imgs, p in zip(images, prompts)]
   if pack:
     rows = pack_sequences(lengths, row_length, buffer_size=max(n, 1), seed=seed)
-    rows = _limit_samples_per_row(rows, slots)
+    rows = _limit_samples_per_row(rows, lengths, row_length, slots)
     num_rows = rows_for(c, n) if num_rows is None else num_rows
   else:
     for i, length in enumerate(lengths):
