@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -39,12 +39,13 @@ class LeRobotSource:
   def __init__(self, root: str, *, horizon: int = 16, observation_offsets: Sequence[int] = (0,),
                cameras: Sequence[str] | None = None, image_size: tuple[int, int] | None = None,
                state_key: str = "observation.state", action_key: str = "action",
-               embodiment_id: int = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
+               embodiment_id: int | Mapping[str, int] = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
                on_bad_sample: str = "error", max_open_videos: int = 32):
     if on_bad_sample not in ("error", "skip"):
       raise ValueError(f"on_bad_sample={on_bad_sample!r}: use 'error' or 'skip'")
     self.meta: LeRobotMeta = read_meta(root)
-    self.horizon, self.embodiment_id = int(horizon), int(embodiment_id)
+    self.horizon = int(horizon)
+    self.embodiment_id = self._resolve_embodiment(embodiment_id)
     self.observation_offsets = np.asarray(observation_offsets, np.int64)
     self.image_size = tuple(image_size) if image_size else None
     self.state_key, self.action_key = state_key, action_key
@@ -64,6 +65,17 @@ class LeRobotSource:
     self._lock = threading.Lock()
     # grain reads with several threads; a PyAV container must never be used by two at once.
     self._thread_local = threading.local()
+
+  def _resolve_embodiment(self, embodiment_id: int | Mapping[str, int]) -> int:
+    """An int, or a table robot_type -> id (so a mixture config names each robot once)."""
+    if not hasattr(embodiment_id, "items"):  # a dict or an ml_collections ConfigDict
+      return int(embodiment_id)
+    table = dict(embodiment_id.items())
+    robot_type = self.meta.info.get("robot_type")
+    if robot_type not in table:
+      raise DataError(f"robot_type {robot_type!r} has no entry in data.embodiment_id {table}: "
+                      "add one", path=f"{self.meta.root}/meta/info.json")
+    return int(table[robot_type])
 
   def _resolve_cameras(self, cameras: Sequence[str] | None) -> list[str]:
     if cameras is None:

@@ -21,7 +21,8 @@ config.data fields read here (and by `make_source`, `transforms.make_sample_tran
   cameras             camera keys (None: every video feature / every image in the RLDS steps)
   image_size          [height, width] the images come out at (None: as stored)
   state_key, action_key  "observation.state", "action"
-  embodiment_id       integer id written into every sample (0)
+  embodiment_id       integer id written into every sample (0), or a table robot_type -> id
+                      looked up with info.json's robot_type (LeRobot)
   tolerance_s         video frame timestamp tolerance in seconds (1e-4)
   shuffle             global shuffle at step granularity (True)
   num_epochs          None: endless; else the iterator stops after that many passes
@@ -73,7 +74,7 @@ def make_source(data_config):
   common = dict(horizon=int(data_config.get("horizon", 16)),
                 cameras=data_config.get("cameras", None),
                 image_size=data_config.get("image_size", None),
-                embodiment_id=int(data_config.get("embodiment_id", 0)),
+                embodiment_id=data_config.get("embodiment_id", 0),
                 on_bad_sample=data_config.get("on_bad_sample", "error"))
   if name == "lerobot":
     from ejax.data.lerobot import DEFAULT_TOLERANCE_S, LeRobotSource

@@ -63,6 +63,8 @@ class RldsSource:
     self.cameras = [f"observation.images.{camera}" for camera in cameras]
     self._camera_fields = list(cameras)
     self.state_field, self.instruction_field = state_field, instruction_field
+    if not isinstance(embodiment_id, int):
+      raise ValueError(f"data.embodiment_id must be an int for RLDS, got {embodiment_id!r}")
     self.horizon, self.embodiment_id = int(horizon), int(embodiment_id)
     self.image_size = tuple(image_size) if image_size else None
     self.on_bad_sample = on_bad_sample

@@ -113,6 +113,8 @@ class VideoReaderCache:
   def __init__(self, max_open: int = 32):
     self.max_open = max_open
     self._open: collections.OrderedDict[str, _OpenVideo] = collections.OrderedDict()
+    self.opened = 0  # containers opened so far (a reopen per sample would show here)
+    self.seeks = 0  # seeks so far (a request just ahead of the decoder needs none)
 
   def _get(self, path: str, episode_index: int | None) -> _OpenVideo:
     video = self._open.get(path)
@@ -128,6 +130,7 @@ class VideoReaderCache:
       raise DataError(f"cannot open video ({error}): the mp4 is truncated or corrupt; re-encode "
                       "it", path=path, episode_index=episode_index) from error
     self._open[path] = video
+    self.opened += 1
     while len(self._open) > self.max_open:
       _, oldest = self._open.popitem(last=False)
       oldest.close()
@@ -171,6 +174,7 @@ class VideoReaderCache:
       # Seek to the keyframe at or before the target, then decode forward.
       video.container.seek(max(int(target / video.time_base), 0), stream=video.stream,
                            backward=True, any_frame=False)
+      self.seeks += 1
       video.frames = video.container.decode(video.stream)
       video.last_time, video.last_image = -np.inf, None
     elif abs(ahead) <= tolerance_s and video.last_image is not None and video.last_size == size:

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from ejax.data.errors import DataError
 from ejax.data.lerobot import LeRobotSource, LeRobotV3Writer
 from tests.data.builders import EPISODE_LENGTHS, FEATURES, FPS, TASKS, write_dataset
 
@@ -89,6 +90,10 @@ def test_cameras_image_size_modality_and_embodiment(tmp_path, v3_root, episodes)
   assert "observation.images.agentview" not in sample
   assert sample["observation.images.wrist"].shape == (16, 24, 3)
   assert sample["embodiment_id"] == 7
+  by_robot = LeRobotSource(str(root), cameras=[], embodiment_id={"other": 1, "test_arm": 3})
+  assert by_robot[0]["embodiment_id"] == 3
+  with pytest.raises(DataError, match=r"robot_type 'test_arm' has no entry"):
+    LeRobotSource(str(root), embodiment_id={"other": 1})
   np.testing.assert_array_equal(sample["state.gripper"], episodes[0]["observation.state"][4, 4:6])
   np.testing.assert_array_equal(sample["action.arm"], episodes[0]["action"][4:7, :3])
 
