@@ -9,10 +9,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ejax.errors import UserError
 from ejax.parallel.axes import MESH_AXES
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
   """A mesh shape that cannot be built on the devices at hand."""
 
 
