@@ -9,8 +9,9 @@
 
 Batch layout (see `ejax.models.groot_inputs`): the VL stream is packed into rows
 (vl_tokens / vl_segment_ids / vl_positions / vl_image_slot [rows, L], images [num_images, H, W, 3]),
-while state, actions and masks are per sample ([n, ...]) with (sample_row, sample_segment) saying
-where each sample's VL tokens live. Sizes come from the released GR00T-N1.5-3B config.json
+while state, actions and masks are per sample ([n, ...]) with (sample_row_offset, sample_segment)
+saying where each sample's VL tokens live (indices relative to home rows, so that process-local
+batches concatenate into a correct global batch). Sizes come from the released GR00T-N1.5-3B config.json
 (`model_config("full")`); `model_config("runlocal")` shrinks every width for CPU runs.
 """
 
@@ -21,10 +22,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from ejax.models import flow, layers
+from ejax.models import flow, groot_inputs, layers
 from ejax.models.connector import MLPConnector
 from ejax.models.dit import DiT, DiTConfig, VLSelfAttentionTransformer, VLTransformerConfig
 from ejax.models.embodiment import CategorySpecificMLP, MultiEmbodimentActionEncoder
+from ejax.models.groot_inputs import image_token_indices, sample_rows, tokens_per_image  # noqa: F401
 from ejax.models.qwen3 import Qwen3, Qwen3Config
 from ejax.models.registry import ModelSpec
 from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
@@ -96,11 +98,6 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   return c
 
 
-def tokens_per_image(config) -> int:
-  patches = (config.vision.image_size // config.vision.patch_size) ** 2
-  return patches // 4 if config.connector.use_pixel_shuffle else patches
-
-
 class GrootBackbone(nnx.Module):
   """Eagle 2.5: vision tower + connector + truncated Qwen3 -> VL features on packed rows."""
 
@@ -109,14 +106,17 @@ class GrootBackbone(nnx.Module):
     self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), **common)
     self.connector = MLPConnector(config.vision.width, config.llm.width, **config.connector, **common)
     self.llm = Qwen3(Qwen3Config(**config.llm), **common)
+    self.image_token_id = config.image_token_id
 
   def __call__(self, batch) -> jax.Array:
     images = normalize_images(batch["images"], self.llm.dtype)
     image_tokens = self.connector(self.vision(images))                    # [num_images, P, d]
     flat = image_tokens.reshape(-1, image_tokens.shape[-1])
-    slot = batch["vl_image_slot"]
+    index = image_token_indices(batch, image_tokens.shape[1], xp=jnp)
+    is_image = batch["vl_tokens"] == self.image_token_id
+    index = jnp.clip(jnp.where(is_image, index, 0), 0, flat.shape[0] - 1)
     text = self.llm.embed(batch["vl_tokens"])
-    embeddings = jnp.where((slot >= 0)[..., None], jnp.take(flat, jnp.maximum(slot, 0), axis=0), text)
+    embeddings = jnp.where(is_image[..., None], jnp.take(flat, index, axis=0), text)
     return self.llm(embeddings, batch["vl_segment_ids"], batch["vl_positions"])
 
 
@@ -156,7 +156,7 @@ class GrootActionHead(nnx.Module):
                               (noisy_actions.shape[0],) + self.future_tokens.shape)
     tokens = jnp.concatenate([state_tokens.astype(action_tokens.dtype), future, action_tokens], axis=1)
     out = self.dit(tokens, timestep_buckets, vl_tokens=vl, vl_segment_ids=batch["vl_segment_ids"],
-                   sample_row=batch["sample_row"], sample_segment=batch["sample_segment"], rng=rng)
+                   sample_row=sample_rows(batch, xp=jnp), sample_segment=batch["sample_segment"], rng=rng)
     return self.action_decoder(out, embodiment)[:, -horizon:].astype(jnp.float32)
 
 
@@ -244,15 +244,13 @@ def trainable_filter(config):
 
 
 def example_batch(model_config, batch_size: int, seed: int = 0):
-  from ejax.models.groot_inputs import example_batch as build  # groot_inputs imports this module
-  return build(model_config, batch_size, seed)
+  return groot_inputs.example_batch(model_config, batch_size, seed)
 
 
 def make_collate(model_config, data_config=None):
   """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path."""
   del data_config
-  from ejax.models.groot_inputs import make_collate as build
-  return build(model_config)
+  return groot_inputs.make_collate(model_config)
 
 
 SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,

@@ -11,9 +11,16 @@ action mask marks real entries (not padded steps, not padded dims).
 Batch keys:
   images [num_samples * num_cameras, S, S, 3] uint8
   vl_tokens, vl_segment_ids, vl_positions, vl_image_slot [num_rows, row_length] int32
-      (vl_image_slot: index into the flattened image tokens, -1 for text and padding)
-  sample_row, sample_segment, embodiment_id [n] int32
+  sample_row_offset, sample_segment, embodiment_id [n] int32
   state [n, max_state_dim], actions / action_mask [n, horizon, max_action_dim] float32
+
+Indices between the row arrays and the per-sample arrays are stored relative to each array's
+"home" position, so a global batch made by concatenating process-local batches (multi-host,
+same rows per process) stays correct without rewriting them:
+  row of sample i             = (i * num_rows) // n + sample_row_offset[i]
+  image token at (row r, pos) = ((r * n) // num_rows) * images_per_sample * tokens_per_image
+                                + vl_image_slot[r, pos]    (where vl_tokens == image_token_id)
+`sample_rows` / `image_token_indices` compute the absolute values.
 """
 
 from __future__ import annotations
@@ -24,10 +31,28 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ejax.data.packing import pack_sequences
-from ejax.models.groot import tokens_per_image
 from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt, load_tokenizer
 
 IMAGE_PREFIX = "observation.images."
+
+
+def tokens_per_image(model_config) -> int:
+  patches = (model_config.vision.image_size // model_config.vision.patch_size) ** 2
+  return patches // 4 if model_config.connector.use_pixel_shuffle else patches
+
+
+def sample_rows(batch, xp=np):
+  """Absolute row of every sample (see the module docstring); xp = numpy or jax.numpy."""
+  n, num_rows = batch["sample_row_offset"].shape[0], batch["vl_tokens"].shape[0]
+  return (xp.arange(n) * num_rows) // n + batch["sample_row_offset"]
+
+
+def image_token_indices(batch, tokens_per_image: int, xp=np):
+  """Absolute index into the flattened image tokens [num_images * tokens_per_image] per VL position."""
+  n, num_rows = batch["sample_row_offset"].shape[0], batch["vl_tokens"].shape[0]
+  images_per_sample = batch["images"].shape[0] // n
+  home_sample = (xp.arange(num_rows) * n) // num_rows
+  return (home_sample * images_per_sample * tokens_per_image)[:, None] + batch["vl_image_slot"]
 
 
 def rows_for(model_config, num_samples: int) -> int:
@@ -70,7 +95,7 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
   tokens = np.zeros((num_rows, row_length), np.int32)
   segment_ids = np.zeros((num_rows, row_length), np.int32)
   positions = np.zeros((num_rows, row_length), np.int32)
-  image_slot = np.full((num_rows, row_length), -1, np.int32)
+  image_slot = np.zeros((num_rows, row_length), np.int32)
   sample_row = np.zeros((n,), np.int32)
   sample_segment = np.zeros((n,), np.int32)
   images_per_sample = images.shape[0] // max(n, 1)
@@ -87,14 +112,16 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
       if is_image.sum() != images_per_sample * per_image:
         raise ValueError(f"sample {sample}'s prompt has {int(is_image.sum())} image tokens, expected "
                          f"{images_per_sample} images x {per_image}")
-      first_token = sample * images_per_sample * per_image
+      home_sample = (row * n) // num_rows
+      first_token = (sample - home_sample) * images_per_sample * per_image
       image_slot[row, offset + np.flatnonzero(is_image)] = first_token + np.arange(int(is_image.sum()))
       sample_row[sample], sample_segment[sample] = row, segment
       offset += length
+  sample_row_offset = sample_row - (np.arange(n) * num_rows) // max(n, 1)
   return {
       "images": images.astype(np.uint8),
       "vl_tokens": tokens, "vl_segment_ids": segment_ids, "vl_positions": positions, "vl_image_slot": image_slot,
-      "sample_row": sample_row, "sample_segment": sample_segment,
+      "sample_row_offset": sample_row_offset.astype(np.int32), "sample_segment": sample_segment,
       "embodiment_id": np.asarray(embodiment_ids, np.int32),
       "state": states.astype(np.float32), "actions": actions.astype(np.float32),
       "action_mask": action_masks.astype(np.float32),

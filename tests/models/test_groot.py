@@ -30,8 +30,9 @@ def _unpack(batch, c):
   """The same samples, each alone in its own row (no packing)."""
   prompts, images = [], []
   per_sample_images = batch["images"].shape[0] // batch["state"].shape[0]
+  rows = groot_inputs.sample_rows(batch)
   for i in range(batch["state"].shape[0]):
-    row, segment = batch["sample_row"][i], batch["sample_segment"][i]
+    row, segment = rows[i], batch["sample_segment"][i]
     prompts.append(batch["vl_tokens"][row][batch["vl_segment_ids"][row] == segment])
     images.append(batch["images"][i * per_sample_images:(i + 1) * per_sample_images])
   return groot_inputs.assemble(c, prompts, np.concatenate(images), batch["state"], batch["actions"],
@@ -43,7 +44,8 @@ def test_packed_batch_equals_samples_one_by_one(model_and_config):
   packed = groot.example_batch(c, 4, seed=3)
   unpacked = _unpack(packed, c)
   assert packed["vl_tokens"].shape[0] == 2 and unpacked["vl_tokens"].shape[0] == 4
-  assert (np.bincount(packed["sample_row"]) == 2).all()  # two samples really share each row
+  rows = groot_inputs.sample_rows(packed)
+  assert (np.bincount(rows) == 2).all()  # two samples really share each row
   time = jnp.array([0.1, 0.4, 0.7, 0.95])
   noise = jax.random.normal(jax.random.key(0), packed["actions"].shape)
 
@@ -61,7 +63,7 @@ def test_packed_batch_equals_samples_one_by_one(model_and_config):
   other = dict(packed, images=packed["images"].copy())
   other["images"][1] = 255 - other["images"][1]
   loss_o, actions_o = run(model, other)
-  neighbour = int(np.flatnonzero((packed["sample_row"] == packed["sample_row"][1]) & (np.arange(4) != 1))[0])
+  neighbour = int(np.flatnonzero((rows == rows[1]) & (np.arange(4) != 1))[0])
   np.testing.assert_allclose(loss_o[neighbour], loss_p[neighbour], rtol=2e-5)
   assert not np.allclose(actions_o[1], actions_p[1])
 

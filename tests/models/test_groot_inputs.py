@@ -69,16 +69,18 @@ def test_collate_pads_masks_and_packs(tokenizer):
   np.testing.assert_array_equal(batch["action_mask"][0].sum(axis=1), [3] * 6 + [0] * 2)
   np.testing.assert_array_equal(batch["action_mask"][2].sum(axis=1), [1] * 3 + [0] * 5)
   np.testing.assert_array_equal(batch["embodiment_id"], [1, 0, 1])
+  rows = groot_inputs.sample_rows(batch)
+  image_index = groot_inputs.image_token_indices(batch, per_image)
   for i in range(3):
-    row, segment = batch["sample_row"][i], batch["sample_segment"][i]
+    row, segment = rows[i], batch["sample_segment"][i]
     in_sample = batch["vl_segment_ids"][row] == segment
     tokens = batch["vl_tokens"][row][in_sample]
     assert tokenizer.decode(list(tokens)).count(samples[i]["task"]) == 1
     np.testing.assert_array_equal(batch["vl_positions"][row][in_sample], np.arange(in_sample.sum()))
-    slots = batch["vl_image_slot"][row][in_sample]
-    np.testing.assert_array_equal(slots[slots >= 0], i * 2 * per_image + np.arange(2 * per_image))
+    is_image = tokens == c.image_token_id
+    np.testing.assert_array_equal(image_index[row][in_sample][is_image], i * 2 * per_image + np.arange(2 * per_image))
   assert batch["vl_tokens"].shape == (groot_inputs.rows_for(c, 3), 128)
-  assert (batch["vl_image_slot"][batch["vl_segment_ids"] == 0] == -1).all()
+  assert (batch["vl_tokens"][batch["vl_segment_ids"] == 0] == 0).all()
 
 
 def test_collate_errors_name_the_fix(tokenizer):
@@ -105,5 +107,22 @@ def test_byte_tokenizer_collates_without_a_tokenizer_file():
   batch = collate([s, dict(s, task="pick")])
   tokens = batch["vl_tokens"][batch["vl_segment_ids"] == batch["sample_segment"][0]]
   assert bytes(t for t in tokens if t < 256).decode().count("open the drawer") == 1
-  assert int((batch["vl_image_slot"] >= 0).sum()) == 2 * groot.tokens_per_image(c)
+  assert int((batch["vl_tokens"] == c.image_token_id).sum()) == 2 * groot.tokens_per_image(c)
   assert int(batch["vl_tokens"].max()) < c.llm.vocab_size
+
+
+def test_process_local_batches_concatenate_into_a_correct_global_batch():
+  """Multi-host: each process collates its own samples; concatenating along dim 0 must keep every
+  sample pointing at its own row and image tokens."""
+  c = groot.model_config("runlocal")
+  local = [groot.example_batch(c, 4, seed=s) for s in (0, 1)]
+  merged = {k: np.concatenate([b[k] for b in local]) for k in local[0]}
+  per_image = groot.tokens_per_image(c)
+  rows, index = groot_inputs.sample_rows(merged), groot_inputs.image_token_indices(merged, per_image)
+  for i in range(8):
+    part, j = divmod(i, 4)
+    local_rows = groot_inputs.sample_rows(local[part])
+    np.testing.assert_array_equal(rows[i], local_rows[j] + part * local[part]["vl_tokens"].shape[0])
+    in_sample = merged["vl_segment_ids"][rows[i]] == merged["sample_segment"][i]
+    is_image = merged["vl_tokens"][rows[i]][in_sample] == c.image_token_id
+    np.testing.assert_array_equal(index[rows[i]][in_sample][is_image], i * per_image + np.arange(per_image))
