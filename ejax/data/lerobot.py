@@ -201,15 +201,19 @@ class LeRobotSource:
         sample[key] = frames[0] if single else frames
         if not single:
           sample[f"{key}_is_pad"] = obs_pad
-    if self.meta.modality:
-      self._add_modality_slices(sample)
-    return sample
+    return self.add_modality_slices(sample)
 
-  def _add_modality_slices(self, sample: dict[str, Any]) -> None:
-    """GR00T's meta/modality.json names slices of the state and action vectors."""
+  def add_modality_slices(self, sample: dict[str, Any]) -> dict[str, Any]:
+    """GR00T's meta/modality.json names slices of the state and action vectors.
+
+    The pipeline calls this again after normalising, so the slices match the normalised vectors.
+    """
+    if not self.meta.modality:
+      return sample
     for group, key in (("state", self.state_key), ("action", "action")):
       for name, bounds in self.meta.modality.get(group, {}).items():
         sample[f"{group}.{name}"] = sample[key][..., int(bounds["start"]):int(bounds["end"])]
+    return sample
 
   def _video_cache(self) -> VideoReaderCache:
     cache = getattr(self._thread_local, "videos", None)

@@ -156,13 +156,16 @@ class _ReadSample:
 
 
 class _Transform:
-  """Picklable augment + normalise, then the caller's transform."""
+  """Picklable augment + normalise, then derived fields, then the caller's transform."""
 
-  def __init__(self, sample_transform, user_transform):
-    self.sample_transform, self.user_transform = sample_transform, user_transform
+  def __init__(self, sample_transform, derive, user_transform):
+    self.sample_transform, self.derive = sample_transform, derive
+    self.user_transform = user_transform
 
   def __call__(self, sample, rng):
     sample = self.sample_transform(sample, rng)
+    if self.derive is not None:
+      sample = self.derive(sample)  # e.g. modality.json slices of the normalised vectors
     return self.user_transform(sample) if self.user_transform is not None else sample
 
 
@@ -270,7 +273,8 @@ def build_pipeline(data_config, *, batch_size: int, seed: int, process_index: in
                          num_epochs=num_epochs)
   dataset = grain.MapDataset.source(_Positions(len(shard))).map(_ReadSample(source, shard))
   dataset = dataset.filter(_is_sample)
-  dataset = dataset.random_map(_Transform(sample_transform, transform), seed=seed)
+  derive = getattr(source, "add_modality_slices", None)
+  dataset = dataset.random_map(_Transform(sample_transform, derive, transform), seed=seed)
   read_threads = int(data_config.get("read_threads", 0))
   iter_dataset = dataset.to_iter_dataset(grain.ReadOptions(
       num_threads=read_threads, prefetch_buffer_size=max(2 * batch_size, read_threads))).batch(

@@ -79,6 +79,18 @@ def test_batches_follow_the_sample_schema_and_are_normalised(v3_root, episodes):
   assert action.min() >= -1.0 and action.max() <= 1.0
 
 
+def test_modality_slices_are_taken_from_the_normalised_vectors(tmp_path, v3_root):
+  import shutil
+  root = tmp_path / "dataset"
+  shutil.copytree(v3_root, root)
+  modality = {"state": {"arm": {"start": 0, "end": 4}}, "action": {"grip": {"start": 3, "end": 4}}}
+  json.dump(modality, open(root / "meta" / "modality.json", "w"))
+  with build_pipeline(_config(root, cameras=[]), batch_size=3, seed=0) as pipeline:
+    batch = next(pipeline)
+  np.testing.assert_array_equal(batch["state.arm"], batch["observation.state"][:, :4])
+  np.testing.assert_array_equal(batch["action.grip"], batch["action"][..., 3:4])
+
+
 def test_skipped_samples_never_reach_a_batch(tmp_path, v3_root):
   import shutil
   root = tmp_path / "dataset"
