@@ -137,3 +137,13 @@ def test_the_two_layouts_agree_by_openpis_conversion_formulas(config, model):
                                 key.reshape(-1, v["width"]).T)
   np.testing.assert_array_equal(torch[f"{tower}.embeddings.position_embedding.weight"],
                                 tree["PaliGemma/img/pos_embedding"].reshape(-1, v["width"]))
+
+
+def test_convert_job_entry_picks_the_layout_from_the_path(config, model, tmp_path):
+  from ejax.models.io import pi05 as pi05_io
+  openpi_dir = str(tmp_path / "openpi_params")
+  pi05_io.save(model, openpi_dir)  # orbax {"params": openpi tree}
+  _assert_same_params(model, pi05_io.load(config, openpi_dir))
+  lerobot_file = str(tmp_path / "lerobot" / "model.safetensors")
+  pi05_io.save(model, lerobot_file)
+  _assert_same_params(model, pi05_io.load(config, str(tmp_path / "lerobot")))
