@@ -142,7 +142,8 @@ class DiT(nnx.Module):
   """tokens [n, T, width] + timestep buckets [n] + packed VL tokens -> [n, T, output_dim]."""
 
   def __init__(self, config: DiTConfig, *, fp8: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               remat: str = "none", rngs: nnx.Rngs):
+    self.remat = remat
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     width = config.width
     self.timestep_encoder = TimestepEncoder(config.timestep_channels, width, **common)
@@ -160,8 +161,8 @@ class DiT(nnx.Module):
     x = constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
     for i, block in enumerate(self.blocks):
       block_rng = None if rng is None else jax.random.fold_in(rng, i)
-      x = block(x, temb=temb, vl_tokens=vl_tokens, vl_segment_ids=vl_segment_ids, sample_row=sample_row,
-                sample_segment=sample_segment, rng=block_rng)
+      x = layers.run_block(block, x, temb=temb, vl_tokens=vl_tokens, vl_segment_ids=vl_segment_ids,
+                           sample_row=sample_row, sample_segment=sample_segment, rng=block_rng, remat=self.remat)
     shift, scale = jnp.split(self.proj_out_1(jax.nn.silu(temb)), 2, axis=-1)
     x = self.norm_out(x) * (1.0 + scale[:, None]) + shift[:, None]
     return self.proj_out_2(x)
@@ -170,7 +171,9 @@ class DiT(nnx.Module):
 class VLSelfAttentionTransformer(nnx.Module):
   """Bidirectional transformer over packed VL rows [rows, L, width], within each segment."""
 
-  def __init__(self, config: VLTransformerConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, config: VLTransformerConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+               remat: str = "none", rngs: nnx.Rngs):
+    self.remat = remat
     self.blocks = nnx.List([
         TransformerBlock(config.width, config.num_heads, config.head_dim, dropout=config.dropout, ada_norm=False,
                          cross_attention_dim=None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -178,5 +181,6 @@ class VLSelfAttentionTransformer(nnx.Module):
 
   def __call__(self, x: jax.Array, segment_ids: jax.Array, rng: jax.Array | None = None) -> jax.Array:
     for i, block in enumerate(self.blocks):
-      x = block(x, segment_ids=segment_ids, rng=None if rng is None else jax.random.fold_in(rng, i))
+      x = layers.run_block(block, x, segment_ids=segment_ids, rng=None if rng is None else jax.random.fold_in(rng, i),
+                           remat=self.remat)
     return x

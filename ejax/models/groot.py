@@ -52,7 +52,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.name = "groot"
   c.dtype = "bfloat16"
   c.param_dtype = "float32"
-  c.fp8 = False
+  c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8
+  c.remat = "full"                   # per-block rematerialisation (ejax.parallel.remat)
   c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224)
   c.connector = dict(num_layers=1, use_pixel_shuffle=False)   # released: mlp1.0 = Linear(1152, 2048)
   c.llm = dict(vocab_size=151680, width=2048, mlp_dim=6144, num_heads=16, num_kv_heads=8, head_dim=128,
@@ -79,6 +80,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.tune_diffusion_model = True
   if variant == "runlocal":
     c.dtype = "float32"
+    c.remat = "none"
     c.vision = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=8, image_size=32)
     c.llm = dict(vocab_size=512, width=64, mlp_dim=128, num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2,
                  rope_theta=10_000.0)
@@ -103,9 +105,9 @@ class GrootBackbone(nnx.Module):
 
   def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), **common)
+    self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), remat=config.remat, **common)
     self.connector = MLPConnector(config.vision.width, config.llm.width, **config.connector, **common)
-    self.llm = Qwen3(Qwen3Config(**config.llm), **common)
+    self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, **common)
     self.image_token_id = config.image_token_id
 
   def __call__(self, batch) -> jax.Array:
@@ -129,8 +131,9 @@ class GrootActionHead(nnx.Module):
     width = dit_config.width                                             # input_embedding_dim (1536)
     self.config = config
     self.vlln = layers.LayerNorm(vl_width, eps=1e-5, **common)
-    self.vl_self_attention = VLSelfAttentionTransformer(VLTransformerConfig(**config.vl_transformer), **common)
-    self.dit = DiT(dit_config, fp8=config.fp8, **common)
+    self.vl_self_attention = VLSelfAttentionTransformer(VLTransformerConfig(**config.vl_transformer),
+                                                        remat=config.remat, **common)
+    self.dit = DiT(dit_config, fp8=config.fp8, remat=config.remat, **common)
     self.state_encoder = CategorySpecificMLP(config.max_num_embodiments, config.max_state_dim, config.hidden_size,
                                              width, **common)
     self.action_encoder = MultiEmbodimentActionEncoder(config.max_num_embodiments, config.max_action_dim, width,

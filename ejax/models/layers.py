@@ -296,3 +296,12 @@ def host_random_init(abstract_module: nnx.Module, seed: int = 0, *, stddev: floa
     return variable.replace(jnp.asarray(array, value.dtype))
 
   return nnx.merge(graphdef, nnx.map_state(fill, state))
+
+
+def run_block(block: nnx.Module, *args, remat: str = "none", **kwargs):
+  """block(*args, **kwargs), rematerialised per config.model.remat (none | full | dots | ...):
+  activations inside the block are recomputed in the backward pass instead of stored."""
+  if remat == "none":
+    return block(*args, **kwargs)
+  from ejax.parallel import remat_policy
+  return nnx.remat(lambda b, *a: b(*a, **kwargs), policy=remat_policy(remat), prevent_cse=False)(block, *args)

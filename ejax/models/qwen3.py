@@ -53,8 +53,10 @@ class Qwen3Block(nnx.Module):
 class Qwen3(nnx.Module):
   """Token embedding + the first `num_layers` decoder blocks + final RMSNorm."""
 
-  def __init__(self, config: Qwen3Config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, config: Qwen3Config, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
+               rngs: nnx.Rngs):
     self.config = config
+    self.remat = remat
     self.dtype = dtype
     self.embed_tokens = layers.make_param(rngs, nnx.initializers.normal(0.02), (config.vocab_size, config.width),
                                           (VOCAB, EMBED), param_dtype)
@@ -70,5 +72,5 @@ class Qwen3(nnx.Module):
     """embeddings [b, l, width] (text and image tokens), segment_ids/positions [b, l] -> features."""
     x = constrain(embeddings.astype(self.dtype), (ACT_BATCH, ACT_LEN, ACT_EMBED))
     for block in self.blocks:
-      x = block(x, segment_ids, positions)
+      x = layers.run_block(block, x, segment_ids, positions, remat=self.remat)
     return self.norm(x)

@@ -68,8 +68,10 @@ class SiglipBlock(nnx.Module):
 class SiglipVisionTransformer(nnx.Module):
   """images [n, H, W, 3] in [-1, 1] -> patch tokens [n, num_patches, width]."""
 
-  def __init__(self, config: SiglipConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, config: SiglipConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
+               rngs: nnx.Rngs):
     self.config = config
+    self.remat = remat
     self.dtype = dtype
     patch_dim = config.patch_size * config.patch_size * 3
     self.patch_embedding = layers.Dense(patch_dim, config.width, axes=(IN_FEATURES, EMBED), dtype=dtype,
@@ -89,5 +91,5 @@ class SiglipVisionTransformer(nnx.Module):
     x = self.patch_embedding(patches) + self.position_embedding[...].astype(self.dtype)
     x = constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
     for block in self.blocks:
-      x = block(x)
+      x = layers.run_block(block, x, remat=self.remat)
     return self.post_layernorm(x)

@@ -67,3 +67,18 @@ def test_siglip_shapes_and_every_parameter_has_axis_names():
   image = jnp.arange(2 * 8 * 8 * 1, dtype=jnp.float32).reshape(2, 8, 8, 1)
   patches = siglip.patchify(image, 4)
   np.testing.assert_array_equal(patches[0, 1], np.asarray(image[0, :4, 4:8, 0]).reshape(-1))
+
+
+def test_run_block_remat_keeps_values_and_gradients():
+  config = siglip.SiglipConfig(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=4, image_size=8)
+  block = layers.host_random_init(nnx.eval_shape(lambda: siglip.SiglipBlock(
+      config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))), stddev=0.2)
+  x = jax.random.normal(jax.random.key(5), (2, 4, 16))
+
+  def loss(b, x, remat):
+    return jnp.sum(layers.run_block(b, x, remat=remat) ** 2)
+
+  grad = nnx.jit(nnx.grad(loss, argnums=(0, 1)), static_argnums=2)
+  (gb_none, gx_none), (gb_full, gx_full) = grad(block, x, "none"), grad(block, x, "full")
+  np.testing.assert_allclose(gx_full, gx_none, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(gb_full.mlp.fc1.kernel[...], gb_none.mlp.fc1.kernel[...], rtol=1e-5, atol=1e-6)
