@@ -96,13 +96,13 @@ class EnvShard:
                activity: ActivityLog, stop: threading.Event, seed: int, max_restarts: int,
                device: jax.Device | None = None, on_fatal: Callable[[BaseException], None] | None = None,
                fault_injector: Callable[[int, int, np.ndarray], np.ndarray] | None = None):
+    """env_functions: (batched reset, chunk step) from `env_functions`, shared by all shards of an env.
+    fault_injector(shard_id, step, reward) -> reward runs after every step; tests raise from it or
+    return corrupted rewards to exercise the restart path."""
     if mode not in ("gae", "grpo"):
       raise ValueError(f"env shard mode {mode!r}: use 'gae' or 'grpo'")
     if mode == "grpo" and num_envs % group_size:
       raise ValueError(f"GRPO needs envs per shard ({num_envs}) to be a multiple of group_size ({group_size})")
-    """env_functions: (batched reset, chunk step) from `env_functions`, shared by all shards of an env.
-    fault_injector(shard_id, step, reward) -> reward runs after every step; tests raise from it or
-    return corrupted rewards to exercise the restart path."""
     self.shard_id, self.num_envs, self.segment_length = shard_id, num_envs, segment_length
     self.mode, self.group_size, self.actions_per_step = mode, group_size, actions_per_step
     self.tickets, self.board, self.segment_queue, self.param_store = tickets, board, segment_queue, param_store

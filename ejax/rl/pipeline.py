@@ -19,6 +19,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -49,6 +50,7 @@ def default_config() -> ConfigDict:
       dual_clip=3.0, value_coef=0.5, num_epochs=2, num_minibatches=4, learning_rate=3e-4, grad_clip_norm=1.0,
       noise_level=0.5,
       placement=ConfigDict(dict(env_devices=[], inference_device=-1, learner_devices=[])),  # device indexes; empty/-1 = default
+      inference_weights="same",  # same | fp8_block: the server sees block-FP8 (e4m3, 128x128) weights
       inference_full_batch_only=False,  # pad every inference batch to all shards: fewer compilations
       max_restarts=3, checkpoint_every_updates=0, seed=0,
   ))
@@ -111,8 +113,7 @@ class RLPipeline:
       put_batch = lambda batch: jax.device_put(batch, learner_devices[0])
     self.start_version = start_version
 
-    self.param_store = ParamStore(params, start_version,
-                                  device_put=(lambda tree: jax.device_put(tree, inference_device)) if inference_device else None)
+    self.param_store = ParamStore(params, start_version, device_put=self._inference_weights(config, inference_device))
     total_segments = config.num_updates * config.segments_per_update
     self.tickets = SegmentTickets(total_segments, config.segments_per_update, self.eta,
                                   first_ticket=start_version * config.segments_per_update)
@@ -158,6 +159,26 @@ class RLPipeline:
       policy.compiled[key] = jax.jit(make_update_fn(policy, self.optimizer, **hyper))
     return policy.compiled[key]
 
+  @staticmethod
+  def _inference_weights(config: ConfigDict, device) -> Callable[[Any], Any] | None:
+    """What publishing does to the learner's parameters on their way to the server."""
+    if config.inference_weights not in ("same", "fp8_block"):
+      raise ValueError(f"rl.inference_weights {config.inference_weights!r}: use 'same' or 'fp8_block'")
+    place = (lambda tree: jax.device_put(tree, device)) if device is not None else (lambda tree: tree)
+    if config.inference_weights == "same":
+      return place if device is not None else None
+    from ejax.kernels.fp8.quantize import dequantize, quantize_blockwise
+
+    @jax.jit
+    def block_fp8(tree):
+      # Weight matrices take the values block-FP8 storage can hold; vectors (biases, norms) stay.
+      # The behaviour log-probs come from these weights, and the decoupled objective's behaviour
+      # weight corrects for the gap to the learner's full-precision policy.
+      return jax.tree.map(lambda x: dequantize(quantize_blockwise(x), x.dtype)
+                          if x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    return lambda tree: place(block_fp8(tree))
+
   # -- control -------------------------------------------------------------------------------
 
   def _fatal(self, error: BaseException) -> None:
@@ -173,12 +194,12 @@ class RLPipeline:
 
   def _on_update(self, version: int, params, opt_state, record: dict) -> None:
     every = self.config.checkpoint_every_updates
-    if self.checkpointer is not None and every and version % every == 0 and version < self.config.num_updates:
+    if self.checkpointer is not None and every and version % every == 0:
       self.save_checkpoint()
 
   def save_checkpoint(self) -> None:
-    if self.checkpointer is None or self.learner.version == 0:
-      return
+    if self.checkpointer is None or self.learner.version in (0, self.checkpointer.latest_version()):
+      return  # nothing trained yet, or this version is already saved
     self.checkpointer.save(self.learner.version, self.learner.params, self.learner.opt_state,
                            {"env_steps": int(sum(shard.env_steps for shard in self.shards)),
                             "samples_consumed": self.learner.samples_consumed})

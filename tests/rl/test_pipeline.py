@@ -144,3 +144,23 @@ def test_grpo_groups_share_their_start_and_finished_envs_are_masked(policy, env)
     # PointReach ends every episode within 6 actions = 3 steps: once done, an env stays masked out.
     valid = batch["valid"].astype(int)
     assert valid[0].all() and not valid[3].any() and (np.diff(valid, axis=0) <= 0).all()
+
+
+def test_disaggregated_placement_with_block_fp8_inference_weights(policy, env):
+  config = make_config(num_updates=2)
+  config.placement.update(env_devices=[1], inference_device=2, learner_devices=[3, 4])
+  config.inference_weights = "fp8_block"
+  pipeline = RLPipeline(config, env, policy)
+  summary = pipeline.run()
+  assert_all_joined(pipeline)
+  assert summary["version"] == 2 and summary["lag_max"] <= 1
+  devices = jax.devices()
+  learner_leaf = jax.tree.leaves(pipeline.learner.params)[0]
+  assert learner_leaf.sharding.device_set == {devices[3], devices[4]}
+  _, served = pipeline.param_store.latest()
+  assert all(leaf.sharding.device_set == {devices[2]} for leaf in jax.tree.leaves(served))
+  # The served weight matrices are block-FP8 values: close to, but not exactly, the learner's.
+  kernels = [(a, b) for a, b in zip(jax.tree.leaves(served), jax.tree.leaves(pipeline.learner.params)) if a.ndim == 2]
+  assert any(not np.array_equal(a, b) for a, b in kernels)
+  for a, b in kernels:
+    np.testing.assert_allclose(a, b, rtol=0.07, atol=1e-6)
