@@ -5,6 +5,9 @@ the active tiles of each q block (tiles.py), so packed rows cost what their segm
 loops are real XLA loops with data-dependent trip counts; on CPU they skip work exactly. Scores
 never exist beyond one [kv_heads, groups, block_q, block_kv] tile.
 
+Inside the loops everything is head-major ([kv_heads, groups * block, head_dim]) so every tile
+product is a plain batched matmul with no transposes; the layout changes once, outside the loops.
+
 The backward pass is one sweep per batch row: for each q block, over its active kv tiles, dQ is
 accumulated in registers and dK/dV are added into row-sized fp32 buffers, which a sequential loop
 can do without atomics.
@@ -23,9 +26,35 @@ def _tile_lists(mask: MaskInputs, block_q: int, block_kv: int, ordered: bool):
   return compact(active_tiles(mask, block_q, block_kv, ordered))
 
 
+def _head_major(x: jax.Array, kv_heads: int) -> jax.Array:
+  """[batch, len, heads, d] -> [batch, kv_heads, groups, len, d]."""
+  batch, length, heads, head_dim = x.shape
+  return x.reshape(batch, length, kv_heads, heads // kv_heads, head_dim).transpose(0, 2, 3, 1, 4)
+
+
+def _sequence_major(x: jax.Array) -> jax.Array:
+  """[batch, kv_heads, groups, len, d] -> [batch, len, heads, d]."""
+  batch, kv_heads, groups, length, head_dim = x.shape
+  return x.transpose(0, 3, 1, 2, 4).reshape(batch, length, kv_heads * groups, head_dim)
+
+
+def _q_rows(x: jax.Array, start, block: int) -> jax.Array:
+  """Rows [start, start + block) of a [kv_heads, groups, len, ...] array, groups folded into rows."""
+  rows = lax.dynamic_slice_in_dim(x, start, block, 2)
+  return rows.reshape(x.shape[0], x.shape[1] * block, *x.shape[3:])
+
+
+def _scores(q_rows, k_blk, allowed, scale: float):
+  """[kv_heads, groups * bq, bk] fp32 scores, masked; `allowed` is [bq, bk]."""
+  scores = jnp.einsum("hqd,hkd->hqk", q_rows, k_blk, preferred_element_type=jnp.float32) * scale
+  kv_heads, rows, block_kv = scores.shape
+  grouped = scores.reshape(kv_heads, -1, allowed.shape[0], block_kv)
+  return jnp.where(allowed, grouped, MASKED_SCORE).reshape(kv_heads, rows, block_kv)
+
+
 def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: int,
             block_kv: int):
-  """Returns out [batch, q_len, heads, head_dim] (q.dtype) and lse [batch, q_len, heads] fp32.
+  """Returns out [batch, q_len, heads, head_dim] (q.dtype) and lse [batch, kv_heads, groups, q_len].
 
   Lengths must be multiples of the blocks (tiles.pad_to_blocks).
   """
@@ -34,46 +63,50 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
   groups = heads // kv_heads
   n_q = q_len // block_q
   tile_order, tile_count = _tile_lists(mask, block_q, block_kv, ordered)
+  q_hm = _head_major(q, kv_heads)
+  k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [batch, kv_heads, len, d]
 
   def one_q_block(index):
     b, i = index // n_q, index % n_q
     q_start = i * block_q
-    q_blk = lax.dynamic_slice_in_dim(q[b], q_start, block_q, 0).reshape(
-        block_q, kv_heads, groups, head_dim)
+    q_rows = _q_rows(q_hm[b], q_start, block_q)  # [kv_heads, groups * bq, d]
     q_seg = lax.dynamic_slice_in_dim(mask.q_segment_ids[b], q_start, block_q)
     q_key = lax.dynamic_slice_in_dim(mask.q_keys[b], q_start, block_q)
 
     def kv_tile(t, carry):
       acc, row_max, row_sum = carry
       kv_start = tile_order[b, i, t] * block_kv
-      k_blk = lax.dynamic_slice_in_dim(k[b], kv_start, block_kv, 0)  # [bk, kv_heads, d]
-      v_blk = lax.dynamic_slice_in_dim(v[b], kv_start, block_kv, 0)
-      allowed = pair_mask(q_seg, lax.dynamic_slice_in_dim(mask.kv_segment_ids[b], kv_start, block_kv),
-                          q_key, lax.dynamic_slice_in_dim(mask.kv_keys[b], kv_start, block_kv),
-                          ordered)  # [bq, bk]
-      scores = jnp.einsum("qhgd,khd->hgqk", q_blk, k_blk,
-                          preferred_element_type=jnp.float32) * scale
-      scores = jnp.where(allowed, scores, MASKED_SCORE)
+      kv_take = lambda x, axis: lax.dynamic_slice_in_dim(x, kv_start, block_kv, axis)
+      allowed = pair_mask(q_seg, kv_take(mask.kv_segment_ids[b], 0), q_key,
+                          kv_take(mask.kv_keys[b], 0), ordered)
+      k_blk, v_blk = kv_take(k_hm[b], 1), kv_take(v_hm[b], 1)  # [kv_heads, bk, d]
+      scores = _scores(q_rows, k_blk, allowed, scale)
       new_max = jnp.maximum(row_max, scores.max(-1))
       correction = jnp.exp(row_max - new_max)
-      weights = jnp.where(allowed, jnp.exp(scores - new_max[..., None]), 0.0)
+      weights = jnp.exp(scores - new_max[..., None])
+      weights = jnp.where(scores > MASKED_SCORE, weights, 0.0)
       row_sum = row_sum * correction + weights.sum(-1)
       acc = acc * correction[..., None] + jnp.einsum(
-          "hgqk,khd->hgqd", weights.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+          "hqk,hkd->hqd", weights.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
       return acc, new_max, row_sum
 
-    init = (jnp.zeros((kv_heads, groups, block_q, head_dim), jnp.float32),
-            jnp.full((kv_heads, groups, block_q), MASKED_SCORE, jnp.float32),
-            jnp.zeros((kv_heads, groups, block_q), jnp.float32))
+    rows = groups * block_q
+    init = (jnp.zeros((kv_heads, rows, head_dim), jnp.float32),
+            jnp.full((kv_heads, rows), MASKED_SCORE, jnp.float32),
+            jnp.zeros((kv_heads, rows), jnp.float32))
     acc, row_max, row_sum = lax.fori_loop(0, tile_count[b, i], kv_tile, init)
     seen = row_sum > 0  # rows with no allowed key output zeros
     out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
     lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), 0.0)
-    out = jnp.transpose(out, (2, 0, 1, 3)).reshape(block_q, heads, head_dim)
-    return out.astype(q.dtype), jnp.transpose(lse, (2, 0, 1)).reshape(block_q, heads)
+    return (out.astype(q.dtype).reshape(kv_heads, groups, block_q, head_dim),
+            lse.reshape(kv_heads, groups, block_q))
 
   out, lse = lax.map(one_q_block, jnp.arange(batch * n_q))
-  return (out.reshape(batch, q_len, heads, head_dim), lse.reshape(batch, q_len, heads))
+  # [batch * n_q, kv_heads, groups, bq, ...] -> [batch, kv_heads, groups, q_len, ...]
+  out = out.reshape(batch, n_q, kv_heads, groups, block_q, head_dim).transpose(0, 2, 3, 1, 4, 5)
+  lse = lse.reshape(batch, n_q, kv_heads, groups, block_q).transpose(0, 2, 3, 1, 4)
+  return (_sequence_major(out.reshape(batch, kv_heads, groups, q_len, head_dim)),
+          lse.reshape(batch, kv_heads, groups, q_len))
 
 
 def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale: float,
@@ -84,45 +117,46 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
   groups = heads // kv_heads
   n_q = q_len // block_q
   tile_order, tile_count = _tile_lists(mask, block_q, block_kv, ordered)
+  q_hm, do_hm = _head_major(q, kv_heads), _head_major(d_out, kv_heads)
+  k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   # delta_i = sum_d out_id * dout_id: the softmax-Jacobian term shared by every tile of a row.
-  delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1)  # [b, q, h]
-  grouped = lambda x: x.reshape(x.shape[0], kv_heads, groups, *x.shape[2:])
+  delta = jnp.sum(_head_major(out, kv_heads).astype(jnp.float32) * do_hm.astype(jnp.float32), -1)
 
   def one_row(b):
     def one_q_block(carry, i):
       q_start = i * block_q
-      take = lambda x: lax.dynamic_slice_in_dim(x[b], q_start, block_q, 0)
-      q_blk, do_blk = grouped(take(q)), grouped(take(d_out))  # [bq, kv_heads, groups, d]
-      lse_blk = jnp.transpose(grouped(take(lse)), (1, 2, 0))  # [kv_heads, groups, bq]
-      delta_blk = jnp.transpose(grouped(take(delta)), (1, 2, 0))
-      q_seg, q_key = take(mask.q_segment_ids), take(mask.q_keys)
+      q_rows, do_rows = _q_rows(q_hm[b], q_start, block_q), _q_rows(do_hm[b], q_start, block_q)
+      lse_rows, delta_rows = _q_rows(lse[b], q_start, block_q), _q_rows(delta[b], q_start, block_q)
+      q_seg = lax.dynamic_slice_in_dim(mask.q_segment_ids[b], q_start, block_q)
+      q_key = lax.dynamic_slice_in_dim(mask.q_keys[b], q_start, block_q)
 
       def kv_tile(t, inner):
         dq, dk, dv = inner
         kv_start = tile_order[b, i, t] * block_kv
-        kv_take = lambda x: lax.dynamic_slice_in_dim(x, kv_start, block_kv, 0)
-        k_blk, v_blk = kv_take(k[b]), kv_take(v[b])
-        allowed = pair_mask(q_seg, kv_take(mask.kv_segment_ids[b]), q_key,
-                            kv_take(mask.kv_keys[b]), ordered)
-        scores = jnp.einsum("qhgd,khd->hgqk", q_blk, k_blk,
-                            preferred_element_type=jnp.float32) * scale
-        probs = jnp.where(allowed, jnp.exp(scores - lse_blk[..., None]), 0.0)
-        d_probs = jnp.einsum("qhgd,khd->hgqk", do_blk, v_blk, preferred_element_type=jnp.float32)
-        d_scores = probs * (d_probs - delta_blk[..., None]) * scale
-        dv_tile = jnp.einsum("hgqk,qhgd->khd", probs, do_blk.astype(jnp.float32))
-        dk_tile = jnp.einsum("hgqk,qhgd->khd", d_scores, q_blk.astype(jnp.float32))
-        dq = dq + jnp.einsum("hgqk,khd->qhgd", d_scores, k_blk.astype(jnp.float32))
-        dk = lax.dynamic_update_slice_in_dim(dk, kv_take(dk) + dk_tile, kv_start, 0)
-        dv = lax.dynamic_update_slice_in_dim(dv, kv_take(dv) + dv_tile, kv_start, 0)
+        kv_take = lambda x, axis: lax.dynamic_slice_in_dim(x, kv_start, block_kv, axis)
+        allowed = pair_mask(q_seg, kv_take(mask.kv_segment_ids[b], 0), q_key,
+                            kv_take(mask.kv_keys[b], 0), ordered)
+        k_blk, v_blk = kv_take(k_hm[b], 1), kv_take(v_hm[b], 1)  # [kv_heads, bk, d]
+        scores = _scores(q_rows, k_blk, allowed, scale)
+        probs = jnp.where(scores > MASKED_SCORE, jnp.exp(scores - lse_rows[..., None]), 0.0)
+        d_probs = jnp.einsum("hqd,hkd->hqk", do_rows, v_blk, preferred_element_type=jnp.float32)
+        d_scores = probs * (d_probs - delta_rows[..., None]) * scale
+        dv_tile = jnp.einsum("hqk,hqd->hkd", probs, do_rows.astype(jnp.float32))
+        dk_tile = jnp.einsum("hqk,hqd->hkd", d_scores, q_rows.astype(jnp.float32))
+        dq = dq + jnp.einsum("hqk,hkd->hqd", d_scores, k_blk.astype(jnp.float32))
+        dk = lax.dynamic_update_slice_in_dim(dk, kv_take(dk, 1) + dk_tile, kv_start, 1)
+        dv = lax.dynamic_update_slice_in_dim(dv, kv_take(dv, 1) + dv_tile, kv_start, 1)
         return dq, dk, dv
 
-      dq0 = jnp.zeros((block_q, kv_heads, groups, head_dim), jnp.float32)
+      dq0 = jnp.zeros((kv_heads, groups * block_q, head_dim), jnp.float32)
       dq, dk, dv = lax.fori_loop(0, tile_count[b, i], kv_tile, (dq0, *carry))
-      return (dk, dv), dq.reshape(block_q, heads, head_dim)
+      return (dk, dv), dq.reshape(kv_heads, groups, block_q, head_dim)
 
-    zeros = jnp.zeros((kv_len, kv_heads, head_dim), jnp.float32)
+    zeros = jnp.zeros((kv_heads, kv_len, head_dim), jnp.float32)
     (dk, dv), dq = lax.scan(one_q_block, (zeros, zeros), jnp.arange(n_q))
-    return dq.reshape(q_len, heads, head_dim), dk, dv
+    # dq [n_q, kv_heads, groups, bq, d] -> [kv_heads, groups, q_len, d]
+    return dq.transpose(1, 2, 0, 3, 4).reshape(kv_heads, groups, q_len, head_dim), dk, dv
 
   dq, dk, dv = lax.map(one_row, jnp.arange(batch))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+  return (_sequence_major(dq).astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
+          dv.transpose(0, 2, 1, 3).astype(v.dtype))
