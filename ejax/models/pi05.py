@@ -14,11 +14,13 @@ Packed inputs (built by `ejax.models.pi05_inputs`): the prefixes of several samp
 `packing.row_length` tokens (segment ids, per-sample positions; no padding tokens and no tokens for
 masked camera slots), and each row carries `packing.samples_per_row` action-chunk slots of
 `action_horizon` tokens for its samples' suffixes. Per-sample arrays (actions, masks) are [n, ...];
-`sample_row` / `sample_slot` say where each sample's suffix sits.
+`sample_row_offset` / `sample_slot` say where each sample's suffix sits (row indices relative to a
+home row so that process-local batches concatenate; see pi05_inputs).
 
-Batch keys: images [num_images, S, S, 3] uint8; prefix_tokens, prefix_image_index,
+Batch keys: images [num_images, S, S, 3] uint8; prefix_tokens, prefix_is_image, prefix_image_index,
 prefix_segment_ids, prefix_positions [rows, row_length]; suffix_segment_ids, suffix_positions
-[rows, slots * horizon]; sample_row, sample_slot [n]; actions, action_mask [n, horizon, action_dim].
+[rows, slots * horizon]; sample_row_offset, sample_slot [n]; actions, action_mask [n, horizon,
+action_dim].
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from ejax.models import flow, gemma, layers
+from ejax.models import flow, gemma, layers, pi05_inputs
 from ejax.models.registry import ModelSpec
 from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
 from ejax.parallel import axes as ax
@@ -135,11 +137,13 @@ class Pi05(nnx.Module):
     """Image and prompt tokens laid out in packed rows: x [rows, row_length, llm width]."""
     dtype = self.dtype
     image_tokens = self.vision_projection(self.vision(normalize_images(batch["images"], dtype)))
+    patches = image_tokens.shape[1]
     image_tokens = image_tokens.reshape(-1, image_tokens.shape[-1])  # [num_images * patches, width]
     text = self.llm.embed(batch["prefix_tokens"], dtype)
-    index = batch["prefix_image_index"]
-    from_image = jnp.take(image_tokens, jnp.maximum(index, 0), axis=0)
-    x = jnp.where((index >= 0)[..., None], from_image.astype(dtype), text)
+    is_image = batch["prefix_is_image"]
+    index = pi05_inputs.image_token_indices(batch, patches, xp=jnp)
+    index = jnp.clip(jnp.where(is_image, index, 0), 0, image_tokens.shape[0] - 1)
+    x = jnp.where(is_image[..., None], jnp.take(image_tokens, index, axis=0).astype(dtype), text)
     segment_ids = batch["prefix_segment_ids"]
     # ar flag 0 everywhere: the prefix is one bidirectional block (block id 0).
     return gemma.Stream(x=x, positions=batch["prefix_positions"], segment_ids=segment_ids,
@@ -161,7 +165,7 @@ class Pi05(nnx.Module):
     tokens = self.action_in_proj(noisy_actions.astype(dtype))  # [n, H, W]
     cond = time_embedding(t, tokens.shape[-1]).astype(dtype)
     cond = jax.nn.swish(self.time_mlp_out(jax.nn.swish(self.time_mlp_in(cond))))  # [n, W]
-    sample_row, sample_slot = batch["sample_row"], batch["sample_slot"]
+    sample_row, sample_slot = pi05_inputs.sample_rows(batch, xp=jnp), batch["sample_slot"]
     width = tokens.shape[-1]
     x = jnp.zeros((rows, slots, horizon, width), dtype).at[sample_row, sample_slot].set(tokens)
     slot_cond = jnp.zeros((rows, slots, width), dtype).at[sample_row, sample_slot].set(cond)
@@ -176,7 +180,8 @@ class Pi05(nnx.Module):
 
   def _velocity_from_suffix(self, batch, suffix_out: jax.Array) -> jax.Array:
     rows, slots, horizon = self._suffix_layout(batch)
-    out = suffix_out.reshape(rows, slots, horizon, -1)[batch["sample_row"], batch["sample_slot"]]
+    sample_row = pi05_inputs.sample_rows(batch, xp=jnp)
+    out = suffix_out.reshape(rows, slots, horizon, -1)[sample_row, batch["sample_slot"]]
     return self.action_out_proj(out).astype(jnp.float32)  # [n, H, A]
 
   # -- the registry interface -------------------------------------------------------------------
@@ -221,7 +226,7 @@ class Pi05(nnx.Module):
     return fn
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
-    n = batch["sample_row"].shape[0]
+    n = batch["sample_row_offset"].shape[0]
     shape = (n, self.config.action_horizon, self.config.action_dim)
     if noise is None:
       noise = jax.random.normal(rng, shape, jnp.float32)
@@ -247,15 +252,13 @@ def trainable_filter(config):
 
 
 def example_batch(model_config, batch_size: int, seed: int = 0):
-  from ejax.models.pi05_inputs import example_batch as build  # pi05_inputs imports this module
-  return build(model_config, batch_size, seed)
+  return pi05_inputs.example_batch(model_config, batch_size, seed)
 
 
 def make_collate(model_config, data_config=None):
   """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path."""
   del data_config
-  from ejax.models.pi05_inputs import make_collate as build
-  return build(model_config)
+  return pi05_inputs.make_collate(model_config)
 
 
 SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,

@@ -11,9 +11,17 @@ A sample's prefix is its present cameras' image tokens (256 per 224 px image) th
 no image and no tokens; the image array holds `max_images_per_sample * n` slots (padding images are
 encoded but never placed in a row: set max_images_per_sample to the cameras a dataset really has).
 
-Batch keys (see ejax/models/pi05.py): images, prefix_tokens, prefix_image_index,
-prefix_segment_ids, prefix_positions, suffix_segment_ids, suffix_positions, sample_row,
-sample_slot, actions, action_mask.
+Batch keys (see ejax/models/pi05.py): images, prefix_tokens, prefix_is_image,
+prefix_image_index, prefix_segment_ids, prefix_positions, suffix_segment_ids, suffix_positions,
+sample_row_offset, sample_slot, actions, action_mask.
+
+Indices between row arrays and per-sample / per-image arrays are stored relative to each array's
+"home" position, so a global batch made by concatenating process-local batches (multi-host, same
+shapes per process) stays correct without rewriting them (the convention of groot_inputs):
+  row of sample i          = (i * num_rows) // n + sample_row_offset[i]
+  image token at (row r, p) = ((r * n) // num_rows) * images_per_sample * patches_per_image
+                              + prefix_image_index[r, p]      (where prefix_is_image)
+`sample_rows` / `image_token_indices` give the absolute values.
 """
 
 from __future__ import annotations
@@ -40,7 +48,22 @@ def rows_for(model_config, num_samples: int) -> int:
 
 
 def images_for(model_config, num_samples: int) -> int:
-  return max(1, math.ceil(num_samples * model_config.packing.max_images_per_sample))
+  """Image slots per batch: a whole number per sample, so concatenated batches keep the layout."""
+  return num_samples * int(math.ceil(model_config.packing.max_images_per_sample))
+
+
+def sample_rows(batch, xp=np):
+  """Absolute row of every sample (module docstring); xp = numpy or jax.numpy."""
+  n, num_rows = batch["sample_row_offset"].shape[0], batch["prefix_tokens"].shape[0]
+  return (xp.arange(n) * num_rows) // n + batch["sample_row_offset"]
+
+
+def image_token_indices(batch, patches: int, xp=np):
+  """Absolute index into the flattened image tokens [num_images * patches] per prefix position."""
+  n, num_rows = batch["sample_row_offset"].shape[0], batch["prefix_tokens"].shape[0]
+  images_per_sample = batch["images"].shape[0] // n
+  home_sample = (xp.arange(num_rows) * n) // num_rows
+  return (home_sample * images_per_sample * patches)[:, None] + batch["prefix_image_index"]
 
 
 def resize_with_pad(image: np.ndarray, size: int) -> np.ndarray:
@@ -116,15 +139,20 @@ def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Seque
       image_array[cursor] = img
       cursor += 1
 
+  if num_images % n:
+    raise ValueError(f"num_images {num_images} is not a whole number of image slots per sample ({n} samples)")
+  images_per_sample = num_images // n
   tokens = np.zeros((num_rows, row_length), np.int32)
-  image_index = np.full((num_rows, row_length), -1, np.int32)
+  is_image = np.zeros((num_rows, row_length), bool)
+  image_index = np.zeros((num_rows, row_length), np.int32)
   segment_ids = np.zeros((num_rows, row_length), np.int32)
   positions = np.zeros((num_rows, row_length), np.int32)
   suffix_segment_ids = np.zeros((num_rows, slots * horizon), np.int32)
   suffix_positions = np.zeros((num_rows, slots * horizon), np.int32)
-  sample_row = np.zeros(n, np.int32)
+  sample_row_offset = np.zeros(n, np.int32)
   sample_slot = np.zeros(n, np.int32)
   for row, members in enumerate(rows):
+    home_image_token = ((row * n) // num_rows) * images_per_sample * per_image
     offset = 0
     for slot, i in enumerate(members):
       segment = slot + 1
@@ -133,19 +161,21 @@ def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Seque
       span = slice(offset, offset + length)
       segment_ids[row, span] = segment
       positions[row, span] = np.arange(length)
-      image_index[row, offset:offset + image_tokens] = first_image[i] * per_image + np.arange(image_tokens)
+      is_image[row, offset:offset + image_tokens] = True
+      image_index[row, offset:offset + image_tokens] = (first_image[i] * per_image + np.arange(image_tokens)
+                                                        - home_image_token)
       tokens[row, offset + image_tokens:offset + length] = prompts[i]
       chunk = slice(slot * horizon, (slot + 1) * horizon)
       suffix_segment_ids[row, chunk] = segment
       suffix_positions[row, chunk] = length + np.arange(horizon)  # the suffix follows its prefix
-      sample_row[i], sample_slot[i] = row, slot
+      sample_row_offset[i], sample_slot[i] = row - (i * num_rows) // n, slot
       offset += length
   return {
       "images": image_array,
-      "prefix_tokens": tokens, "prefix_image_index": image_index,
+      "prefix_tokens": tokens, "prefix_is_image": is_image, "prefix_image_index": image_index,
       "prefix_segment_ids": segment_ids, "prefix_positions": positions,
       "suffix_segment_ids": suffix_segment_ids, "suffix_positions": suffix_positions,
-      "sample_row": sample_row, "sample_slot": sample_slot,
+      "sample_row_offset": sample_row_offset, "sample_slot": sample_slot,
       "actions": np.asarray(actions, np.float32), "action_mask": np.asarray(action_masks, np.float32),
   }
 

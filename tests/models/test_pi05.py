@@ -8,7 +8,7 @@ from flax import nnx
 
 from ejax.models import layers, pi05, pi05_inputs, summary
 
-BATCH = 5
+BATCH = 6  # two process-local halves of 3
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +24,15 @@ def model(config):
   return layers.host_random_init(nnx.eval_shape(lambda: pi05.create(config, nnx.Rngs(0))), seed=1, stddev=0.1)
 
 
+def _global_batch(config, pack):
+  """Two process-local batches concatenated as the multi-host input pipeline does."""
+  local = [pi05_inputs.example_batch(config, BATCH // 2, seed=seed, pack=pack) for seed in (3, 4)]
+  return {k: jnp.asarray(np.concatenate([b[k] for b in local])) for k in local[0]}
+
+
 @pytest.fixture(scope="module")
 def batches(config):
-  packed = {k: jnp.asarray(v) for k, v in pi05_inputs.example_batch(config, BATCH, seed=3, pack=True).items()}
-  alone = {k: jnp.asarray(v) for k, v in pi05_inputs.example_batch(config, BATCH, seed=3, pack=False).items()}
-  return packed, alone
+  return _global_batch(config, pack=True), _global_batch(config, pack=False)
 
 
 @nnx.jit
@@ -43,10 +47,10 @@ def _sample(model, batch, noise):
 
 def test_packing_really_packs(config, batches):
   packed, alone = batches
-  assert packed["prefix_tokens"].shape[0] == pi05_inputs.rows_for(config, BATCH) < alone["prefix_tokens"].shape[0]
+  assert packed["prefix_tokens"].shape[0] == 2 * pi05_inputs.rows_for(config, BATCH // 2) < alone["prefix_tokens"].shape[0]
   # No padding inside a packed sample and no tokens for absent cameras.
   per_image = pi05_inputs.patches_per_image(config)
-  image_tokens = int(jnp.sum(packed["prefix_image_index"] >= 0))
+  image_tokens = int(jnp.sum(packed["prefix_is_image"]))
   assert image_tokens % per_image == 0 and image_tokens < BATCH * config.num_cameras * per_image
 
 

@@ -86,14 +86,14 @@ def test_collate_packs_prompts_and_skips_absent_cameras(config, tokenizer):
   per_image = pi05_inputs.patches_per_image(config)
   cameras = [len(pi05_inputs.present_cameras(s)) for s in samples]
   assert cameras == [1, 2, 2, 1, 2, 2]
-  assert int(np.sum(batch["prefix_image_index"] >= 0)) == sum(cameras) * per_image
+  assert int(np.sum(batch["prefix_is_image"])) == sum(cameras) * per_image
   assert batch["prefix_tokens"].shape == (3, config.packing.row_length)
   for i, sample in enumerate(samples):
-    row, slot = batch["sample_row"][i], batch["sample_slot"][i]
+    row, slot = pi05_inputs.sample_rows(batch)[i], batch["sample_slot"][i]
     in_row = batch["prefix_segment_ids"][row] == slot + 1
     prompt = tokenizer.tokenize_prompt(sample["task"], np.pad(sample["observation.state"], (0, 1)))
     assert in_row.sum() == cameras[i] * per_image + len(prompt)
-    text = batch["prefix_tokens"][row][in_row & (batch["prefix_image_index"][row] < 0)]
+    text = batch["prefix_tokens"][row][in_row & ~batch["prefix_is_image"][row]]
     np.testing.assert_array_equal(text, prompt)
     chunk = batch["suffix_positions"][row, slot * config.action_horizon:(slot + 1) * config.action_horizon]
     np.testing.assert_array_equal(chunk, in_row.sum() + np.arange(config.action_horizon))
@@ -103,6 +103,30 @@ def test_collate_packs_prompts_and_skips_absent_cameras(config, tokenizer):
   assert batch["images"].shape == (6 * config.packing.max_images_per_sample, 32, 32, 3)
   with pytest.raises(ValueError, match="action_horizon"):
     pi05_inputs.collate([{**samples[1], "action": np.zeros((9, 3), np.float32)}], config, tokenizer)
+
+
+def test_concatenated_local_batches_keep_rows_and_images_with_their_samples(config, tokenizer):
+  # Multi-host: the global batch is the concatenation of process-local batches; indices are stored
+  # relative to home rows/images, so every sample still finds its own prefix row and its own images.
+  demos = SmallDemos(config.action_horizon)
+  per_image = pi05_inputs.patches_per_image(config)
+  local = []
+  for process in range(2):
+    samples = [demos.sample(100 * process + j) for j in range(5)]
+    for j, sample in enumerate(samples):  # image pixels say which sample and camera they are
+      for c, key in enumerate(pi05_inputs.present_cameras(sample)):
+        sample[key] = np.full((32, 32, 3), 10 * (5 * process + j) + c + 1, np.uint8)
+    local.append(pi05_inputs.collate(samples, config, tokenizer, seed=process))
+  batch = {k: np.concatenate([b[k] for b in local]) for k in local[0]}
+  rows = pi05_inputs.sample_rows(batch)
+  index = pi05_inputs.image_token_indices(batch, per_image)
+  for i in range(10):
+    row, slot = rows[i], batch["sample_slot"][i]
+    assert np.all(batch["suffix_segment_ids"][row, slot * config.action_horizon] == slot + 1)
+    mine = (batch["prefix_segment_ids"][row] == slot + 1) & batch["prefix_is_image"][row]
+    image_ids = np.unique(index[row][mine] // per_image)
+    values = sorted(int(batch["images"][k][0, 0, 0]) for k in image_ids)
+    assert values == [10 * i + c + 1 for c in range(len(values))] and values
 
 
 @pytest.mark.timeout(600)
