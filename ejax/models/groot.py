@@ -95,6 +95,9 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
     c.max_seq_len = 32
     c.image_token_id = 511
     c.packing = dict(row_length=64, samples_per_row=2)
+    # Shapes of ejax/data/synthetic.py's demonstrations (the trainer's default data): no cameras.
+    c.num_cameras = 0
+    c.state_dim, c.action_dim, c.horizon, c.num_tasks = 6, 4, 8, 4
   elif variant != "full":
     raise ValueError(f"GR00T variant {variant!r} is not one of 'full', 'runlocal'")
   return c
@@ -111,14 +114,15 @@ class GrootBackbone(nnx.Module):
     self.image_token_id = config.image_token_id
 
   def __call__(self, batch) -> jax.Array:
-    images = normalize_images(batch["images"], self.llm.dtype)
-    image_tokens = self.connector(self.vision(images))                    # [num_images, P, d]
-    flat = image_tokens.reshape(-1, image_tokens.shape[-1])
-    index = image_token_indices(batch, image_tokens.shape[1], xp=jnp)
-    is_image = batch["vl_tokens"] == self.image_token_id
-    index = jnp.clip(jnp.where(is_image, index, 0), 0, flat.shape[0] - 1)
-    text = self.llm.embed(batch["vl_tokens"])
-    embeddings = jnp.where(is_image[..., None], jnp.take(flat, index, axis=0), text)
+    embeddings = self.llm.embed(batch["vl_tokens"])
+    if batch["images"].shape[0]:  # datasets without cameras have text-only prompts
+      images = normalize_images(batch["images"], self.llm.dtype)
+      image_tokens = self.connector(self.vision(images))                  # [num_images, P, d]
+      flat = image_tokens.reshape(-1, image_tokens.shape[-1])
+      index = image_token_indices(batch, image_tokens.shape[1], xp=jnp)
+      is_image = batch["vl_tokens"] == self.image_token_id
+      index = jnp.clip(jnp.where(is_image, index, 0), 0, flat.shape[0] - 1)
+      embeddings = jnp.where(is_image[..., None], jnp.take(flat, index, axis=0), embeddings)
     return self.llm(embeddings, batch["vl_segment_ids"], batch["vl_positions"])
 
 

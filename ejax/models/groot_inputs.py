@@ -1,7 +1,8 @@
 """GR00T input assembly: pipeline samples -> a packed model batch (numpy).
 
 Per sample (from ejax.data): "observation.state" [state_dim], "observation.images.<cam>" uint8
-[H, W, 3], "action" [horizon, action_dim], "action_is_pad" [horizon], "task" str, "embodiment_id".
+[H, W, 3] (any number of cameras, including none), "action" [horizon, action_dim], "action_is_pad"
+[horizon], "task" str (or "task_index", written as "task <i>"), "embodiment_id" (default 0).
 
 The VL stream of each sample (Eagle prompt with its image-context tokens) is packed with
 `ejax.data.packing.pack_sequences` into `num_rows` rows of `row_length` tokens; per-sample arrays
@@ -98,7 +99,7 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
   image_slot = np.zeros((num_rows, row_length), np.int32)
   sample_row = np.zeros((n,), np.int32)
   sample_segment = np.zeros((n,), np.int32)
-  images_per_sample = images.shape[0] // max(n, 1)
+  images_per_sample = images.shape[0] // max(n, 1)  # 0 for datasets without cameras
   for row, members in enumerate(rows):
     offset = 0
     for segment, sample in enumerate(members, start=1):
@@ -137,8 +138,8 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     raise ValueError(f"samples have {len(cameras)} cameras {cameras} but config.model.num_cameras={c.num_cameras}")
   prompts, images, states, actions, masks, embodiments = [], [], [], [], [], []
   for sample in samples:
-    prompts.append(eagle_prompt(tokenizer, str(sample["task"]), len(cameras), tokens_per_image(c),
-                                image_token_id=c.image_token_id))
+    task = str(sample["task"]) if "task" in sample else f"task {int(sample['task_index'])}"
+    prompts.append(eagle_prompt(tokenizer, task, len(cameras), tokens_per_image(c), image_token_id=c.image_token_id))
     images += [_resize(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras]
     states.append(_pad_to(np.asarray(sample["observation.state"], np.float32), c.max_state_dim, 0, "state"))
     action = np.asarray(sample["action"], np.float32)
@@ -150,7 +151,9 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     actions.append(_pad_to(action, c.max_action_dim, 1, "action"))
     masks.append(mask)
     embodiments.append(int(sample.get("embodiment_id", 0)))
-  return assemble(c, prompts, np.stack(images), np.stack(states), np.stack(actions), np.stack(masks),
+  size = c.vision.image_size
+  images = np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8)
+  return assemble(c, prompts, images, np.stack(states), np.stack(actions), np.stack(masks),
                   np.asarray(embodiments), num_rows=num_rows, seed=seed)
 
 

@@ -16,6 +16,7 @@ def tiny_config():
   c.vision.depth = 1
   c.llm.num_layers = 1
   c.dit.num_layers = 2
+  c.num_cameras = 1
   return c
 
 

@@ -99,6 +99,7 @@ def test_collate_errors_name_the_fix(tokenizer):
 
 def test_byte_tokenizer_collates_without_a_tokenizer_file():
   c = groot.model_config("runlocal")
+  c.num_cameras = 1
   c.packing.row_length = 128
   collate = groot_inputs.make_collate(c)
   rng = np.random.default_rng(2)
@@ -115,6 +116,7 @@ def test_process_local_batches_concatenate_into_a_correct_global_batch():
   """Multi-host: each process collates its own samples; concatenating along dim 0 must keep every
   sample pointing at its own row and image tokens."""
   c = groot.model_config("runlocal")
+  c.num_cameras = 1
   local = [groot.example_batch(c, 4, seed=s) for s in (0, 1)]
   merged = {k: np.concatenate([b[k] for b in local]) for k in local[0]}
   per_image = groot.tokens_per_image(c)
@@ -126,3 +128,14 @@ def test_process_local_batches_concatenate_into_a_correct_global_batch():
     in_sample = merged["vl_segment_ids"][rows[i]] == merged["sample_segment"][i]
     is_image = merged["vl_tokens"][rows[i]][in_sample] == c.image_token_id
     np.testing.assert_array_equal(index[rows[i]][in_sample][is_image], i * per_image + np.arange(per_image))
+
+
+def test_synthetic_demonstrations_collate_without_cameras():
+  from ejax.data.synthetic import SyntheticDemos
+  c = groot.model_config("runlocal")
+  demos = SyntheticDemos(state_dim=c.state_dim, action_dim=c.action_dim, horizon=c.horizon, num_tasks=c.num_tasks)
+  batch = groot_inputs.make_collate(c)([demos.sample(i) for i in range(4)])
+  assert batch["images"].shape[0] == 0 and batch["actions"].shape == (4, c.action_horizon, c.max_action_dim)
+  assert not (batch["vl_tokens"] == c.image_token_id).any()
+  first = batch["vl_tokens"][groot_inputs.sample_rows(batch)[0]]
+  assert b"task " in bytes(int(t) for t in first if t < 256)
