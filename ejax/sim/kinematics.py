@@ -113,8 +113,8 @@ def orientation_error(rotation: Any, target: Any, xp: Any = np) -> Any:
   return 0.5 * xp.sum(xp.cross(rotation.T, target.T), axis=0)
 
 
-def ik_step(q: Any, target_position: Any, target_rotation: Any, *, damping: float = 0.05,
-            nullspace_gain: float = 0.2, xp: Any = np) -> Any:
+def ik_step(q: Any, target_position: Any, target_rotation: Any, *, damping: float = 0.02,
+            nullspace_gain: float = 0.1, xp: Any = np) -> Any:
   """One damped-least-squares IK update of joint angles q [7] towards a tcp pose; stays within limits.
 
   The null-space term pulls the redundant DoF towards HOME_QPOS so the elbow does not drift.

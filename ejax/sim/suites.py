@@ -32,18 +32,18 @@ _OBJECT = (
     TaskSpec("object_cylinder_to_plate", "object", "put the yellow cylinder on the plate",
              target="cylinder", destination="plate"),
     TaskSpec("object_lift_cylinder", "object", "pick up the yellow cylinder",
-             target="cylinder", destination="air", episode_length=50),
+             target="cylinder", destination="air", episode_length=40),
 )
 
 _GOAL = (
     TaskSpec("goal_open_drawer", "goal", "open the drawer", target="handle", destination="open",
-             drawer_start=(0.0, 0.03), episode_length=60),
+             drawer_start=(0.0, 0.03), episode_length=50),
     TaskSpec("goal_close_drawer", "goal", "close the drawer", target="handle", destination="closed",
-             drawer_start=(0.1, 0.15), episode_length=60),
+             drawer_start=(0.1, 0.15), episode_length=50),
     TaskSpec("goal_stack_red_on_blue", "goal", "put the red block on top of the blue block",
              target="red", destination="blue"),
     TaskSpec("goal_lift_green_block", "goal", "lift the green block", target="green", destination="air",
-             episode_length=50),
+             episode_length=40),
     TaskSpec("goal_red_block_to_plate", "goal", "put the red block on the plate", target="red",
              destination="plate"),
 )

@@ -44,7 +44,7 @@ class TaskSpec:
   destination: str
   same_colour_blocks: bool = False  # spatial suite: identical blocks, told apart only by position
   drawer_start: tuple[float, float] = (0.0, 0.03)  # initial drawer opening range [m]
-  episode_length: int = 80
+  episode_length: int = 60
 
 
 SLOT_OF_NAME = {"red": 0, "green": 1, "blue": 2, "cylinder": 3, "handle": HANDLE_SLOT}
