@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from ejax.models import layers, pi05, pi05_inputs, summary
+from ejax.parallel.params import variable_axis_names
 
 BATCH = 6  # two process-local halves of 3
 
@@ -93,9 +94,16 @@ def test_velocity_at_noise_recovers_training_target(config, model, batches):
   np.testing.assert_allclose(metrics["per_sample_loss"], expected, rtol=1e-4)
 
 
-def test_full_size_component_counts_match_published(config):
+def test_full_size_component_counts_match_published_and_shard_under_fsdp(config):
+  from configs import common
   full = pi05.model_config("full")
-  result = summary.summarize(full, {"data": 1, "fsdp": 8, "tensor": 1}, [("embed", "fsdp")], num_devices=8)
+  result = summary.summarize(full, {"data": 1, "fsdp": 8, "tensor": 1}, common.SHARDING_RULES, num_devices=8)
+  # Every parameter names its axes, and under fsdp=8 none above 4 MiB is fully replicated.
+  abstract = summary.abstract_model(full)
+  for path, variable in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+    names = variable_axis_names(variable)
+    assert names is not None and len(names) == variable.get_value().ndim, path
+  assert result["largest_replicated_param"]["bytes"] <= 4 * 2**20, result["largest_replicated_param"]
   counts = result["param_counts"]
   # Gemma-2B (PaliGemma's LLM, HF gemma-2b): 2,506,172,416. Gemma-300M (openpi gemma.py: "311M").
   assert abs(counts["gemma_2b"] - 2_506_172_416) / 2_506_172_416 < 0.02
@@ -117,3 +125,4 @@ def test_trainable_filter_trains_everything_by_default_and_can_freeze(config, mo
   trained = nnx.to_flat_state(nnx.state(model, pi05.trainable_filter(frozen_config)))
   paths = ["/".join(map(str, p)) for p, _ in trained]
   assert paths and all(p.startswith(("expert", "action_", "time_mlp")) for p in paths)
+
