@@ -78,14 +78,15 @@ class LeRobotSource:
     return int(table[robot_type])
 
   def _resolve_cameras(self, cameras: Sequence[str] | None) -> list[str]:
+    visual = self.meta.video_keys + self.meta.image_keys
     if cameras is None:
-      return list(self.meta.video_keys)
+      return list(visual)
     resolved = []
     for camera in cameras:
       key = camera if camera in self.meta.features else f"observation.images.{camera}"
-      if key not in self.meta.video_keys:
-        raise DataError(f"camera {camera!r} is not a video feature in info.json (video features: "
-                        f"{self.meta.video_keys}); fix data.cameras",
+      if key not in visual:
+        raise DataError(f"camera {camera!r} is not a video or image feature in info.json "
+                        f"(cameras: {visual}); fix data.cameras",
                         path=f"{self.meta.root}/meta/info.json")
       resolved.append(key)
     return resolved
@@ -114,7 +115,7 @@ class LeRobotSource:
 
   def _load_columns(self) -> dict[str, np.ndarray]:
     wanted = [self.state_key, self.action_key, "timestamp", "frame_index", "episode_index",
-              "index", "task_index"]
+              "index", "task_index"] + [k for k in self.cameras if k in self.meta.image_keys]
     episodes = self.meta.episodes
 
     def read(path: str) -> dict[str, np.ndarray]:
@@ -191,17 +192,31 @@ class LeRobotSource:
     }
     if not single:
       sample[f"{self.state_key}_is_pad"] = obs_pad
-    if self.cameras:
-      videos = self._video_cache()
-      for key in self.cameras:
+    for key in self.cameras:
+      if key in self.meta.image_keys:
+        frames = np.stack([self._decode_image(columns[key][row], key, episode_index)
+                           for row in obs_rows])
+      else:
         times = episodes.video_from_timestamp[key][position] + columns["timestamp"][obs_rows]
-        frames = videos.read(episodes.video_path[key][position], times,
-                                   tolerance_s=self.tolerance_s, size=self.image_size,
-                                   episode_index=episode_index)
-        sample[key] = frames[0] if single else frames
-        if not single:
-          sample[f"{key}_is_pad"] = obs_pad
+        frames = self._video_cache().read(
+            episodes.video_path[key][position], times, tolerance_s=self.tolerance_s,
+            size=self.image_size, episode_index=episode_index)
+      sample[key] = frames[0] if single else frames
+      if not single:
+        sample[f"{key}_is_pad"] = obs_pad
     return self.add_modality_slices(sample)
+
+  def _decode_image(self, encoded: bytes, key: str, episode_index: int) -> np.ndarray:
+    """An "image" feature's PNG / JPEG cell as uint8 [H, W, 3], resized to image_size if set."""
+    try:
+      image = fmt.decode_image(encoded)
+    except Exception as error:  # PIL raises many types for bad bytes
+      raise DataError(f"cannot decode image {key!r} ({error})", path=self.meta.root,
+                      episode_index=episode_index) from error
+    if self.image_size is not None and image.shape[:2] != self.image_size:
+      from ejax.data.transforms import resize
+      image = resize(image, self.image_size)
+    return image
 
   def add_modality_slices(self, sample: dict[str, Any]) -> dict[str, Any]:
     """GR00T's meta/modality.json names slices of the state and action vectors.

@@ -5,12 +5,14 @@ Shared by the writer and the reader so both agree on every file name and column 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
+from PIL import Image
 
 V21, V30 = "v2.1", "v3.0"
 CHUNKS_SIZE = 1000
@@ -65,11 +67,29 @@ def chunk_and_file(file_number: int, chunks_size: int) -> tuple[int, int]:
   return file_number // chunks_size, file_number % chunks_size
 
 
+IMAGE_TYPE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+def encode_png(image: np.ndarray) -> bytes:
+  buffer = io.BytesIO()
+  Image.fromarray(np.asarray(image, np.uint8)).save(buffer, format="PNG")
+  return buffer.getvalue()
+
+
+def decode_image(encoded: bytes) -> np.ndarray:
+  """uint8 [H, W, 3] from PNG / JPEG bytes (an "image" feature's cell)."""
+  return np.asarray(Image.open(io.BytesIO(encoded)).convert("RGB"))
+
+
 def arrow_column(values: np.ndarray, feature: Mapping[str, Any]) -> pa.Array:
   """A [T, *shape] array as the column type LeRobot (HF datasets) uses for the feature.
 
-  Shape [1] is a scalar column; larger shapes are (nested) fixed-size lists.
+  Shape [1] is a scalar column; larger shapes are (nested) fixed-size lists; "image" features are
+  {bytes: PNG, path: null} structs, as HF datasets stores Image features.
   """
+  if feature["dtype"] == "image":
+    return pa.array([{"bytes": encode_png(image), "path": None} for image in values],
+                    type=IMAGE_TYPE)
   dtype = np.dtype(feature["dtype"])
   shape = list(feature["shape"])
   values = np.asarray(values, dtype)
@@ -82,9 +102,12 @@ def arrow_column(values: np.ndarray, feature: Mapping[str, Any]) -> pa.Array:
 
 
 def numpy_column(column: pa.ChunkedArray | pa.Array, shape: list[int]) -> np.ndarray:
-  """Inverse of `arrow_column`; also reads variable-length list columns of uniform length."""
+  """Inverse of `arrow_column` (images stay encoded: an object array of bytes); also reads
+  variable-length list columns of uniform length."""
   if isinstance(column, pa.ChunkedArray):
     column = column.combine_chunks()
+  if pa.types.is_struct(column.type):
+    return np.asarray(column.field("bytes").to_pylist(), dtype=object)
   rows = len(column)
   while pa.types.is_list(column.type) or pa.types.is_fixed_size_list(column.type) or (
       pa.types.is_large_list(column.type)):

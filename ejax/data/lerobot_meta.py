@@ -41,6 +41,7 @@ class LeRobotMeta:
   fps: int
   features: dict[str, dict[str, Any]]
   video_keys: list[str]
+  image_keys: list[str]  # "image" features: PNG / JPEG bytes in the parquet files
   tasks: dict[int, str]  # task_index -> task
   episodes: EpisodeTable
   stats: dict[str, dict[str, np.ndarray]]
@@ -159,5 +160,6 @@ def read_meta(root: str) -> LeRobotMeta:
   stats = fmt.stats_from_json(fmt.read_json(stats_path)) if os.path.exists(stats_path) else {}
   modality_path = os.path.join(root, "meta", "modality.json")
   modality = fmt.read_json(modality_path) if os.path.exists(modality_path) else None
-  return LeRobotMeta(root, version, info, int(info["fps"]), features, video_keys, tasks,
+  image_keys = [key for key, feature in features.items() if feature.get("dtype") == "image"]
+  return LeRobotMeta(root, version, info, int(info["fps"]), features, video_keys, image_keys, tasks,
                      episodes, stats, modality)

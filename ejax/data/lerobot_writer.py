@@ -47,16 +47,18 @@ class _LeRobotWriter:
       feature = copy.deepcopy(dict(feature))
       if key in fmt.INDEX_FEATURES:
         raise ValueError(f"feature {key!r} is written by the writer itself: remove it")
-      if feature["dtype"] not in fmt.NUMERIC_DTYPES + ("video",):
+      if feature["dtype"] not in fmt.NUMERIC_DTYPES + ("video", "image"):
         raise ValueError(f"feature {key!r}: dtype {feature['dtype']!r} is not supported; use "
-                         f"'video' or one of {fmt.NUMERIC_DTYPES}")
+                         f"'video', 'image' (PNG in parquet) or one of {fmt.NUMERIC_DTYPES}")
       feature["shape"] = [int(x) for x in feature["shape"]]
       feature.setdefault("names", None)
-      if feature["dtype"] == "video":
+      if fmt.is_visual(feature):
         height, width, channels = feature["shape"]
         if channels != 3:
-          raise ValueError(f"video feature {key!r} must be [H, W, 3], got {feature['shape']}")
+          raise ValueError(f"{feature['dtype']} feature {key!r} must be [H, W, 3], got "
+                           f"{feature['shape']}")
         feature["names"] = feature["names"] or ["height", "width", "channels"]
+      if feature["dtype"] == "video":
         feature["info"] = {
             "video.height": height, "video.width": width, "video.codec": video_codec,
             "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "video.fps": self.fps,
@@ -64,6 +66,7 @@ class _LeRobotWriter:
       self.features[key] = feature
     self.features.update(copy.deepcopy(fmt.INDEX_FEATURES))
     self.video_keys = [k for k, f in self.features.items() if f["dtype"] == "video"]
+    self.image_keys = [k for k, f in self.features.items() if f["dtype"] == "image"]
     self.tasks: dict[str, int] = {}
     self.episode_stats: list[dict[str, dict[str, np.ndarray]]] = []
     self.total_frames = 0
@@ -93,10 +96,11 @@ class _LeRobotWriter:
 
   def _frame_columns(self, frames: Mapping[str, np.ndarray], length: int, task: str,
                      ) -> dict[str, np.ndarray]:
-    """All non-video columns of one episode, index columns included."""
+    """All non-video columns of one episode (images as uint8 arrays), index columns included."""
     task_index = self.tasks.setdefault(task, len(self.tasks))
     frame_index = np.arange(length, dtype=np.int64)
-    columns = {key: np.asarray(value, self.features[key]["dtype"])
+    columns = {key: np.asarray(value, np.uint8 if key in self.image_keys else
+                               self.features[key]["dtype"])
                for key, value in frames.items() if self.features[key]["dtype"] != "video"}
     columns["timestamp"] = (frame_index / self.fps).astype(np.float32)
     columns["frame_index"] = frame_index
@@ -106,8 +110,9 @@ class _LeRobotWriter:
     return columns
 
   def _stats(self, frames, columns) -> dict[str, dict[str, np.ndarray]]:
-    stats = {key: stats_math.vector_stats(value) for key, value in columns.items()}
-    for key in self.video_keys:
+    stats = {key: stats_math.vector_stats(value) for key, value in columns.items()
+             if key not in self.image_keys}
+    for key in self.video_keys + self.image_keys:
       stats[key] = stats_math.image_stats(frames[key])
     return stats
 

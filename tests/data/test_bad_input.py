@@ -85,7 +85,7 @@ def test_feature_missing_from_info_json(copy):
   json.dump(info, open(info_path, "w"))
   with pytest.raises(DataError, match=r"'action' is not declared in info\.json.*info\.json\)"):
     LeRobotSource(str(copy))
-  with pytest.raises(DataError, match=r"camera 'top' is not a video feature"):
+  with pytest.raises(DataError, match=r"camera 'top' is not a video or image feature"):
     LeRobotSource(str(copy), cameras=["top"], action_key="observation.state")
 
 

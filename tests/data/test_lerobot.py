@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ejax.data.errors import DataError
-from ejax.data.lerobot import LeRobotSource, LeRobotV3Writer
+from ejax.data.lerobot import LeRobotSource, LeRobotV21Writer, LeRobotV3Writer
 from tests.data.builders import EPISODE_LENGTHS, FEATURES, FPS, TASKS, write_dataset
 
 CODEC_TOLERANCE = 4  # max |decoded - written| on these smooth images; frames differ by 12
@@ -135,3 +135,21 @@ def test_v3_episodes_spread_over_several_data_and_video_files(tmp_path, episodes
     np.testing.assert_array_equal(sample["action"][0], episodes[episode]["action"][frame])
     written = episodes[episode]["observation.images.wrist"][frame].astype(int)
     assert np.abs(sample["observation.images.wrist"].astype(int) - written).max() <= 4
+
+
+@pytest.mark.parametrize("writer_class", [LeRobotV3Writer, LeRobotV21Writer])
+def test_image_features_stored_in_parquet_read_back_exactly(tmp_path, episodes, writer_class):
+  features = dict(FEATURES)
+  features["observation.images.wrist"] = {"dtype": "image", "shape": [32, 32, 3]}
+  writer = writer_class(str(tmp_path / "images"), fps=FPS, features=features, robot_type="arm")
+  for episode, task in zip(episodes[:2], TASKS):
+    writer.add_episode(episode, task=task)
+  root = writer.finalize()
+  info = json.load(open(os.path.join(root, "meta", "info.json")))
+  assert info["features"]["observation.images.wrist"]["dtype"] == "image"
+  source = LeRobotSource(root, horizon=2, observation_offsets=(-1, 0))
+  sample = source[_global(1, 0)]
+  np.testing.assert_array_equal(sample["observation.images.wrist"],  # PNG: lossless
+                                episodes[1]["observation.images.wrist"][[0, 0]])
+  np.testing.assert_array_equal(sample["observation.images.wrist_is_pad"], [True, False])
+  assert sample["observation.images.agentview"].shape == (2, 32, 32, 3)
