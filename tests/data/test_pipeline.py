@@ -26,8 +26,10 @@ def _config(root, **overrides):
 
 
 @pytest.mark.timeout(300)
-def test_resume_with_workers_continues_on_the_next_unseen_batches(v3_root):
-  config = _config(v3_root, num_workers=2)
+@pytest.mark.parametrize("num_workers", [2, 0])
+def test_resume_continues_on_the_next_unseen_batches(v3_root, num_workers):
+  # num_workers=0 still prefetches, in a thread: the state must count consumed batches only.
+  config = _config(v3_root, num_workers=num_workers, augment=dict(crop_scale=0.9))
   with build_pipeline(config, batch_size=4, seed=3) as pipeline:
     for _ in range(3):
       next(pipeline)
