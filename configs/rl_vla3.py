@@ -8,7 +8,9 @@ policy lag max <= eta = 2, all threads joined; workdir gets rl_summary.json, rl_
 timeline.png and rl_checkpoints/ (run again to resume).
 The default variant is the same recipe at GPU scale (16 shards x 64 envs, 200 updates).
 Synchronous baseline of either: --config.rl.mode=sync.
-Arg string: `runlocal`, `updates=N`, `mode=sync|async`, `task=NAME` (an ejax.sim task).
+Arg string: `runlocal`, `updates=N`, `mode=sync|async`, `task=NAME` (an ejax.sim task instead of
+PointReach, e.g. `task=spatial_left_block_to_bowl`: SFT on its scripted expert, judged by the eval
+job's rollout; MJX on a CPU makes this a long run, it is meant for a GPU).
 """
 
 from ml_collections import ConfigDict
@@ -41,5 +43,9 @@ def get_config(arg: str | None = None):
   if args.mode:
     rl.mode = args.mode
   if args.task:
-    rl.env = ConfigDict(dict(name=args.task, kwargs={}))
+    # An ejax.sim task (MJX physics, state-only policy): 11-d state, [dx, dy, dz, gripper] actions.
+    rl.env = ConfigDict(dict(name=args.task, kwargs={}, judge_backend="mjx"))
+    rl.policy.update(state_dim=11, action_dim=4, num_tasks=1, hidden=128)
+    rl.warm_start.update(demo_episodes=32, action_noise=0.3, steps=500)
+    rl.judge.episodes = 32 if args.runlocal else 256
   return config

@@ -4,8 +4,10 @@
 
 1. Build the env (config.rl.env) and the flow policy (config.rl.policy).
 2. Warm start: resume an interrupted RL run from workdir/rl_checkpoints if there is one; otherwise
-   start from SFT: behaviour cloning on the env's scripted expert (config.rl.warm_start).
-3. Judge the starting policy's closed-loop success rate.
+   start from SFT: behaviour cloning on the env's scripted expert (config.rl.warm_start; an ejax.sim
+   task uses its privileged-state expert).
+3. Judge the starting policy's closed-loop success rate (ejax.sim tasks: the eval job's rollout on
+   a batched env, one episode per env).
 4. Run the asynchronous pipeline (ejax.rl.pipeline) to config.rl.num_updates; SIGTERM stops it
    cleanly and checkpoints.
 5. Judge again; write rl_summary.json, rl_history.jsonl and timeline.png into the workdir.
@@ -77,18 +79,27 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
   policy = make_policy(rl.policy, config.seed)
   checkpoint_dir = os.path.join(workdir, "rl_checkpoints")
   resuming = os.path.isdir(checkpoint_dir) and RLCheckpointer(checkpoint_dir).latest_version() is not None
-  judge = lambda params, salt: warm_start.success_rate(
-      policy, params, env, num_episodes=rl.judge.episodes, actions_per_step=rl.actions_per_step,
-      rng=jax.random.key(rl.judge.seed + salt))
+  simulated = rl.env.name != "point_reach"
+  if simulated:
+    from ejax.sim.batched import make_batched
+    judge_env = make_batched(rl.env.name, rl.judge.episodes, backend=rl.env.get("judge_backend", "mjx"))
+    judge = lambda params: warm_start.batched_success_rate(policy, params, judge_env, actions_per_step=rl.actions_per_step,
+                                                           rng=jax.random.key(rl.judge.seed))
+  else:
+    judge = lambda params: warm_start.success_rate(policy, params, env, num_episodes=rl.judge.episodes,
+                                                   actions_per_step=rl.actions_per_step, rng=jax.random.key(rl.judge.seed))
 
   # -- warm start ----------------------------------------------------------------------------
-  if not resuming:
+  if not resuming and rl.warm_start.steps > 0:
     start = time.perf_counter()
-    if not hasattr(env, "expert_action"):
-      raise ValueError(f"env {rl.env.name!r} has no scripted expert for the SFT warm start: train a policy "
-                       f"with the train job first (loading its checkpoint here is not wired yet)")
-    demos = warm_start.collect_expert_demos(env, num_episodes=rl.warm_start.demo_episodes, horizon=rl.policy.horizon,
-                                            action_noise=rl.warm_start.action_noise, rng=jax.random.key(config.seed))
+    demo_rng = jax.random.key(config.seed)
+    if simulated:
+      demos = warm_start.collect_batched_expert_demos(
+          make_batched(rl.env.name, rl.warm_start.demo_episodes, backend=rl.env.get("judge_backend", "mjx")),
+          horizon=rl.policy.horizon, action_noise=rl.warm_start.action_noise, rng=demo_rng)
+    else:
+      demos = warm_start.collect_expert_demos(env, num_episodes=rl.warm_start.demo_episodes, horizon=rl.policy.horizon,
+                                              action_noise=rl.warm_start.action_noise, rng=demo_rng)
     policy.initial_params = warm_start.behaviour_clone(
         policy, policy.initial_params, demos, steps=rl.warm_start.steps, batch_size=rl.warm_start.batch_size,
         learning_rate=rl.warm_start.learning_rate, rng=jax.random.key(config.seed + 1))
@@ -96,13 +107,13 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
                  rl.warm_start.steps, time.perf_counter() - start)
 
   pipeline = RLPipeline(rl, env, policy, checkpoint_dir=checkpoint_dir)
-  success_before = judge(pipeline.learner.params, 0)
+  success_before = judge(pipeline.learner.params)
   logging.info("success rate before RL (version %d): %.3f", pipeline.start_version, success_before)
 
   # -- RL ------------------------------------------------------------------------------------
   with stop_on_sigterm(pipeline):
     summary = pipeline.run()
-  success_after = judge(pipeline.learner.params, 0)
+  success_after = judge(pipeline.learner.params)
   logging.info("success rate after RL (version %d): %.3f", pipeline.learner.version, success_after)
 
   # -- outputs -------------------------------------------------------------------------------

@@ -48,6 +48,29 @@ def collect_expert_demos(env, *, num_episodes: int, horizon: int, action_noise: 
   return {"observation": {key: flat(value) for key, value in observations.items()}, "actions": flat(chunks)}
 
 
+def collect_batched_expert_demos(batched_env, *, horizon: int, action_noise: float, rng: jax.Array) -> dict:
+  """The same from an ejax.sim batched env (its scripted expert acts on privileged state): one
+  episode per env, stepped on the host loop the eval job uses."""
+  noise_rng, reset_rng = jax.random.split(rng)
+  state = batched_env.reset(reset_rng)
+  noise = np.random.default_rng(int(jax.random.randint(noise_rng, (), 0, 2**31 - 1)))
+  observations, actions, alive = [], [], []
+  for _ in range(batched_env.episode_length):
+    action = batched_env.expert_actions(state)
+    action = np.clip(action + action_noise * noise.standard_normal(action.shape), -1.0, 1.0).astype(np.float32)
+    observations.append({key: np.asarray(value) for key, value in state.obs.items()})
+    actions.append(action)
+    alive.append(~np.asarray(state.done))
+    state = batched_env.step(state, action)
+  steps = len(actions)
+  actions = np.stack(actions, axis=1)  # [N, T, a]
+  index = np.minimum(np.arange(steps)[:, None] + np.arange(horizon)[None], steps - 1)
+  keep = np.stack(alive, axis=1).reshape(-1)
+  flat = lambda x: x.reshape((-1,) + x.shape[2:])[keep]
+  observation = {key: flat(np.stack([o[key] for o in observations], axis=1)) for key in observations[0]}
+  return {"observation": observation, "actions": flat(actions[:, index])}
+
+
 def behaviour_clone(policy, params: Any, demos: dict, *, steps: int, batch_size: int, learning_rate: float,
                     rng: jax.Array) -> Any:
   """Flow-matching SFT of the actor on the demos (the critic is untouched); returns new params."""
@@ -109,6 +132,13 @@ def success_rate(policy, params: Any, env, *, num_episodes: int, actions_per_ste
   return float(np.mean(np.asarray(successes)))
 
 
+def batched_success_rate(policy, params: Any, batched_env, *, actions_per_step: int, rng: jax.Array) -> float:
+  """Success rate over one episode per env of an ejax.sim batched env, by the eval job's rollout."""
+  from ejax.eval.evaluate import rollout
+  success, _, _ = rollout(batched_env, EvalPolicy(policy, params), rng, actions_per_step, [])
+  return float(np.mean(success))
+
+
 class EvalPolicy:
   """A FlowPolicy with fixed parameters behind ejax.eval's policy interface."""
 
@@ -119,4 +149,5 @@ class EvalPolicy:
   def act(self, obs: dict, instructions: list[str] | None, rng: jax.Array) -> jax.Array:
     """obs {key: [num_envs, ...]} -> action chunks [num_envs, horizon, action_dim]."""
     del instructions  # the task is identified by obs["task_index"] for the policies built here
-    return self._act(self.params, obs, rng)
+    inputs = {key: value for key, value in obs.items() if key in ("observation.state", "task_index")}
+    return self._act(self.params, inputs, rng)
