@@ -55,7 +55,7 @@ def test_quantize_dequantize_error_bound(dtype, mantissa_bits, min_subnormal_exp
 def test_gemm_gaussian_matches_fp32_and_the_kernel_matches_its_reference(gaussian):
   a, b = gaussian
   a_q, b_q = quantize_activations(jnp.asarray(a)), quantize_blockwise(jnp.asarray(b))
-  reference = fp8_matmul_reference(a_q, b_q)
+  reference = jax.jit(fp8_matmul_reference)(a_q, b_q)
   kernel = fp8_matmul_pallas(a_q, b_q, interpret=INTERPRET)
   np.testing.assert_allclose(kernel, reference, rtol=1e-5, atol=1e-4)
   # e4m3 rounds each operand by up to 2^-4 relative; on Gaussian data the GEMM lands near 3.7 %.
@@ -63,12 +63,13 @@ def test_gemm_gaussian_matches_fp32_and_the_kernel_matches_its_reference(gaussia
   # Non-multiple-of-block shapes through the kernel (padding in m, n and k).
   a_odd, b_odd = quantize_activations(jnp.asarray(a[:70, :200])), quantize_blockwise(jnp.asarray(b[:200, :130]))
   np.testing.assert_allclose(fp8_matmul_pallas(a_odd, b_odd, interpret=INTERPRET),
-                             fp8_matmul_reference(a_odd, b_odd), rtol=1e-5, atol=1e-4)
+                             jax.jit(fp8_matmul_reference)(a_odd, b_odd), rtol=1e-5, atol=1e-4)
 
 
+@jax.jit
 def _blockwise_and_per_tensor(a, b):
-  blockwise = fp8_matmul_reference(quantize_activations(jnp.asarray(a)), quantize_blockwise(jnp.asarray(b)))
-  per_tensor = dequantize(quantize_per_tensor(jnp.asarray(a))) @ dequantize(quantize_per_tensor(jnp.asarray(b)))
+  blockwise = fp8_matmul_reference(quantize_activations(a), quantize_blockwise(b))
+  per_tensor = dequantize(quantize_per_tensor(a)) @ dequantize(quantize_per_tensor(b))
   return blockwise, per_tensor
 
 
@@ -109,7 +110,7 @@ def test_fp8_dot_gradients_track_fp32(gaussian):
   x, w = jnp.asarray(a[:128]), jnp.asarray(b) * 0.05
   d_out = jnp.asarray(np.random.default_rng(3).normal(size=(128, N)), jnp.float32)
   loss = lambda dot, x, w: jnp.sum(dot(x, w) * d_out)
-  got = jax.grad(lambda x, w: loss(fp8_dot, x, w), argnums=(0, 1))(x, w)
+  got = jax.jit(jax.grad(lambda x, w: loss(fp8_dot, x, w), argnums=(0, 1)))(x, w)
   want = jax.grad(lambda x, w: loss(jnp.dot, x, w), argnums=(0, 1))(x, w)
   # dX: e5m2 gradient tiles (2^-3 rounding) times e4m3 weights; dW also re-tiles X along tokens.
   assert _relative_error(got[0], want[0]) < 0.07
@@ -178,7 +179,7 @@ def test_make_dense_and_quantize_params():
 
   policy = Policy(nnx.Rngs(1))
   x = jnp.asarray(np.random.default_rng(5).normal(size=(64, 256)), jnp.float32)
-  before = policy(x)
+  before = nnx.jit(lambda model, x: model(x))(policy, x)
   assert quantize_params(policy) == 2
   assert isinstance(policy.encoder, Fp8Dense) and policy.encoder.is_quantized
   assert policy.blocks[0].is_quantized and isinstance(policy.head, nnx.Linear)
