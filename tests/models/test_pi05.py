@@ -126,3 +126,27 @@ def test_trainable_filter_trains_everything_by_default_and_can_freeze(config, mo
   paths = ["/".join(map(str, p)) for p, _ in trained]
   assert paths and all(p.startswith(("expert", "action_", "time_mlp")) for p in paths)
 
+
+
+def test_flow_sde_log_prob_recomputes_from_the_stored_chain(config, model, batches):
+  # The RL learner's path: sample with one stochastic step, then recompute its log-prob from the
+  # stored chain with one velocity call (the prefix KV cache filled again, once).
+  from ejax.models import flow
+  packed, _ = batches
+  noise = jnp.asarray(np.random.default_rng(2).normal(size=(BATCH, config.action_horizon, config.action_dim)),
+                      jnp.float32)
+
+  @nnx.jit
+  def rollout(model, batch, noise):
+    return flow.flow_sde_sample(model.velocity_fn(batch), noise, config.num_inference_steps,
+                                jax.random.key(5, impl="rbg"), convention="openpi", action_mask=batch["action_mask"])
+
+  @nnx.jit
+  def log_prob(model, batch, chain, step_index):
+    return flow.flow_sde_log_prob(model.velocity_fn(batch), chain, step_index, convention="openpi",
+                                  action_mask=batch["action_mask"])
+
+  sample = rollout(model, packed, noise)
+  assert sample.chain.shape == (BATCH, config.num_inference_steps + 1, config.action_horizon, config.action_dim)
+  np.testing.assert_allclose(log_prob(model, packed, sample.chain, sample.step_index), sample.log_prob,
+                             rtol=1e-4, atol=1e-3)
