@@ -149,7 +149,7 @@ class Pi05(nnx.Module):
     segment_ids = batch["prefix_segment_ids"]
     # ar flag 0 everywhere: the prefix is one bidirectional block (block id 0).
     return gemma.Stream(x=x, positions=batch["prefix_positions"], segment_ids=segment_ids,
-                        block_ids=gemma.block_ids_from_ar_flags(jnp.zeros_like(segment_ids)))
+                        block_ids=jnp.zeros_like(segment_ids))
 
   # -- suffix -----------------------------------------------------------------------------------
 
@@ -173,10 +173,11 @@ class Pi05(nnx.Module):
     slot_cond = jnp.zeros((rows, slots, width), dtype).at[sample_row, sample_slot].set(cond)
     segment_ids = batch["suffix_segment_ids"]
     # ar flag 1 on each chunk's first token: the prefix (block 0) cannot see it, it sees the prefix.
+    # The prefix's flags are all 0, so the running sum over [prefix | suffix] restarts at the suffix:
+    # computed on one row's suffix pattern and broadcast (a per-row cumsum over the whole row is a
+    # constant XLA spends seconds folding at full size).
     first_of_chunk = (jnp.arange(slots * horizon) % horizon == 0).astype(jnp.int32)
-    ar = jnp.concatenate([jnp.zeros_like(batch["prefix_segment_ids"]),
-                          jnp.broadcast_to(first_of_chunk, segment_ids.shape)], axis=1)
-    block_ids = gemma.block_ids_from_ar_flags(ar)[:, batch["prefix_segment_ids"].shape[1]:]
+    block_ids = jnp.broadcast_to(gemma.block_ids_from_ar_flags(first_of_chunk), segment_ids.shape)
     return gemma.Stream(x=x.reshape(rows, slots * horizon, width), positions=batch["suffix_positions"],
                         segment_ids=segment_ids, block_ids=block_ids, cond=slot_cond)
 
