@@ -268,7 +268,7 @@ def run_mixture(
   def layer(carry, per_layer):
     xs = carry
     layer_weights, cache = per_layer
-    normed, gates, qs, ks, vs = [], [], [], [], []
+    gates, qs, ks, vs = [], [], [], []
     for x, w, cond in zip(xs, layer_weights, conds):
       x = constrain(x, ax.BATCH_SPEC)
       h, gate = apply_norm(w["pre_attention_norm"], x, cond)
@@ -296,9 +296,8 @@ def run_mixture(
       outs.append(constrain(gated_residual(x, feed_forward(w, h), gate), ax.BATCH_SPEC))
     return outs, (new_kv if return_kv_cache else None)
 
-  policy_name = remat
-  if policy_name != "none":
-    layer = jax.checkpoint(layer, policy=remat_policy(policy_name), prevent_cse=False)
+  if remat != "none":  # recompute each layer's activations in the backward pass (config.model.remat)
+    layer = jax.checkpoint(layer, policy=remat_policy(remat), prevent_cse=False)
   cache_xs = (kv_cache.k, kv_cache.v) if kv_cache is not None else None
   xs, kv = jax.lax.scan(layer, xs, (weights, cache_xs))
   outputs: list[jax.Array | None] = [None] * len(streams)
