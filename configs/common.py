@@ -47,7 +47,7 @@ def base_config() -> ConfigDict:
       initialization_timeout=300))
 
   config.model = ConfigDict()
-  config.data = ConfigDict()
+  config.data = data_defaults()
 
   config.train = ConfigDict(dict(
       steps=1000,
@@ -72,6 +72,37 @@ def base_config() -> ConfigDict:
       log_every_steps=10, tensorboard=True, progress_bar=True,
       peak_flops_per_device=placeholder(float)))  # else from ejax/train/metrics.py's table
   return config
+
+
+def data_defaults() -> ConfigDict:
+  """Every field the input pipeline reads (ejax/data/pipeline.py), so each can be overridden."""
+  return ConfigDict(dict(
+      name="synthetic",               # synthetic | lerobot | rlds
+      path=placeholder(str),          # dataset root (LeRobot) or TFDS data dir (RLDS)
+      rlds_name=placeholder(str),     # RLDS builder name
+      split="train",
+      rlds_state_field="state",
+      rlds_instruction_field="language_instruction",
+      horizon=16,                     # action chunk length
+      observation_offsets=[0],        # frames of observation history, in steps
+      cameras=placeholder(list),      # None: every camera in the dataset
+      image_size=placeholder(list),   # [height, width] after resizing; None keeps the dataset's
+      state_key="observation.state",
+      action_key="action",
+      embodiment_id=0,                # an int, or {robot_type: id}
+      tolerance_s=1e-4,               # video frame timestamp tolerance
+      shuffle=True,
+      num_epochs=placeholder(int),    # None: endless
+      num_workers=0,                  # grain worker processes (0: in-process)
+      prefetch=2,
+      read_threads=0,
+      normalization="mean_std",       # mean_std | quantile (q01/q99) | none
+      stats_path=placeholder(str),    # None: the dataset's meta/stats.json
+      augment=dict(crop_scale=1.0, brightness=0.0, contrast=0.0, saturation=0.0),
+      on_bad_sample="error",          # error | skip (count and log)
+      max_open_videos=32,
+      noise=0.0,                      # synthetic only: action noise
+  ))
 
 
 def parse_arg(arg: str | None, **defaults):

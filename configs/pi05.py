@@ -23,8 +23,6 @@ trains the runlocal model on pipeline-schema samples and checks the loss falls b
 Arg string: `runlocal`, `steps=N`, `batch=N`, `horizon=N`, e.g. configs/pi05.py:runlocal,steps=50.
 """
 
-from ml_collections.config_dict import placeholder
-
 from configs import common
 from ejax.models import pi05
 
@@ -35,10 +33,9 @@ def get_config(arg: str | None = None):
   config.model = pi05.model_config("runlocal" if args.runlocal else "full")
   # pi05_libero: 10-step chunks; the model's horizon and the pipeline's are one number.
   config.model.action_horizon = args.horizon or 10
-  config.data = dict(
-      name="lerobot", path=placeholder(str), horizon=config.model.action_horizon,
-      image_size=[config.model.vision.image_size] * 2, normalization="quantile",  # openpi: q01/q99
-      num_workers=0)
+  config.data.update(
+      name="lerobot", horizon=config.model.action_horizon,
+      image_size=[config.model.vision.image_size] * 2, normalization="quantile")  # openpi: q01/q99
   # FSDP over every device: the 3.3B parameters and their Adam state do not fit replicated.
   config.mesh = dict(data=1, fsdp=-1, tensor=1)
   config.train.update(steps=30_000, global_batch_size=256, learning_rate=5e-5, warmup_fraction=10_000 / 30_000,

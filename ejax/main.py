@@ -10,7 +10,7 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+from ml_collections import ConfigDict, config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally with an arg: configs/groot.py:runlocal", lock_config=True)
@@ -39,6 +39,13 @@ def main(argv: list[str]) -> None:
   nnx.use_eager_sharding(False)  # parameters are placed by jit out_shardings (ejax/train/state.py)
   _quiet_library_logs()
   config = _CONFIG.value
+  if not isinstance(config, ConfigDict):
+    # config_flags returns a stand-in that raises on first use when the file failed to load.
+    try:
+      getattr(config, "job")
+    except Exception as error:
+      lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+      _fail(f"--config: {lines[-1] if lines else error}")
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
   try:
     validate(config)
@@ -71,16 +78,28 @@ def run() -> None:
 def _parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
-  except flags.Error as error:
-    print(f"error: {_flag_message(error)}", file=sys.stderr, flush=True)
-    sys.exit(2)
+  except Exception as error:  # config_flags raises several types for a bad file, arg or key
+    _fail(_flag_message(error))
+
+
+def _fail(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(2)
 
 
 def _flag_message(error: Exception) -> str:
-  text = str(error).strip().splitlines()[0]
-  if "Could not find key" in text or "has no attribute" in text or "KeyError" in text:
-    return f"{text}: check the spelling against the config file (an unknown --config key)"
-  return text
+  """One line from config_flags' errors, which wrap the real cause's traceback in their text."""
+  text = str(error).strip()
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  if "Traceback" in text and lines:
+    # The last line is the cause, e.g. "ValueError: config arg 'runlocl' is not one of: ...".
+    cause = lines[-1].split(": ", 1)[-1]
+    flag = lines[0].split(":", 1)[0] if lines[0].startswith("flag ") else "--config"
+    return f"{flag}: {cause}"
+  if isinstance(error, (AttributeError, KeyError)):
+    cleaned = text.replace("\\'", "'").replace("\\n", " ").replace("\n", " ").strip("'\" ")
+    return f"unknown config key {cleaned}: check the spelling against the config file"
+  return " ".join(lines) or type(error).__name__
 
 
 if __name__ == "__main__":

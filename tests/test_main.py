@@ -30,7 +30,8 @@ def assert_one_line_error(result, *fragments):
 
 
 def test_main_job_leaves_checkpoint_tensorboard_and_metrics(tmp_path):
-  result = run_main("--config=configs/groot.py:runlocal,steps=20", *SMALL, f"--workdir={tmp_path}")
+  result = run_main("--config=configs/tiny.py:runlocal,steps=20", *SMALL, "--config.metrics.log_every_steps=5",
+                    f"--workdir={tmp_path}")
   assert result.returncode == 0, result.stderr[-3000:]
   assert "train: finished at step 20" in result.stdout
   assert os.listdir(tmp_path / "checkpoints") == ["20"] or "20" in os.listdir(tmp_path / "checkpoints")
@@ -41,40 +42,45 @@ def test_main_job_leaves_checkpoint_tensorboard_and_metrics(tmp_path):
 
 
 def test_unknown_config_key(tmp_path):
-  result = run_main("--config=configs/groot.py:runlocal", "--config.train.stepz=3", f"--workdir={tmp_path}")
-  assert_one_line_error(result, "stepz")
+  result = run_main("--config=configs/tiny.py:runlocal", "--config.train.stepz=3", f"--workdir={tmp_path}")
+  assert_one_line_error(result, "unknown config key", "stepz", 'Did you mean "steps"')
 
 
 def test_unknown_config_arg(tmp_path):
-  result = run_main("--config=configs/groot.py:runlocl", f"--workdir={tmp_path}")
+  result = run_main("--config=configs/tiny.py:runlocl", f"--workdir={tmp_path}")
   assert_one_line_error(result, "'runlocl' is not one of")
 
 
+def test_missing_config_file(tmp_path):
+  result = run_main("--config=configs/nope.py", f"--workdir={tmp_path}")
+  assert_one_line_error(result, "No such file or directory: 'configs/nope.py'")
+
+
 def test_mesh_that_does_not_match_devices(tmp_path):
-  result = run_main("--config=configs/groot.py:runlocal", "--config.mesh.data=3", "--config.mesh.fsdp=2",
+  result = run_main("--config=configs/tiny.py:runlocal", "--config.mesh.data=3", "--config.mesh.fsdp=2",
                     f"--workdir={tmp_path}")
   assert_one_line_error(result, "mesh data=3 x fsdp=2 needs 6 devices, found 1")
 
 
 def test_missing_dataset_path(tmp_path):
-  result = run_main("--config=configs/groot.py:runlocal", "--config.data.path=/no/such/dataset",
+  result = run_main("--config=configs/tiny.py:runlocal", "--config.data.path=/no/such/dataset",
                     f"--workdir={tmp_path}")
   assert_one_line_error(result, "data.path '/no/such/dataset' does not exist")
 
 
 def test_unwritable_workdir():
-  result = run_main("--config=configs/groot.py:runlocal", "--workdir=/etc/hostname/run")
+  result = run_main("--config=configs/tiny.py:runlocal", "--workdir=/etc/hostname/run")
   assert_one_line_error(result, "workdir /etc/hostname/run is not writable")
 
 
 def test_corrupted_checkpoint(tmp_path):
-  first = run_main("--config=configs/groot.py:runlocal,steps=2", *SMALL, f"--workdir={tmp_path}")
+  first = run_main("--config=configs/tiny.py:runlocal,steps=2", *SMALL, f"--workdir={tmp_path}")
   assert first.returncode == 0, first.stderr[-3000:]
   for root, _, files in os.walk(tmp_path / "checkpoints" / "2" / "state"):
     for name in files:
       with open(os.path.join(root, name), "r+b") as f:
         f.write(b"garbage" * 8)
-  result = run_main("--config=configs/groot.py:runlocal,steps=4", *SMALL, f"--workdir={tmp_path}")
+  result = run_main("--config=configs/tiny.py:runlocal,steps=4", *SMALL, f"--workdir={tmp_path}")
   assert_one_line_error(result, "checkpoints/2 is unreadable")
 
 
@@ -82,14 +88,14 @@ def test_corrupted_checkpoint(tmp_path):
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
   env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
   process = subprocess.Popen(
-      [sys.executable, "-m", "ejax.main", "--config=configs/groot.py:runlocal,steps=100000", *SMALL,
+      [sys.executable, "-m", "ejax.main", "--config=configs/tiny.py:runlocal,steps=100000", *SMALL,
        "--config.metrics.log_every_steps=1", "--config.checkpoint.every_steps=100000", f"--workdir={tmp_path}"],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.time() + 240
-    while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
+    metrics = tmp_path / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.stat().st_size > 0):
       time.sleep(0.5)
-    time.sleep(1.0)
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
   finally:

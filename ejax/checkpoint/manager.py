@@ -52,7 +52,13 @@ def _register_array_handler() -> None:
   global _handler_registered
   if not _handler_registered:
     handler = ocp.type_handlers.ArrayHandler(min_slice_bytes_for_replica_parallel=_MIN_BYTES_FOR_REPLICA_PARALLEL)
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    absl_logger = logging.get_absl_logger()
+    quiet = lambda record: "overriding" not in record.getMessage()  # the override is deliberate
+    absl_logger.addFilter(quiet)
+    try:
+      ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+      absl_logger.removeFilter(quiet)
     _handler_registered = True
 
 

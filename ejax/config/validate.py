@@ -31,6 +31,10 @@ def validate(config: ConfigDict) -> None:
     if not (math.isfinite(train.learning_rate) and train.learning_rate > 0):
       raise ConfigError(f"train.learning_rate={train.learning_rate} must be a positive number")
   data = config.get("data")
+  if data is not None and data.get("name") in ("lerobot", "rlds") and not data.get("path") and config.job in ("train", "stats"):
+    raise ConfigError(
+        f"data.name={data.name!r} needs --config.data.path=<dataset directory> "
+        f"(record one with --config.job=demos, or use the built-in --config.data.name=synthetic)")
   if data is not None and data.get("path"):
     if not os.path.exists(data.path):
       raise ConfigError(

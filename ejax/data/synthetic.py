@@ -8,7 +8,7 @@ noise. A policy that learns it drives the flow-matching loss far below its start
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from ml_collections import ConfigDict
@@ -50,12 +50,16 @@ class SyntheticDemos:
 class SyntheticIterator:
   """Process-local batches of SyntheticDemos with exact, checkpointable position.
 
-  Process p of P reads global sample indices p, p + P, p + 2P, ... in order of an endless stream,
-  so restoring `{"next_index": n}` continues on exactly the next unseen sample.
+  Global batch k holds samples k*G .. k*G + G - 1 (G = batch_size * process_count), process p
+  reading the p-th contiguous slice: the same global batches for any number of processes, so runs
+  on different topologies see the same data. Restoring `{"next_index": n}` (samples this process
+  has read) continues on exactly the next unseen sample.
   """
 
-  def __init__(self, demos: SyntheticDemos, *, batch_size: int, process_index: int = 0, process_count: int = 1):
+  def __init__(self, demos: SyntheticDemos, *, batch_size: int, process_index: int = 0, process_count: int = 1,
+               collate: Callable[[list[dict]], dict] | None = None):
     self.demos, self.batch_size = demos, batch_size
+    self.collate = collate or stack_samples
     self.process_index, self.process_count = process_index, process_count
     self.next_index = 0  # in units of this process's samples
 
@@ -65,10 +69,11 @@ class SyntheticIterator:
   def __next__(self) -> dict[str, np.ndarray]:
     samples = []
     for _ in range(self.batch_size):
-      global_index = self.next_index * self.process_count + self.process_index
+      batch_number, offset = divmod(self.next_index, self.batch_size)
+      global_index = (batch_number * self.process_count + self.process_index) * self.batch_size + offset
       samples.append(self.demos.sample(global_index))
       self.next_index += 1
-    return {key: np.stack([s[key] for s in samples]) for key in samples[0]}
+    return self.collate(samples)
 
   def get_state(self) -> dict[str, int]:
     return {"next_index": self.next_index}
@@ -77,9 +82,15 @@ class SyntheticIterator:
     self.next_index = int(state["next_index"])
 
 
+def stack_samples(samples: list[dict]) -> dict[str, np.ndarray]:
+  return {key: np.stack([s[key] for s in samples]) for key in samples[0]}
+
+
 def make_iterator(model_config: ConfigDict, data_config: ConfigDict, *, batch_size: int, seed: int,
-                  process_index: int, process_count: int) -> SyntheticIterator:
+                  process_index: int, process_count: int,
+                  collate: Callable[[list[dict]], dict] | None = None) -> SyntheticIterator:
   demos = SyntheticDemos(
       state_dim=model_config.state_dim, action_dim=model_config.action_dim, horizon=model_config.horizon,
       num_tasks=model_config.num_tasks, seed=seed, noise=data_config.get("noise", 0.0))
-  return SyntheticIterator(demos, batch_size=batch_size, process_index=process_index, process_count=process_count)
+  return SyntheticIterator(demos, batch_size=batch_size, process_index=process_index, process_count=process_count,
+                           collate=collate)

@@ -97,6 +97,7 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
   `devices` restricts the mesh to some devices (tests compare against a one-device run).
   """
   # --- Devices and workdir -------------------------------------------------------------------
+  stop = StopSignal()  # first, so that a SIGTERM during start-up still ends in a clean save
   initialize_distributed(config.distributed)
   enable_compilation_cache(config.get("compilation_cache_dir"))
   workdir = prepare_workdir(workdir)
@@ -140,7 +141,6 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
     writer = metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
                                        tensorboard=config.metrics.tensorboard,
                                        progress_bar=config.metrics.progress_bar)
-    stop = StopSignal()
     history, log_every = [], config.metrics.log_every_steps
     interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
     pad_fractions = []

@@ -20,11 +20,16 @@ def test_there_are_configs():
 
 @pytest.mark.parametrize("path", CONFIG_FILES)
 @pytest.mark.parametrize("arg", [None, "runlocal"])
-def test_config_loads_and_validates(path, arg):
+def test_config_loads_and_validates(path, arg, tmp_path):
   config = load_config(path, arg)
   assert config.job in JOBS
   if "model" in config and config.model.get("name"):
     assert config.model.name in MODELS
+  data = config.get("data")
+  if data is not None and data.get("name") in ("lerobot", "rlds") and not data.get("path") and config.job == "train":
+    with pytest.raises(ConfigError, match="needs --config.data.path"):
+      validate(config)
+    data.path = str(tmp_path)
   validate(config)
   with open(os.path.join(REPO, path)) as f:
     head = f.read(2000)

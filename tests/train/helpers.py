@@ -13,9 +13,9 @@ def load_config(path: str, arg: str | None = None):
   return module.get_config(arg)
 
 
-def tiny_config(steps: int = 4, batch: int = 16, mesh=(1, 1, 1)):
-  """configs/groot.py:runlocal shrunk further: fp32, logged every step, no side outputs."""
-  config = load_config("configs/groot.py", "runlocal")
+def tiny_config(steps: int = 4, batch: int = 16, mesh=(-1, 1, 1)):
+  """configs/tiny.py:runlocal shrunk further: fp32, logged every step, no side outputs."""
+  config = load_config("configs/tiny.py", "runlocal")
   config.model.width, config.model.depth, config.model.num_heads = 32, 2, 4
   config.train.steps, config.train.global_batch_size = steps, batch
   config.train.compute_dtype = "float32"

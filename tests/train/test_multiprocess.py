@@ -35,7 +35,7 @@ def test_two_processes_train_identically_and_checkpoint(tmp_path):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   processes = [
       subprocess.Popen(
-          [sys.executable, "-m", "ejax.main", "--config=configs/groot.py:runlocal,steps=4,batch=16", *OVERRIDES,
+          [sys.executable, "-m", "ejax.main", "--config=configs/tiny.py:runlocal,steps=4,batch=16", *OVERRIDES,
            f"--config.distributed.coordinator_address=127.0.0.1:{port}",
            "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
            f"--config.compilation_cache_dir={jax.config.jax_compilation_cache_dir or ''}",
