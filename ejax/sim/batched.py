@@ -48,7 +48,7 @@ class BatchedEnv:
   control_hz = scene.CONTROL_HZ
 
   def __init__(self, task_names: Sequence[str] | str, num_envs: int, *, cameras: bool = False,
-               image_size: tuple[int, int] = (64, 64), depth: bool = False, episode_length: int | None = None):
+               image_size: tuple[int, int] = (64, 64), episode_length: int | None = None):
     task_names = [task_names] if isinstance(task_names, str) else list(task_names)
     if not task_names or num_envs < 1:
       raise ValueError(f"need at least one task and one env, got tasks={task_names} num_envs={num_envs}")
@@ -57,7 +57,7 @@ class BatchedEnv:
     self.specs = [registry.get_spec(name) for name in task_names]
     self.env_tasks = [task_names[i % len(task_names)] for i in range(num_envs)]
     self.instructions = [registry.get_spec(name).instruction for name in self.env_tasks]
-    self.cameras = env_lib.CameraConfig(image_size[0], image_size[1], depth) if cameras else None
+    self.cameras = env_lib.CameraConfig(image_size[0], image_size[1]) if cameras else None
     rows = [env_lib.task_row(self.specs[i % len(task_names)], i % len(task_names), episode_length)
             for i in range(num_envs)]
     self.task_rows = {key: np.stack([row[key] for row in rows]) for key in rows[0]}
@@ -67,7 +67,7 @@ class BatchedEnv:
     """Per-env observation shapes (add the leading num_envs axis for the batch)."""
     return env_lib.Env(self.specs[0], cameras=self.cameras is not None,
                        image_size=(self.cameras.height, self.cameras.width) if self.cameras else (64, 64),
-                       depth=bool(self.cameras and self.cameras.depth)).observation_shapes()
+                       ).observation_shapes()
 
   def expert_actions(self, state: env_lib.EnvState) -> np.ndarray:
     """The scripted expert's actions [num_envs, 4] for this state."""
@@ -90,10 +90,10 @@ class MjxBatchedEnv(BatchedEnv):
 
 
 def make_batched(task_names: Sequence[str] | str, num_envs: int, backend: str = "mjx", *, cameras: bool = False,
-                 image_size: tuple[int, int] = (64, 64), depth: bool = False, episode_length: int | None = None,
+                 image_size: tuple[int, int] = (64, 64), episode_length: int | None = None,
                  num_threads: int | None = None) -> BatchedEnv:
   """A batched runner over `num_envs` envs; see the module docstring."""
-  kwargs = dict(cameras=cameras, image_size=image_size, depth=depth, episode_length=episode_length)
+  kwargs = dict(cameras=cameras, image_size=image_size, episode_length=episode_length)
   if backend == "mjx":
     return MjxBatchedEnv(task_names, num_envs, **kwargs)
   if backend == "native":

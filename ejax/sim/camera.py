@@ -120,8 +120,8 @@ def _normal(geom_type, q, size):
                        jnp.stack([q[:, 0], q[:, 1], zero], -1))
   axis = jnp.argmax(jnp.abs(q) / jnp.maximum(size, _EPS), -1)
   box = jax.nn.one_hot(axis, 3) * jnp.sign(q)
-  normal = jnp.select([geom_type == _PLANE, geom_type == _SPHERE, geom_type == _CAPSULE, geom_type == _CYLINDER],
-                      [plane, q, capsule, cylinder], box)
+  conditions = [(geom_type == kind)[:, None] for kind in (_PLANE, _SPHERE, _CAPSULE, _CYLINDER)]
+  normal = jnp.select(conditions, [plane, q, capsule, cylinder], box)
   return normal / jnp.maximum(jnp.linalg.norm(normal, axis=-1, keepdims=True), _EPS)
 
 

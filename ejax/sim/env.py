@@ -6,7 +6,8 @@ also mixes tasks in one compiled program). Observations:
                                  the fingers), tool-centre-point position (3)
   "observation.images.agentview" [H, W, 3] uint8, front camera facing the robot   (cameras on)
   "observation.images.wrist"     [H, W, 3] uint8, on the hand, looking down       (cameras on)
-  "observation.depth.agentview" / "observation.depth.wrist" [H, W] f32 metres     (cameras on)
+  "observation.depth.agentview" / "observation.depth.wrist" [H, W] f32 metres along the camera
+                                 axis, 0 where nothing is hit                      (cameras on)
 Actions: [dx, dy, dz, gripper] in [-1, 1] (see control.py). Control at 10 Hz, physics at 100 Hz.
 `done` and `success` are sticky: once set they stay set; the physics keeps stepping.
 `info` holds the step count, the episode's task parameters (resolved target, goal, tolerances),
@@ -47,7 +48,6 @@ class EnvState:
 class CameraConfig:
   height: int = 64
   width: int = 64
-  depth: bool = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,8 +110,7 @@ def render_cameras(config: CameraConfig, geom_size, geom_rgba, geom_xpos, geom_x
                                cam_pos, cam_mat, height=config.height, width=config.width,
                                fovy=float(cam.fovy[0]))
     obs[f"observation.images.{name}"] = rgb
-    if config.depth:
-      obs[f"observation.depth.{name}"] = depth
+    obs[f"observation.depth.{name}"] = depth
   return obs
 
 
@@ -191,11 +190,11 @@ class Env:
   control_hz = scene.CONTROL_HZ
 
   def __init__(self, spec: tasks.TaskSpec, *, cameras: bool = False, image_size: tuple[int, int] = (64, 64),
-               depth: bool = False, episode_length: int | None = None):
+               episode_length: int | None = None):
     self.spec = spec
     self.name, self.instruction, self.suite = spec.name, spec.instruction, spec.suite
     self.episode_length = int(episode_length or spec.episode_length)
-    self.cameras = CameraConfig(image_size[0], image_size[1], depth) if cameras else None
+    self.cameras = CameraConfig(image_size[0], image_size[1]) if cameras else None
     self._task_row = task_row(spec, 0, self.episode_length)
 
   def reset(self, rng: jax.Array) -> EnvState:
@@ -210,6 +209,5 @@ class Env:
     if self.cameras is not None:
       for name in CAMERA_NAMES:
         shapes[f"observation.images.{name}"] = ((self.cameras.height, self.cameras.width, 3), "uint8")
-        if self.cameras.depth:
-          shapes[f"observation.depth.{name}"] = ((self.cameras.height, self.cameras.width), "float32")
+        shapes[f"observation.depth.{name}"] = ((self.cameras.height, self.cameras.width), "float32")
     return shapes

@@ -29,5 +29,5 @@ def get_spec(task_name: str) -> TaskSpec:
 
 
 def make(task_name: str, **overrides) -> Env:
-  """An MJX env for one task. Overrides: cameras (bool), image_size ((h, w)), depth, episode_length."""
+  """An MJX env for one task. Overrides: cameras (bool), image_size ((h, w)), episode_length."""
   return Env(get_spec(task_name), **overrides)

@@ -99,7 +99,8 @@ def _arm_xml() -> str:
       <geom class="arm" type="cylinder" size="0.035 0.01" pos="0 0 0.01" rgba="0.2 0.2 0.22 1"/>
       <geom class="arm" type="box" size="0.025 0.1 0.025" pos="0 0 0.045" rgba="0.92 0.92 0.92 1"/>
       <site name="tcp" pos="0 0 {tcp}" size="0.005"/>
-      <camera name="wrist" pos="0.07 0 0.03" xyaxes="0 -1 0 -0.2 0 0.98" fovy="{CAMERA_FOVY + 15}"/>
+      <!-- Looks down the gripper (hand +z) from beside the palm, towards a point below the fingertips. -->
+      <camera name="wrist" pos="0.07 0 0.03" xyaxes="0 1 0 0.925 0 0.381" fovy="{CAMERA_FOVY + 15}"/>
     </body>""")
   for name, side in (("left_finger", 1), ("right_finger", -1)):
     bodies.append(f'<body name="{name}" mocap="true"><geom class="arm" type="box" size="0.01 0.006 0.025" '

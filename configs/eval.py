@@ -1,0 +1,45 @@
+"""Closed-loop evaluation of a policy on the ejax.sim suites (success rates, plot, videos).
+
+Launch (CPU):
+  python -m ejax.main --config=configs/eval.py:runlocal --workdir=runs/eval_local \
+      --config.eval.checkpoint=runs/groot_local/checkpoints
+    4 episodes x 15 tasks at 64x64, one video per task; a few minutes on 2 cores, mostly compiling.
+    Writes runs/eval_local/eval/{summary.json, summary.txt, success.png, videos/*.mp4}.
+  Baselines: --config.eval.policy=random (floor, ~0 %) or expert (scripted, >= 95 % per task).
+  python -m ejax.main --config=configs/eval.py --workdir=runs/eval   (50 episodes per task, LIBERO's count)
+Arg string: `runlocal`, `policy=random|expert|checkpoint`, `episodes=N`, `tasks=all|suite|name+name`.
+"""
+
+from ml_collections import ConfigDict
+
+from configs import common
+
+
+def get_config(arg: str | None = None):
+  args = common.parse_arg(arg, runlocal=False, policy="", episodes=0, tasks="")
+  config = common.base_config()
+  config.job = "eval"
+  config.eval = ConfigDict(dict(
+      policy="checkpoint",   # random | expert | checkpoint
+      checkpoint="",         # checkpoint directory for policy=checkpoint (ejax.train.policy.load_policy)
+      tasks="all",           # "all", a suite ("spatial" | "object" | "goal"), or "name+name"
+      episodes_per_task=50,
+      num_envs=60,           # envs stepped together (split evenly over the tasks)
+      backend="native",      # native (faster on CPU) | mjx (GPU)
+      image_height=128,      # must match the images the policy was trained on
+      image_width=128,
+      replan_every=8,        # execute this many actions of each chunk open-loop
+      episode_length=0,      # 0: each task's own limit
+      videos_per_task=2,
+      output_dir="",         # default: <workdir>/eval
+      seed=1234,             # different from configs/demos.py's seed: evaluation layouts are unseen
+  ))
+  if args.runlocal:
+    config.eval.update(episodes_per_task=4, num_envs=60, image_height=64, image_width=64, videos_per_task=1)
+  if args.policy:
+    config.eval.policy = args.policy
+  if args.episodes:
+    config.eval.episodes_per_task = args.episodes
+  if args.tasks:
+    config.eval.tasks = args.tasks
+  return config

@@ -1,0 +1,148 @@
+"""Job `eval`: closed-loop evaluation of a policy over tasks and seeds, batched in simulation.
+
+    python -m ejax.main --config=configs/eval.py:runlocal --workdir=runs/eval_local \
+        --config.eval.policy=checkpoint --config.eval.checkpoint=runs/groot_local/checkpoints
+
+Writes into <workdir>/eval (or config.eval.output_dir):
+  summary.json  per-task episodes, successes, success rate, 95 % Wilson interval; per suite; overall
+  summary.txt   the same as a text table
+  success.png   bar plot with the intervals
+  videos/<task>_<k>.mp4  the first config.eval.videos_per_task episodes of each task (agentview | wrist)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from absl import logging
+
+from ejax.eval import plots, stats, videos
+from ejax.eval.policies import PRIVILEGED_PREFIX, ExpertPolicy, RandomPolicy
+from ejax.sim import registry
+from ejax.sim.batched import make_batched
+from ejax.sim.demos import resolve_tasks
+
+
+def make_policy(config, action_size: int):
+  kind = config.eval.policy
+  if kind == "random":
+    return RandomPolicy(action_size, horizon=int(config.eval.replan_every))
+  if kind == "expert":
+    return ExpertPolicy()
+  if kind == "checkpoint":
+    if not config.eval.checkpoint:
+      raise ValueError("config.eval.policy='checkpoint' needs --config.eval.checkpoint=<checkpoint dir>")
+    from ejax.train.policy import load_policy
+    return load_policy(config.eval.checkpoint)
+  raise ValueError(f"unknown config.eval.policy {kind!r}: use random, expert or checkpoint")
+
+
+def policy_observations(state, uses_privileged_state: bool) -> dict[str, np.ndarray]:
+  obs = {key: np.asarray(value) for key, value in jax.device_get(state.obs).items()}
+  if uses_privileged_state:
+    for key, value in jax.device_get(state.info["privileged"]).items():
+      obs[PRIVILEGED_PREFIX + key] = np.asarray(value)
+  return obs
+
+
+def rollout(env, policy, rng: jax.Array, replan_every: int, video_envs: list[int]) -> tuple[np.ndarray, np.ndarray, dict]:
+  """One batch of episodes. -> (success [N] bool, episode length [N], {env index: frames [T, H, 2W, 3]})."""
+  state = env.reset(jax.random.fold_in(rng, 0))
+  frames = {i: [] for i in video_envs}
+  lengths = np.full(env.num_envs, env.episode_length)
+  chunk, position = None, 0
+  for t in range(env.episode_length):
+    if chunk is None or position >= min(replan_every, chunk.shape[1]):
+      obs = policy_observations(state, getattr(policy, "uses_privileged_state", False))
+      chunk = np.asarray(policy.act(obs, env.instructions, jax.random.fold_in(rng, t + 1)), np.float32)
+      if chunk.ndim != 3 or chunk.shape[0] != env.num_envs or chunk.shape[2] != env.action_size:
+        raise ValueError(f"policy.act returned {chunk.shape}; expected [num_envs={env.num_envs}, horizon, "
+                         f"action_dim={env.action_size}]")
+      position = 0
+    done_before = np.asarray(state.done)
+    for i in video_envs:
+      if not done_before[i]:
+        frames[i].append(np.concatenate([np.asarray(state.obs["observation.images.agentview"][i]),
+                                         np.asarray(state.obs["observation.images.wrist"][i])], axis=1))
+    state = env.step(state, chunk[:, position])
+    position += 1
+    done = np.asarray(state.done)
+    lengths = np.where(done & ~done_before, t + 1, lengths)
+    if done.all():
+      break
+  return np.asarray(state.success), lengths, {i: np.stack(f) for i, f in frames.items() if f}
+
+
+def summary_rows(task_names: list[str], successes: dict, trials: dict) -> list[dict]:
+  rows = []
+  for name in task_names:
+    low, high = stats.wilson_interval(successes[name], trials[name])
+    spec = registry.get_spec(name)
+    rows.append({"task": name, "suite": spec.suite, "instruction": spec.instruction, "episodes": trials[name],
+                 "successes": successes[name], "success_rate": successes[name] / max(trials[name], 1),
+                 "ci_low": low, "ci_high": high})
+  return rows
+
+
+def aggregate(rows: list[dict], label: str) -> dict:
+  successes, episodes = sum(r["successes"] for r in rows), sum(r["episodes"] for r in rows)
+  low, high = stats.wilson_interval(successes, episodes)
+  return {"task": label, "episodes": episodes, "successes": successes,
+          "success_rate": successes / max(episodes, 1), "ci_low": low, "ci_high": high}
+
+
+def format_table(rows: list[dict], groups: list[dict]) -> str:
+  lines = [f"{'task':<34} {'episodes':>8} {'success':>8} {'95% CI':>15}"]
+  for row in rows + groups:
+    lines.append(f"{row['task']:<34} {row['episodes']:>8} {row['success_rate']:>8.3f} "
+                 f"  [{row['ci_low']:.3f}, {row['ci_high']:.3f}]")
+  return "\n".join(lines)
+
+
+def run_job(config, workdir: str) -> None:
+  cfg = config.eval
+  task_names = resolve_tasks(cfg.tasks)
+  envs_per_task = max(1, min(int(cfg.num_envs) // len(task_names), int(cfg.episodes_per_task)))
+  env = make_batched(task_names, envs_per_task * len(task_names), backend=cfg.backend, cameras=True,
+                     image_size=(int(cfg.image_height), int(cfg.image_width)),
+                     episode_length=int(cfg.episode_length) or None)
+  policy = make_policy(config, env.action_size)
+  output_dir = cfg.output_dir or os.path.join(workdir, "eval")
+  os.makedirs(os.path.join(output_dir, "videos"), exist_ok=True)
+  successes = {name: 0 for name in task_names}
+  trials = {name: 0 for name in task_names}
+  videos_per_task = min(int(cfg.videos_per_task), envs_per_task)
+  rounds = -(-int(cfg.episodes_per_task) // envs_per_task)
+  start = time.time()
+  for round_index in range(rounds):
+    video_envs = list(range(len(task_names) * videos_per_task)) if round_index == 0 else []
+    rng = jax.random.fold_in(jax.random.key(int(cfg.seed)), round_index)
+    success, _, frames = rollout(env, policy, rng, int(cfg.replan_every), video_envs)
+    for i, name in enumerate(env.env_tasks):
+      if trials[name] < cfg.episodes_per_task:
+        trials[name] += 1
+        successes[name] += int(success[i])
+    for i, clip in frames.items():
+      videos.write_mp4(os.path.join(output_dir, "videos", f"{env.env_tasks[i]}_{i // len(task_names)}.mp4"),
+                       clip, env.control_hz)
+    logging.info("eval: round %d/%d done, %.0f s", round_index + 1, rounds, time.time() - start)
+  rows = summary_rows(task_names, successes, trials)
+  suites = sorted({row["suite"] for row in rows})
+  groups = [aggregate([r for r in rows if r["suite"] == suite], f"suite:{suite}") for suite in suites]
+  groups.append(aggregate(rows, "overall"))
+  summary = {"policy": cfg.policy, "checkpoint": cfg.checkpoint, "backend": cfg.backend,
+             "replan_every": int(cfg.replan_every), "tasks": rows, "suites": groups[:-1], "overall": groups[-1],
+             "seconds": time.time() - start}
+  with open(os.path.join(output_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  table = format_table(rows, groups)
+  with open(os.path.join(output_dir, "summary.txt"), "w") as f:
+    f.write(table + "\n")
+  plots.success_bar_plot(os.path.join(output_dir, "success.png"), rows,
+                         f"{cfg.policy} policy: overall {groups[-1]['success_rate']:.2f}")
+  logging.info("eval:\n%s", table)
+  print(table)
