@@ -47,7 +47,12 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def model_config(variant: str = "full") -> ml_collections.ConfigDict:
-  """"full": the released GR00T-N1.5-3B sizes; "runlocal": the same architecture, CPU-sized."""
+  """"full": the released GR00T-N1.5-3B sizes; "runlocal": the same architecture, CPU-sized.
+
+  runlocal on ejax/data/synthetic.py (AdamW 3e-3 with 5 % warmup + cosine, clip 1, batch 32, 200
+  steps, 1 CPU device): flow-matching loss 2.42 at step 0 (1.44 mean of the first 10 steps) ->
+  0.42 mean of the last 20; ~30 s of steps after ~1 min of compilation on 2 busy cores.
+  """
   c = ml_collections.ConfigDict()
   c.name = "groot"
   c.dtype = "bfloat16"
