@@ -36,7 +36,7 @@ def get_config(arg: str | None = None):
   config.rl = rl
   if args.runlocal:
     rl.update(num_shards=4, envs_per_shard=16, segments_per_update=4, num_updates=30, num_minibatches=4,
-              queue_size=8, inference_full_batch_only=True, checkpoint_every_updates=10)
+              queue_size=8, inference_full_batch_only=True, checkpoint_every_updates=10, learning_rate=1e-3)
     rl.delay.update(median=0.002)
   if args.updates:
     rl.num_updates = args.updates

@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
+from ejax.parallel import ACT_BATCH, logical_to_spec, make_mesh, tree_shardings
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.coordination import ParamStore, RequestBoard, SegmentTickets
 from ejax.rl.delays import DelaySampler, DelaySpec, delay_spec_from_config
@@ -49,7 +50,9 @@ def default_config() -> ConfigDict:
       group_size=4, gamma=0.99, gae_lambda=0.95, clip_epsilon=0.2, behaviour_weight_threshold=2.0,
       dual_clip=3.0, value_coef=0.5, num_epochs=2, num_minibatches=4, learning_rate=3e-4, grad_clip_norm=1.0,
       noise_level=0.5,
-      placement=ConfigDict(dict(env_devices=[], inference_device=-1, learner_devices=[])),  # device indexes; empty/-1 = default
+      # Device indexes; empty / -1 = the default device. Several learner devices form learner_mesh.
+      placement=ConfigDict(dict(env_devices=[], inference_device=-1, learner_devices=[],
+                                learner_mesh=ConfigDict(dict(data=-1, fsdp=1, tensor=1)))),
       inference_weights="same",  # same | fp8_block: the server sees block-FP8 (e4m3, 128x128) weights
       inference_full_batch_only=False,  # pad every inference batch to all shards: fewer compilations
       max_restarts=3, checkpoint_every_updates=0, seed=0,
@@ -69,10 +72,11 @@ class RLRunError(RuntimeError):
 class RLPipeline:
   def __init__(self, config: ConfigDict, env, policy, *, checkpoint_dir: str | None = None,
                fault_injector: Callable[[int, int, np.ndarray], np.ndarray] | None = None,
-               update_wrapper: Callable[[Callable], Callable] | None = None):
+               update_wrapper: Callable[[Callable], Callable] | None = None, sharding_rules=None):
     """env: pure reset(rng) / step(state, action) (ejax.sim's Env interface), shared by the shards;
     policy: a FlowPolicy. fault_injector(shard_id, step, reward) -> reward runs after each shard
-    step (tests raise from it or return NaNs); update_wrapper wraps the learner's jitted update (tests make it fail)."""
+    step (tests raise from it or return NaNs); update_wrapper wraps the learner's jitted update (tests make it fail); sharding_rules: the
+    logical-axis table (config.sharding_rules) for a learner on several devices."""
     self.config = config
     sync = config.mode == "sync"
     if config.mode not in ("sync", "async"):
@@ -99,18 +103,7 @@ class RLPipeline:
     if self.checkpointer is not None and self.checkpointer.latest_version() is not None:
       params, opt_state, self.resumed_metadata = self.checkpointer.restore(params, opt_state)
       start_version = int(self.resumed_metadata["version"])
-    put_batch = lambda batch: batch
-    if len(learner_devices) > 1:
-      mesh = jax.sharding.Mesh(np.array(learner_devices), ("data",))
-      replicated = NamedSharding(mesh, PartitionSpec())
-      params, opt_state = jax.device_put((params, opt_state), replicated)
-      envs_axis = NamedSharding(mesh, PartitionSpec(None, "data"))   # time-major [T, N, ...]: split the envs
-      first_axis = NamedSharding(mesh, PartitionSpec("data"))
-      put_batch = lambda batch: {key: jax.device_put(value, first_axis if key == "bootstrap_observation" else envs_axis)
-                                 for key, value in batch.items()}
-    elif learner_devices:
-      params, opt_state = jax.device_put((params, opt_state), learner_devices[0])
-      put_batch = lambda batch: jax.device_put(batch, learner_devices[0])
+    params, opt_state, put_batch = self._place_learner(params, opt_state, learner_devices, placement, sharding_rules)
     self.start_version = start_version
 
     self.param_store = ParamStore(params, start_version, device_put=self._inference_weights(config, inference_device))
@@ -178,6 +171,27 @@ class RLPipeline:
                           if x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
     return lambda tree: place(block_fp8(tree))
+
+  @staticmethod
+  def _place_learner(params, opt_state, devices, placement: ConfigDict, sharding_rules):
+    """Learner state and batches on the learner's devices. Several devices form a (data, fsdp,
+    tensor) mesh sharded by the same logical-axis rules as SFT training: parameters and optimizer
+    moments by their axis names, batches along the env axis."""
+    if not devices:
+      return params, opt_state, lambda batch: batch
+    if len(devices) == 1:
+      return (*jax.device_put((params, opt_state), devices[0]), lambda batch: jax.device_put(batch, devices[0]))
+    if sharding_rules is None:
+      raise ValueError("rl.placement.learner_devices names several devices: pass sharding_rules "
+                       "(config.sharding_rules) so the learner can be sharded like SFT training")
+    mesh = make_mesh(dict(placement.learner_mesh), devices=devices)
+    params = jax.device_put(params, tree_shardings(params, mesh, sharding_rules))
+    opt_state = jax.device_put(opt_state, tree_shardings(opt_state, mesh, sharding_rules))
+    time_major = NamedSharding(mesh, logical_to_spec((None, ACT_BATCH), sharding_rules, mesh=mesh))  # [T, N, ...]
+    env_major = NamedSharding(mesh, logical_to_spec((ACT_BATCH,), sharding_rules, mesh=mesh))       # [N, ...]
+    return params, opt_state, lambda batch: {
+        key: jax.device_put(value, env_major if key == "bootstrap_observation" else time_major)
+        for key, value in batch.items()}
 
   # -- control -------------------------------------------------------------------------------
 

@@ -106,7 +106,7 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
     logging.info("SFT warm start: %d demo samples, %d steps, %.1f s", demos["actions"].shape[0],
                  rl.warm_start.steps, time.perf_counter() - start)
 
-  pipeline = RLPipeline(rl, env, policy, checkpoint_dir=checkpoint_dir)
+  pipeline = RLPipeline(rl, env, policy, checkpoint_dir=checkpoint_dir, sharding_rules=config.sharding_rules)
   success_before = judge(pipeline.learner.params)
   logging.info("success rate before RL (version %d): %.3f", pipeline.start_version, success_before)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs.common import SHARDING_RULES
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.pipeline import RLPipeline, RLRunError, default_config
 from ejax.rl.point_env import PointReach
@@ -149,14 +150,17 @@ def test_grpo_groups_share_their_start_and_finished_envs_are_masked(policy, env)
 def test_disaggregated_placement_with_block_fp8_inference_weights(policy, env):
   config = make_config(num_updates=2)
   config.placement.update(env_devices=[1], inference_device=2, learner_devices=[3, 4])
+  config.placement.learner_mesh.update(data=1, fsdp=2)
   config.inference_weights = "fp8_block"
-  pipeline = RLPipeline(config, env, policy)
+  pipeline = RLPipeline(config, env, policy, sharding_rules=SHARDING_RULES)
   summary = pipeline.run()
   assert_all_joined(pipeline)
   assert summary["version"] == 2 and summary["lag_max"] <= 1
   devices = jax.devices()
-  learner_leaf = jax.tree.leaves(pipeline.learner.params)[0]
-  assert learner_leaf.sharding.device_set == {devices[3], devices[4]}
+  learner_leaves = jax.tree.leaves(pipeline.learner.params)
+  assert all(leaf.sharding.device_set == {devices[3], devices[4]} for leaf in learner_leaves)
+  # FSDP like SFT training: weight matrices are split across the two learner devices, not copied.
+  assert any(not leaf.sharding.is_fully_replicated for leaf in learner_leaves if leaf.ndim == 2)
   _, served = pipeline.param_store.latest()
   assert all(leaf.sharding.device_set == {devices[2]} for leaf in jax.tree.leaves(served))
   # The served weight matrices are block-FP8 values: close to, but not exactly, the learner's.
