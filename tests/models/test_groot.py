@@ -138,6 +138,20 @@ def test_fp8_routes_the_dit_feed_forward_and_keeps_parameter_paths():
   assert param_shapes(fp8) == param_shapes(plain)
 
 
+def test_fp8_loss_stays_close_to_full_precision(model_and_config):
+  from ejax.models.io import tensors
+  model, c = model_and_config
+  c8 = tiny_config()
+  c8.fp8 = True
+  fp8 = tensors.fill_model(nnx.eval_shape(lambda: groot.create(c8, nnx.Rngs(0))), tensors.model_arrays(model))
+  batch = groot.example_batch(c, 4, seed=3)
+  time = jnp.array([0.1, 0.4, 0.7, 0.9])
+  noise = jax.random.normal(jax.random.key(0), batch["actions"].shape)
+  run = nnx.jit(lambda m, b: m.compute_loss(b, jax.random.key(1), time=time, noise=noise, train=False)[0])
+  full, quantised = float(run(model, batch)), float(run(fp8, batch))
+  assert full != quantised and abs(quantised - full) / full < 0.05
+
+
 def test_summary_job_prints_components_and_writes_json(tmp_path, capsys):
   import json
   import ml_collections
