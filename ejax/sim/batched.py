@@ -58,8 +58,8 @@ class BatchedEnv:
     self.env_tasks = [task_names[i % len(task_names)] for i in range(num_envs)]
     self.instructions = [registry.get_spec(name).instruction for name in self.env_tasks]
     self.cameras = env_lib.CameraConfig(image_size[0], image_size[1]) if cameras else None
-    rows = [env_lib.task_row(self.specs[i % len(task_names)], i % len(task_names), episode_length)
-            for i in range(num_envs)]
+    rows = [env_lib.task_row(registry.get_spec(name), env_lib.global_task_index(name), episode_length)
+            for name in self.env_tasks]
     self.task_rows = {key: np.stack([row[key] for row in rows]) for key in rows[0]}
     self.episode_length = int(self.task_rows["episode_length"].max())
 

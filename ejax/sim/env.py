@@ -4,6 +4,7 @@ One `Env` is one task on one environment; batch with `jax.vmap` (or use `batched
 also mixes tasks in one compiled program). Observations:
   "observation.state"            [11] f32: arm joint angles (7), gripper opening (1, metres between
                                  the fingers), tool-centre-point position (3)
+  "task_index"                   [] int32: the task's position in registry.list_tasks()
   "observation.images.agentview" [H, W, 3] uint8, front camera facing the robot   (cameras on)
   "observation.images.wrist"     [H, W, 3] uint8, on the hand, looking down       (cameras on)
   "observation.depth.agentview" / "observation.depth.wrist" [H, W] f32 metres along the camera
@@ -114,8 +115,12 @@ def render_cameras(config: CameraConfig, geom_size, geom_rgba, geom_xpos, geom_x
   return obs
 
 
+def base_observations(info: dict, xp: Any = jnp) -> dict:
+  return {"observation.state": state_vector(info, xp), "task_index": info["task_index"]}
+
+
 def _observe(model: mjx.Model, data: mjx.Data, info: dict, cameras: CameraConfig | None) -> dict:
-  obs = {"observation.state": state_vector(info)}
+  obs = base_observations(info)
   if cameras is not None:
     data = mjx.kinematics(model, data)  # geom poses for the final qpos / mocap of this step
     obs.update(render_cameras(cameras, info["geom_size"], info["geom_rgba"], data.geom_xpos, data.geom_xmat,
@@ -175,6 +180,11 @@ def mjx_step(state: EnvState, action: jax.Array, cameras: CameraConfig | None) -
                   success=success, metrics=metrics, info=info)
 
 
+def global_task_index(name: str) -> int:
+  from ejax.sim.suites import TASKS
+  return list(TASKS).index(name)
+
+
 def task_row(spec: tasks.TaskSpec, task_index: int = 0, episode_length: int | None = None) -> dict:
   row = tasks.encode_task(spec)
   row["task_index"] = np.int32(task_index)
@@ -195,7 +205,7 @@ class Env:
     self.name, self.instruction, self.suite = spec.name, spec.instruction, spec.suite
     self.episode_length = int(episode_length or spec.episode_length)
     self.cameras = CameraConfig(image_size[0], image_size[1]) if cameras else None
-    self._task_row = task_row(spec, 0, self.episode_length)
+    self._task_row = task_row(spec, global_task_index(spec.name), self.episode_length)
 
   def reset(self, rng: jax.Array) -> EnvState:
     return mjx_reset(rng, jax.tree.map(jnp.asarray, self._task_row), self.cameras)
@@ -205,7 +215,7 @@ class Env:
 
   def observation_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
     """Documented observation shapes and dtypes."""
-    shapes = {"observation.state": ((STATE_SIZE,), "float32")}
+    shapes = {"observation.state": ((STATE_SIZE,), "float32"), "task_index": ((), "int32")}
     if self.cameras is not None:
       for name in CAMERA_NAMES:
         shapes[f"observation.images.{name}"] = ((self.cameras.height, self.cameras.width, 3), "uint8")

@@ -47,7 +47,7 @@ def _finish(prev_success, prev_done, info, qpos, mocap_pos, kinematics, *, camer
     success = prev_success | success_now
     done = prev_done | success | (info["step"] >= info["episode_length"])
     info["privileged"] = env_lib.privileged(qpos, mocap_pos, info)
-    obs = {"observation.state": env_lib.state_vector(info)}
+    obs = env_lib.base_observations(info)
     if cameras is not None:
       obs.update(env_lib.render_cameras(cameras, info["geom_size"], info["geom_rgba"], *kinematics))
     return obs, reward, done, success, metrics, info
@@ -86,10 +86,12 @@ class NativeBatchedEnv(BatchedEnv):
     reset, _ = _mjx_functions(None)
     initial = jax.device_get(reset(self._env_keys(rng), jax.tree.map(jnp.asarray, self.task_rows)))
     geom_size = np.asarray(initial.info["geom_size"], np.float64)
+    geom_rgba = np.asarray(initial.info["geom_rgba"], np.float32)
 
     def load(i):
       model, data = self._models[i], self._datas[i]
       model.geom_size[:] = geom_size[i]
+      model.geom_rgba[:] = geom_rgba[i]  # so MuJoCo's own renderer shows this episode's colours
       mujoco.mj_resetData(model, data)
       data.qpos[:] = initial.data.qpos[i]
       data.mocap_pos[:] = initial.data.mocap_pos[i]

@@ -104,7 +104,7 @@ import sys, mujoco, numpy as np
 from ejax.sim import scene
 state = np.load(sys.argv[1])
 model = scene.mj_model()
-model.geom_size[:] = state["geom_size"]
+model.geom_size[:], model.geom_rgba[:] = state["geom_size"], state["geom_rgba"]
 data = mujoco.MjData(model)
 data.qpos[:], data.mocap_pos[:], data.mocap_quat[:] = state["qpos"], state["mocap_pos"], state["mocap_quat"]
 mujoco.mj_forward(model, data)
@@ -112,6 +112,7 @@ renderer = mujoco.Renderer(model, int(state["size"]), int(state["size"]))
 renderer.update_scene(data, camera="agentview")
 np.save(sys.argv[2], renderer.render())
 """
+GL_IMAGE = os.environ.get("EJAX_SAVE_GL_IMAGE")
 
 
 @pytest.mark.timeout(300)
@@ -122,13 +123,15 @@ def test_opengl_renderer_agrees_where_available(rendered, tmp_path):
   i = COLOURED[0]
   model, data = _native_copy(rendered, i)
   np.savez(tmp_path / "state.npz", qpos=data.qpos, mocap_pos=data.mocap_pos, mocap_quat=data.mocap_quat,
-           geom_size=model.geom_size, size=SIZE)
+           geom_size=model.geom_size, geom_rgba=rendered.info["geom_rgba"][i], size=SIZE)
   env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
   result = subprocess.run([sys.executable, "-c", _OPENGL_SCRIPT, str(tmp_path / "state.npz"), str(tmp_path / "gl.npy")],
                           env=env, capture_output=True, text=True, timeout=240)
   if result.returncode != 0:
     pytest.skip(f"no OpenGL rendering here (MUJOCO_GL={env['MUJOCO_GL']}): {result.stderr.strip()[-300:]}")
   image = np.load(tmp_path / "gl.npy").astype(int)
+  if GL_IMAGE:  # for looking at both renderers side by side
+    np.save(GL_IMAGE, np.concatenate([rendered.obs["observation.images.agentview"][i], image.astype(np.uint8)], 1))
   cam_pos, cam_mat = _agentview_pose(data)
   centre = data.qpos[scene.scene_index().object_qpos[0, :3]]
   row, col = np.round(camera.project(centre, cam_pos, cam_mat, SIZE, SIZE, scene.CAMERA_FOVY)).astype(int)

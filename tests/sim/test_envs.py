@@ -26,14 +26,14 @@ def batch():
 def test_reset_and_step_have_documented_shapes(batch):
   state = batch.reset(jax.random.key(0))
   shapes = batch.observation_shapes()
-  assert shapes == {"observation.state": ((11,), "float32")}
+  assert shapes == {"observation.state": ((11,), "float32"), "task_index": ((), "int32")}
   for name, (shape, dtype) in shapes.items():
     assert state.obs[name].shape == (NUM_ENVS, *shape) and state.obs[name].dtype == dtype
   state = batch.step(state, np.zeros((NUM_ENVS, 4), np.float32))
   assert state.reward.shape == (NUM_ENVS,) and state.reward.dtype == jnp.float32
   assert state.done.dtype == jnp.bool_ and state.success.dtype == jnp.bool_
   np.testing.assert_array_equal(state.info["step"], 1)
-  np.testing.assert_array_equal(state.info["task_index"], np.arange(NUM_ENVS) % len(TASKS))
+  np.testing.assert_array_equal(state.obs["task_index"], np.arange(NUM_ENVS) % len(TASKS))
   assert not np.any(np.asarray(state.success)), "no task may start solved"
 
 
@@ -61,6 +61,7 @@ def test_single_env_api_jits():
   assert env.action_size == 4 and env.state_size == 11 and env.control_hz == 10
   assert state.obs["observation.state"].shape == (11,)
   assert state.info["episode_length"] == env.episode_length
+  assert state.obs["task_index"] == TASKS.index("goal_open_drawer")
   other = jax.jit(env.reset)(jax.random.key(4))
   assert not np.allclose(state.data.qpos, other.data.qpos), "seeds must give different layouts"
 
