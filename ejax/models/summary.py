@@ -19,7 +19,6 @@ import os
 from typing import Any, Mapping, Sequence
 
 import jax
-from absl import logging
 from flax import nnx
 
 from ejax.models.registry import MODELS, get_model_spec
@@ -136,7 +135,6 @@ def run_job(config, workdir: str) -> dict[str, Any]:
   summary = summarize(config.model, dict(config.mesh), rules)
   text = format_summary(summary)
   print(text)
-  logging.info("\n%s", text)
   if workdir:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "summary.json"), "w") as f:
