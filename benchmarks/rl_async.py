@@ -93,6 +93,7 @@ def main() -> None:
   warm_up(policy, env, args)
 
   timeline_dir = args.timeline_dir or tempfile.mkdtemp(prefix="rl_async_")
+  os.makedirs(timeline_dir, exist_ok=True)
   results = {}
   for mode in ("sync", "async"):
     pipeline = RLPipeline(make_config(mode, args), env, policy)
