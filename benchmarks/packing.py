@@ -13,10 +13,10 @@ Sample lengths: 1-3 cameras (uniform) x 256 tokens, an instruction of 5-60 token
 1 state token and 16 action tokens (GR00T's layout), so 278..845 real tokens in 985 padded.
 The mask is pi0's block-causal one: prefix bidirectional, state and actions each a new block.
 Both arms are jitted and warmed up twice (a jitted step fed its own output compiles once more);
-then each round trains one epoch of the padded arm and one of the packed arm over the same samples,
-and each arm's best round counts (the machine is shared: the best round is the least disturbed). The loss is a per-sample mean; the script first prints the loss of
-the packed arm's first batch and of the same samples padded, at the same init, to show that both
-arms compute the same thing.
+then each round trains one epoch of each arm over the same samples, their steps alternating so
+that both arms see the same load on a shared machine; samples/s averages the rounds. The loss is a
+per-sample mean; the script first prints the loss of the packed arm's first batch and of the same
+samples padded, at the same init, to show that both arms compute the same thing.
 
   python benchmarks/packing.py            # headline: CPU, width 128, 3 layers, 48 samples
 """
@@ -173,11 +173,9 @@ class Arm:
     for _ in range(2):
       self.step(self.model, self.optimizer, batches[0]).block_until_ready()
 
-  def epoch(self) -> float:
+  def timed_step(self, index: int) -> float:
     start = time.perf_counter()
-    for batch in self.batches:
-      loss = self.step(self.model, self.optimizer, batch)
-    loss.block_until_ready()
+    self.step(self.model, self.optimizer, self.batches[index]).block_until_ready()
     return time.perf_counter() - start
 
 
@@ -225,13 +223,16 @@ def main():
   print(f"loss of the packed arm's first {len(first_samples)} samples at init: padded {padded_loss:.5f}, "
         f"packed {packed_loss:.5f}")
   arms = {"padded": Arm(padded, "dense", args), "packed": Arm(packed, args.packed_impl, args)}
-  seconds = {name: [] for name in arms}
-  for _ in range(args.rounds):
-    for name, arm in arms.items():
-      seconds[name].append(arm.epoch())
+  # Steps of the two arms alternate, so both see the same (shared, fluctuating) machine.
+  seconds = {name: [0.0] * args.rounds for name in arms}
+  for round_index in range(args.rounds):
+    for step_index in range(max(len(arm.batches) for arm in arms.values())):
+      for name, arm in arms.items():
+        if step_index < len(arm.batches):
+          seconds[name][round_index] += arm.timed_step(step_index)
   print("epoch seconds per round: " + ", ".join(
       f"{name} {' '.join(f'{s:.1f}' for s in values)}" for name, values in seconds.items()))
-  padded_seconds, packed_seconds = min(seconds["padded"]), min(seconds["packed"])
+  padded_seconds, packed_seconds = (sum(seconds[name]) / args.rounds for name in ("padded", "packed"))
   padded_rate, packed_rate = len(samples) / padded_seconds, len(samples) / packed_seconds
   print(f"padded: {padded_rate:.2f} samples/s ({padded_seconds:.2f} s)")
   print(f"packed: {packed_rate:.2f} samples/s ({packed_seconds:.2f} s)")
