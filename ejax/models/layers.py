@@ -300,8 +300,12 @@ def host_random_init(abstract_module: nnx.Module, seed: int = 0, *, stddev: floa
 
 def run_block(block: nnx.Module, *args, remat: str = "none", **kwargs):
   """block(*args, **kwargs), rematerialised per config.model.remat (none | full | dots | ...):
-  activations inside the block are recomputed in the backward pass instead of stored."""
+  activations inside the block are recomputed in the backward pass instead of stored.
+
+  The block is closed over rather than passed through nnx.remat: nnx.remat splits and merges the
+  module, which fails inside a sampling loop (lax.fori_loop) that reads it from an outer trace.
+  """
   if remat == "none":
     return block(*args, **kwargs)
   from ejax.parallel import remat_policy
-  return nnx.remat(lambda b, *a: b(*a, **kwargs), policy=remat_policy(remat), prevent_cse=False)(block, *args)
+  return jax.checkpoint(lambda *a: block(*a, **kwargs), policy=remat_policy(remat), prevent_cse=False)(*args)

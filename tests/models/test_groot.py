@@ -17,6 +17,7 @@ def tiny_config():
   c.llm.num_layers = 1
   c.dit.num_layers = 2
   c.num_cameras = 1
+  c.remat = "full"  # as at full size: sampling loops must work with rematerialised blocks
   return c
 
 

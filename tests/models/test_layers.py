@@ -82,3 +82,6 @@ def test_run_block_remat_keeps_values_and_gradients():
   (gb_none, gx_none), (gb_full, gx_full) = grad(block, x, "none"), grad(block, x, "full")
   np.testing.assert_allclose(gx_full, gx_none, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(gb_full.mlp.fc1.kernel[...], gb_none.mlp.fc1.kernel[...], rtol=1e-5, atol=1e-6)
+  jaxpr = str(jax.make_jaxpr(lambda x: layers.run_block(block, x, remat="full"))(x))
+  assert "checkpoint" in jaxpr or "remat" in jaxpr
+  assert "checkpoint" not in str(jax.make_jaxpr(lambda x: layers.run_block(block, x))(x))
