@@ -2,7 +2,7 @@
 
 from ejax.parallel.axes import *  # noqa: F401,F403  (the axis vocabulary)
 from ejax.parallel.data import batch_sharding, global_batch, process_batch_size, replicated
-from ejax.parallel.distributed import initialize as initialize_distributed
+from ejax.parallel.distributed import barrier, initialize as initialize_distributed
 from ejax.parallel.mesh import MeshError, make_mesh, resolve_mesh_shape
 from ejax.parallel.params import bytes_per_device, tree_shardings, variable_axis_names
 from ejax.parallel.remat import remat_policy

@@ -12,11 +12,16 @@ from ejax.parallel.rules import Rules, logical_to_spec
 from ejax.parallel.axes import ACT_BATCH
 
 
-def batch_sharding(mesh: Mesh, rules: Rules, ndim: int, leading: int | None = None) -> NamedSharding:
-  """Sharding of a batch array: its leading (batch) axis by the ACT_BATCH rule, the rest replicated."""
-  spec = logical_to_spec((ACT_BATCH,) + (None,) * (ndim - 1), rules,
-                         shape=None if leading is None else (leading,) + (1,) * (ndim - 1), mesh=mesh)
-  return NamedSharding(mesh, spec)
+def batch_sharding(mesh: Mesh, rules: Rules, ndim: int, leading: int | None = None,
+                   batch_axis: int = 0) -> NamedSharding:
+  """Sharding of a batch array: its batch axis by the ACT_BATCH rule, the rest replicated."""
+  names = [None] * ndim
+  names[batch_axis] = ACT_BATCH
+  shape = None
+  if leading is not None:
+    shape = [1] * ndim
+    shape[batch_axis] = leading
+  return NamedSharding(mesh, logical_to_spec(tuple(names), rules, shape=shape, mesh=mesh))
 
 
 def process_batch_size(global_batch_size: int, mesh: Mesh, rules: Rules) -> int:
@@ -45,19 +50,22 @@ def _batch_ways(mesh: Mesh, rules: Rules) -> int:
   return ways
 
 
-def global_batch(local_batch: Mapping[str, Any], mesh: Mesh, rules: Rules) -> dict[str, jax.Array]:
-  """Global jax.Arrays from this process's numpy batch (batch axis sharded by ACT_BATCH).
+def global_batch(local_batch: Mapping[str, Any], mesh: Mesh, rules: Rules, *,
+                 batch_axis: int = 0) -> dict[str, jax.Array]:
+  """Global jax.Arrays from this process's numpy batch, the batch axis sharded by ACT_BATCH.
 
-  Non-array entries (strings, metadata lists) stay on the host and are dropped here.
+  Processes' batches are concatenated along `batch_axis` (1 for stacked micro-batches
+  [accum, batch, ...]). Non-array entries (strings, metadata lists) stay on the host.
   """
   out = {}
   for name, value in local_batch.items():
     if not isinstance(value, (np.ndarray, jax.Array)) or value.dtype == object:
       continue
     value = np.asarray(value)
-    global_shape = (value.shape[0] * jax.process_count(),) + value.shape[1:]
-    sharding = batch_sharding(mesh, rules, value.ndim, leading=global_shape[0])
-    out[name] = jax.make_array_from_process_local_data(sharding, value, global_shape)
+    global_shape = list(value.shape)
+    global_shape[batch_axis] *= jax.process_count()
+    sharding = batch_sharding(mesh, rules, value.ndim, leading=global_shape[batch_axis], batch_axis=batch_axis)
+    out[name] = jax.make_array_from_process_local_data(sharding, value, tuple(global_shape))
   return out
 
 

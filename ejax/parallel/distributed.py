@@ -50,3 +50,15 @@ def initialize(distributed_config) -> None:
 def _env_int(name: str) -> int | None:
   value = os.environ.get(name)
   return int(value) if value not in (None, "") else None
+
+
+def barrier(name: str, timeout_s: int = 1800) -> None:
+  """Waits until every process reaches `name`, through the coordination service (no collective).
+
+  CPU collectives (gloo) give up if a peer arrives more than ~30 s late, and processes compile at
+  different speeds on busy hosts; meeting here first keeps the first collective in step.
+  """
+  if jax.process_count() == 1:
+    return
+  import orbax.checkpoint as ocp  # its barrier waits on the jax.distributed client
+  ocp.multihost.sync_global_processes(name, timeout=timeout_s)

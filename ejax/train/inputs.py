@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from ml_collections import ConfigDict
 
 from ejax.errors import UserError
@@ -13,8 +14,48 @@ from ejax.models.registry import get_model_spec
 SOURCES = ("synthetic", "lerobot", "rlds")
 
 
+class StackedMicroBatches:
+  """`count` consecutive batches stacked on a new leading axis: [count, ...] per field.
+
+  Gradient accumulation scans over that axis. Each micro-batch is assembled on its own, so packed
+  batches (rows, images and samples of different counts that index each other) stay consistent.
+  """
+
+  def __init__(self, iterator: Any, count: int):
+    self.iterator, self.count = iterator, count
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    parts = [next(self.iterator) for _ in range(self.count)]
+    return {k: np.stack([p[k] for p in parts]) for k, v in parts[0].items()
+            if isinstance(v, np.ndarray) and v.dtype != object}
+
+  def get_state(self):
+    return self.iterator.get_state()
+
+  def set_state(self, state) -> None:
+    self.iterator.set_state(state)
+
+  def __getattr__(self, name):  # norm_stats, close, ... of the wrapped pipeline
+    return getattr(self.iterator, name)
+
+
 def make_input(config: ConfigDict, *, local_batch_size: int) -> Any:
-  """An iterator of process-local numpy batches with get_state()/set_state() for checkpoints."""
+  """An iterator of process-local numpy batches with get_state()/set_state() for checkpoints.
+
+  With train.grad_accum_steps = k > 1, each element holds k micro-batches stacked: [k, ...].
+  """
+  accum = config.train.grad_accum_steps
+  if local_batch_size % accum:
+    raise UserError(f"this process's batch of {local_batch_size} samples does not split into "
+                    f"train.grad_accum_steps={accum} micro-batches: make the batch a multiple")
+  iterator = _make_source(config, local_batch_size=local_batch_size // accum)
+  return StackedMicroBatches(iterator, accum) if accum > 1 else iterator
+
+
+def _make_source(config: ConfigDict, *, local_batch_size: int) -> Any:
   data = config.data
   name = data.get("name", "synthetic")
   spec = get_model_spec(config.model.name)

@@ -23,7 +23,7 @@ from ml_collections import ConfigDict
 from ejax.checkpoint import Checkpointer, abstract_target
 from ejax.config.runtime import enable_compilation_cache
 from ejax.errors import UserError
-from ejax.parallel import global_batch, initialize_distributed, make_mesh, process_batch_size
+from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
 from ejax.train.inputs import make_input
@@ -77,18 +77,31 @@ class StopSignal:
       signal.signal(sig, handler)
 
 
+def to_jsonable(value: Any) -> Any:
+  """Normalisation stats and the like (numpy arrays, scalars, nested dicts) as plain JSON types."""
+  if isinstance(value, dict):
+    return {str(k): to_jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [to_jsonable(v) for v in value]
+  if isinstance(value, (np.ndarray, np.generic)):
+    return value.tolist()
+  return value
+
+
 def _scalar_metrics(metrics: dict) -> dict[str, float]:
   host = jax.device_get({k: v for k, v in metrics.items() if k != "per_sample_loss"})
   return {k: float(np.asarray(v)) for k, v in host.items()}
 
 
 def _batch_tokens(batch: dict[str, np.ndarray]) -> tuple[int | None, float | None]:
-  """Real tokens in a process-local batch and its padding fraction, where the batch says."""
-  segment_ids = batch.get("segment_ids")
-  if segment_ids is None:
+  """Real tokens in a process-local batch and its padding fraction, over every packed token
+  stream it carries (`segment_ids`, `vl_segment_ids`, `prefix_segment_ids`, ...; 0 = padding)."""
+  streams = [v for k, v in batch.items() if k.endswith("segment_ids") and isinstance(v, np.ndarray)]
+  total = sum(v.size for v in streams)
+  if not total:
     return None, None
-  real = int(np.count_nonzero(segment_ids))
-  return real, 1.0 - real / segment_ids.size
+  real = sum(int(np.count_nonzero(v)) for v in streams)
+  return real, 1.0 - real / total
 
 
 def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> dict[str, Any]:
@@ -116,7 +129,7 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
                               async_save=config.checkpoint.async_save)
   data_iter = make_input(config, local_batch_size=local_batch_size)
   meta = {"config": json.loads(config.to_json_best_effort()),
-          "norm_stats": getattr(data_iter, "norm_stats", None)}
+          "norm_stats": to_jsonable(getattr(data_iter, "norm_stats", None))}
   with mesh, sharding_context(mesh, rules):
     if config.checkpoint.resume and checkpointer.latest_step() is not None:
       state, data_state, _ = checkpointer.restore(None, abstract_target(abstract, shardings))
@@ -128,14 +141,16 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
     start_step = int(jax.device_get(state.step))
 
     # --- Compile the step once; report memory and FLOPs --------------------------------------
+    batch_axis = 1 if train_cfg.grad_accum_steps > 1 else 0  # micro-batches stack on axis 0
     local_batch = next(data_iter)
-    batch = global_batch(local_batch, mesh, rules)
+    batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
     batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
     step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings, batch_shardings, mesh)
     compiled = step_fn.lower(state, batch).compile()
     metrics_lib.log_memory_analysis(compiled)
     flops = metrics_lib.compiled_flops(compiled)
     peak = metrics_lib.peak_flops_per_device(override=config.metrics.get("peak_flops_per_device"))
+    barrier("ejax_train_step_compiled")  # processes compile at different speeds; start in step
 
     # --- Train -------------------------------------------------------------------------------
     writer = metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
@@ -151,7 +166,7 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
       while step < end_step:
         if step > start_step:
           local_batch = next(data_iter)
-          batch = global_batch(local_batch, mesh, rules)
+          batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
         with jax.transfer_guard(train_cfg.transfer_guard):
           state, step_metrics = compiled(state, batch)
         step += 1

@@ -18,18 +18,6 @@ def _cast_floats(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def _split_micro_batches(batch: dict[str, jax.Array], count: int) -> dict[str, jax.Array]:
-  """[B, ...] -> [count, B / count, ...] with micro-batch a = samples a, a + count, a + 2 count, ...
-
-  Interleaving keeps each device's contiguous slice of the batch inside every micro-batch, so
-  splitting needs no communication when the batch axis is sharded.
-  """
-  def split(x):
-    x = x.reshape((x.shape[0] // count, count) + x.shape[1:])
-    return jnp.swapaxes(x, 0, 1)
-  return jax.tree.map(split, batch)
-
-
 def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     train: ConfigDict) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   compute_dtype = jnp.dtype(train.compute_dtype)
@@ -49,8 +37,7 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
     if accum == 1:
       (loss, aux), grads = grad_fn(state.params, state, batch, step_rng)
     else:
-      micro = _split_micro_batches(batch, accum)
-
+      # The batch holds `accum` micro-batches stacked on axis 0 (ejax/train/inputs.py).
       def body(carry, inputs):
         index, micro_batch = inputs
         (loss_i, aux_i), grads_i = grad_fn(state.params, state, micro_batch, jax.random.fold_in(step_rng, index))
@@ -58,11 +45,11 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
         return (total_loss + loss_i, jax.tree.map(jnp.add, total_grads, grads_i)), aux_i
 
       zeros = jax.tree.map(jnp.zeros_like, state.params)
-      (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), micro))
+      (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
       loss = loss / accum
       grads = jax.tree.map(lambda g: g / accum, grads)
-      # Per-sample values come back [accum, micro]; undo the interleave to batch order.
-      aux = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:]) if x.ndim >= 2 else jnp.mean(x, 0), aux)
+      # Per-sample values come back [accum, micro]: flatten to the step's samples in order.
+      aux = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]) if x.ndim >= 2 else jnp.mean(x, 0), aux)
 
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)

