@@ -38,7 +38,7 @@ GOAL = 2.27
 nnx.use_eager_sharding(False)  # parameters carry logical names; placement comes from the pipeline
 
 
-def make_config(mode: str, args) -> "ml_collections.ConfigDict":
+def make_config(mode: str, args):
   config = default_config()
   config.update(mode=mode, eta=args.eta, num_shards=args.shards, envs_per_shard=args.envs_per_shard,
                 segment_length=args.segment_length, actions_per_step=4, segments_per_update=args.shards,

@@ -1,9 +1,10 @@
 """RL-VLA3: asynchronous RL fine-tuning of a flow-matching policy beside batched environments.
 
-Launch (CPU-sized, ~2-4 minutes on 2 cores; SFT warm start on scripted-expert demos, then 30
+Launch (CPU-sized, ~1-3 minutes on 2 cores; SFT warm start on scripted-expert demos, then 30
 asynchronous PPO updates on PointReach with 4 lognormal-delayed env shards):
   python -m ejax.main --config=configs/rl_vla3.py:runlocal --workdir=runs/rl_local
-Expect: closed-loop success ~0.25-0.3 after SFT rising to ~0.45 after RL (256 judged episodes),
+Expect: closed-loop success 0.28 after SFT rising to ~0.5-0.6 after RL (256 judged episodes; seen
+0.277 -> 0.598 in 65 s on a shared 2-core CPU, 2026-11-21),
 policy lag max <= eta = 2, all threads joined; workdir gets rl_summary.json, rl_history.jsonl,
 timeline.png and rl_checkpoints/ (run again to resume).
 The default variant is the same recipe at GPU scale (16 shards x 64 envs, 200 updates).

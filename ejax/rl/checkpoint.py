@@ -11,7 +11,6 @@ import os
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 

@@ -4,7 +4,6 @@ One small flow policy and one env are shared by every test so the sampler, the c
 learner update compile once for the whole module.
 """
 
-import threading
 
 import jax
 import numpy as np
