@@ -167,3 +167,15 @@ def test_disaggregated_placement_with_block_fp8_inference_weights(policy, env):
   assert any(not np.array_equal(a, b) for a, b in kernels)
   for a, b in kernels:
     np.testing.assert_allclose(a, b, rtol=0.07, atol=1e-6)
+
+
+def test_shard_failing_past_max_restarts_stops_the_run(policy, env):
+  def always_broken(shard_id, step, reward):
+    if shard_id == 0:
+      raise RuntimeError("simulator keeps crashing")
+    return reward
+
+  pipeline = RLPipeline(make_config(num_updates=3, max_restarts=1), env, policy, fault_injector=always_broken)
+  with pytest.raises(RLRunError, match="env shard 0 failed 2 times"):
+    pipeline.run()
+  assert_all_joined(pipeline)
