@@ -14,7 +14,11 @@ CPU-sized run of the same architecture (the README's quickstart): it trains on t
 synthetic demonstrations, needs no download, and takes a few minutes on 2 CPU cores; the
 flow-matching loss falls to well under half its start:
   python -m ejax.main --config=configs/groot.py:runlocal
-Arg string: `runlocal`, `steps=N`, `batch=N`, e.g. configs/groot.py:runlocal,steps=50.
+Train on simulated demonstrations instead (record them with configs/demos.py), then evaluate in
+closed loop with configs/eval.py:
+  python -m ejax.main --config=configs/groot.py:runlocal,dataset=runs/demos_local/dataset
+Arg string: `runlocal`, `steps=N`, `batch=N`, `dataset=PATH` (a LeRobot dataset: both cameras,
+state up to 16 dims), e.g. configs/groot.py:runlocal,steps=50.
 """
 
 from configs import common
@@ -22,7 +26,7 @@ from ejax.models import groot
 
 
 def get_config(arg: str | None = None):
-  args = common.parse_arg(arg, runlocal=False, steps=0, batch=0)
+  args = common.parse_arg(arg, runlocal=False, steps=0, batch=0, dataset="")
   config = common.base_config()
   config.model = groot.model_config("runlocal" if args.runlocal else "full")
   config.data.update(name="lerobot", horizon=config.model.action_horizon,
@@ -40,6 +44,12 @@ def get_config(arg: str | None = None):
                         remat="none")
     config.checkpoint.every_steps = 100
     config.metrics.log_every_steps = 20
+  if args.dataset:
+    # A recorded dataset (e.g. ejax.sim demos): the cameras it has, the state it records.
+    config.data.update(name="lerobot", path=args.dataset)
+    config.model.update(num_cameras=2, max_state_dim=16)
+    if args.runlocal:
+      config.train.update(steps=400, learning_rate=1e-3)
   if args.steps:
     config.train.steps = args.steps
   if args.batch:

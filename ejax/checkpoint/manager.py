@@ -120,6 +120,14 @@ class Checkpointer:
       data_state = states[jax.process_index()]
     return restored.state, data_state, dict(restored.meta)
 
+  def read_meta(self, step: int | None = None) -> dict:
+    """The meta item alone (config, normalisation stats), e.g. to rebuild the model first."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise CheckpointError(f"no checkpoint in {self.directory}")
+    restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(restored.meta)
+
   def wait(self) -> None:
     self._manager.wait_until_finished()
 

@@ -1,0 +1,115 @@
+"""A trained checkpoint as a policy for closed-loop evaluation and rollouts.
+
+    policy = load_policy("runs/groot_demos/checkpoints")
+    actions = policy.act(obs, instructions, rng)   # [num_envs, horizon, action_dim], env units
+
+Everything needed travels inside the checkpoint: the model config, the data config (cameras, image
+size, normalisation mode, embodiment) and the normalisation statistics. Observations go through
+the same steps as training samples (normalise the state, resize images, the model's own collate),
+and sampled actions are unnormalised back to the environment's units.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from ml_collections import ConfigDict
+
+from ejax.checkpoint import Checkpointer, CheckpointError, abstract_target
+from ejax.data import transforms
+from ejax.models.registry import get_model_spec
+from ejax.parallel import make_mesh
+from ejax.train.optim import make_optimizer
+from ejax.train.state import abstract_train_state, model_parts
+
+IMAGE_PREFIX = "observation.images."
+
+
+class CheckpointPolicy:
+  """act(obs, instructions, rng) over a restored model; see the module docstring."""
+
+  uses_privileged_state = False
+
+  def __init__(self, model: nnx.Module, config: ConfigDict, norm_stats: dict | None):
+    self.config, self.data = config, config.data
+    model_config = config.model
+    self.horizon = int(model_config.get("action_horizon", model_config.get("horizon", 16)))
+    self.action_dim = int(model_config.get("action_dim", 0)) or None
+    self.state_key = self.data.get("state_key", "observation.state")
+    mode = self.data.get("normalization", "none") if norm_stats else "none"
+    self.normalizer = transforms.Normalizer(norm_stats or {}, mode, [self.state_key, "action"])
+    if self.action_dim is None and "action" in self.normalizer.params:
+      self.action_dim = int(self.normalizer.params["action"][0].shape[0])
+    spec = get_model_spec(model_config.name)
+    self.collate = spec.make_collate(model_config, self.data) if spec.make_collate else _stack
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def sample(state, batch, rng):
+      return nnx.merge(graphdef, state).sample_actions(batch, rng)
+
+    self._state, self._sample = state, sample
+
+  def _samples(self, obs: dict[str, np.ndarray], instructions: list[str]) -> list[dict[str, Any]]:
+    image_size = self.data.get("image_size")
+    cameras = self.data.get("cameras")
+    samples = []
+    for i, instruction in enumerate(instructions):
+      state = np.asarray(obs[self.state_key][i], np.float32)
+      action_dim = self.action_dim or state.shape[-1]
+      sample = {
+          self.state_key: self.normalizer.normalize(self.state_key, state),
+          "task": instruction,
+          "embodiment_id": int(self.data.get("embodiment_id", 0)) if not isinstance(self.data.get("embodiment_id"), dict) else 0,
+          # The chunk to predict: no targets at inference, only its shape for the collate.
+          "action": np.zeros((self.horizon, action_dim), np.float32),
+          "action_is_pad": np.zeros((self.horizon,), bool),
+      }
+      for key, values in obs.items():
+        if key.startswith(IMAGE_PREFIX):
+          if not cameras or key[len(IMAGE_PREFIX):] in cameras or key in cameras:
+            image = np.asarray(values[i])
+            sample[key] = transforms.resize(image, tuple(image_size)) if image_size else image
+        elif key != self.state_key and not key.startswith("privileged."):
+          sample[key] = np.asarray(values[i])  # e.g. task_index, for models conditioned on it
+      samples.append(sample)
+    return samples
+
+  def act(self, obs: dict[str, np.ndarray], instructions: list[str], rng: jax.Array) -> np.ndarray:
+    batch = self.collate(self._samples(obs, instructions))
+    batch = {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object}
+    actions = np.asarray(self._sample(self._state, batch, rng), np.float32)
+    if self.action_dim:
+      actions = actions[..., :self.action_dim]
+    return self.normalizer.unnormalize("action", actions)
+
+
+def _stack(samples):
+  return {k: np.stack([s[k] for s in samples]) for k in samples[0] if not isinstance(samples[0][k], str)}
+
+
+def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool = True) -> CheckpointPolicy:
+  """Restores a training checkpoint (the EMA weights when the run kept them) as a policy."""
+  if not os.path.isdir(checkpoint_dir):
+    raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist: point "
+                          f"--config.eval.checkpoint at a training run's <workdir>/checkpoints")
+  checkpointer = Checkpointer(checkpoint_dir)
+  try:
+    meta = checkpointer.read_meta(step)
+    if not meta.get("config"):
+      raise CheckpointError(f"checkpoint {checkpoint_dir} carries no config: it was not written by ejax's trainer")
+    config = ConfigDict(meta["config"])
+    tx, _ = make_optimizer(config.train)
+    mesh = make_mesh(dict(data=-1))
+    rules = [tuple(rule) for rule in config.sharding_rules]
+    abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
+    state, _, _ = checkpointer.restore(step, abstract_target(abstract, shardings))
+  finally:
+    checkpointer.close()
+  params = state.ema_params if (use_ema and state.ema_params is not None) else state.params
+  model = nnx.merge(model_parts(config.model).graphdef, params, state.frozen, state.rest)
+  return CheckpointPolicy(model, config, meta.get("norm_stats"))
