@@ -105,6 +105,15 @@ def data_defaults() -> ConfigDict:
   ))
 
 
+def apply_run_args(config: ConfigDict, args: ConfigDict) -> ConfigDict:
+  """The arg-string overrides every training config takes: `steps=N`, `batch=N`."""
+  if args.get("steps"):
+    config.train.steps = args.steps
+  if args.get("batch"):
+    config.train.global_batch_size = args.batch
+  return config
+
+
 def parse_arg(arg: str | None, **defaults):
   """'runlocal,steps=20' -> ConfigDict(runlocal=True, steps=20) over the given defaults."""
   from ejax.config import parse_arg as _parse

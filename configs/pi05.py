@@ -51,8 +51,4 @@ def get_config(arg: str | None = None):
                         weight_decay=0.0, ema_decay=0.0, compute_dtype="float32", remat="none")
     config.checkpoint.every_steps = 100
     config.metrics.log_every_steps = 20
-  if args.steps:
-    config.train.steps = args.steps
-  if args.batch:
-    config.train.global_batch_size = args.batch
-  return config
+  return common.apply_run_args(config, args)

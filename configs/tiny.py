@@ -23,8 +23,4 @@ def get_config(arg: str | None = None):
     config.train.update(steps=200, global_batch_size=32, learning_rate=3e-3, compute_dtype="float32")
     config.checkpoint.every_steps = 100
     config.metrics.log_every_steps = 20
-  if args.steps:
-    config.train.steps = args.steps
-  if args.batch:
-    config.train.global_batch_size = args.batch
-  return config
+  return common.apply_run_args(config, args)

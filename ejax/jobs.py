@@ -6,8 +6,9 @@ import keeps `ejax.main` fast and lets a job's heavy dependencies (MuJoCo, TFDS)
 
 from __future__ import annotations
 
-import importlib
 from typing import Callable
+
+from ejax.config.lazy import load_entry
 
 JOBS: dict[str, str] = {
     "train": "ejax.train.loop:run_job",
@@ -21,7 +22,4 @@ JOBS: dict[str, str] = {
 
 
 def get_job(name: str) -> Callable:
-  if name not in JOBS:
-    raise ValueError(f"unknown job {name!r}: set --config.job to one of {', '.join(sorted(JOBS))}")
-  module_name, function_name = JOBS[name].split(":")
-  return getattr(importlib.import_module(module_name), function_name)
+  return load_entry(JOBS, name, "job", "--config.job")

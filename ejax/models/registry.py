@@ -11,8 +11,9 @@ the batches the input pipeline feeds this model (used for abstract init, compile
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable
+
+from ejax.config.lazy import load_entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,4 @@ MODELS: dict[str, str] = {
 
 
 def get_model_spec(name: str) -> ModelSpec:
-  if name not in MODELS:
-    raise ValueError(f"unknown model {name!r}: set config.model.name to one of {', '.join(sorted(MODELS))}")
-  module_name, attribute = MODELS[name].split(":")
-  return getattr(importlib.import_module(module_name), attribute)
+  return load_entry(MODELS, name, "model", "config.model.name")
