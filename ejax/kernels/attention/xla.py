@@ -44,9 +44,9 @@ def _q_rows(x: jax.Array, start, block: int) -> jax.Array:
   return rows.reshape(x.shape[0], x.shape[1] * block, *x.shape[3:])
 
 
-def _scores(q_rows, k_blk, allowed, scale: float):
-  """[kv_heads, groups * bq, bk] fp32 scores, masked; `allowed` is [bq, bk]."""
-  scores = jnp.einsum("hqd,hkd->hqk", q_rows, k_blk, preferred_element_type=jnp.float32) * scale
+def _scores(q_rows, k_blk, allowed):
+  """[kv_heads, groups * bq, bk] fp32 scores of pre-scaled q, masked; `allowed` is [bq, bk]."""
+  scores = jnp.einsum("hqd,hkd->hqk", q_rows, k_blk, preferred_element_type=jnp.float32)
   kv_heads, rows, block_kv = scores.shape
   grouped = scores.reshape(kv_heads, -1, allowed.shape[0], block_kv)
   return jnp.where(allowed, grouped, MASKED_SCORE).reshape(kv_heads, rows, block_kv)
@@ -63,7 +63,8 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
   groups = heads // kv_heads
   n_q = q_len // block_q
   tile_order, tile_count = _tile_lists(mask, block_q, block_kv, ordered)
-  q_hm = _head_major(q, kv_heads)
+  # q is scaled once here rather than every tile's scores (one pass over q, not over each tile).
+  q_hm = _head_major(q * jnp.asarray(scale, q.dtype), kv_heads)
   k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [batch, kv_heads, len, d]
 
   def one_q_block(index):
@@ -80,11 +81,14 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
       allowed = pair_mask(q_seg, kv_take(mask.kv_segment_ids[b], 0), q_key,
                           kv_take(mask.kv_keys[b], 0), ordered)
       k_blk, v_blk = kv_take(k_hm[b], 1), kv_take(v_hm[b], 1)  # [kv_heads, bk, d]
-      scores = _scores(q_rows, k_blk, allowed, scale)
+      scores = _scores(q_rows, k_blk, allowed)
       new_max = jnp.maximum(row_max, scores.max(-1))
       correction = jnp.exp(row_max - new_max)
+      # No mask pass on the weights: a row that has seen only masked keys has new_max ==
+      # MASKED_SCORE and weight exp(0) = 1 on them, but the first allowed key brings a correction
+      # exp(MASKED_SCORE - real) = 0 that wipes them, and a row that never sees one keeps
+      # row_max == MASKED_SCORE and is zeroed at the end. Elsewhere exp(MASKED - real) = 0.
       weights = jnp.exp(scores - new_max[..., None])
-      weights = jnp.where(scores > MASKED_SCORE, weights, 0.0)
       row_sum = row_sum * correction + weights.sum(-1)
       acc = acc * correction[..., None] + jnp.einsum(
           "hqk,hkd->hqd", weights.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
@@ -95,9 +99,10 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
             jnp.full((kv_heads, rows), MASKED_SCORE, jnp.float32),
             jnp.zeros((kv_heads, rows), jnp.float32))
     acc, row_max, row_sum = lax.fori_loop(0, tile_count[b, i], kv_tile, init)
-    seen = row_sum > 0  # rows with no allowed key output zeros
-    out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
-    lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), 0.0)
+    seen = row_max > MASKED_SCORE / 2  # rows with no allowed key output zeros
+    safe_sum = jnp.where(seen, row_sum, 1.0)
+    out = jnp.where(seen[..., None], acc / safe_sum[..., None], 0.0)
+    lse = jnp.where(seen, row_max + jnp.log(safe_sum), 0.0)
     return (out.astype(q.dtype).reshape(kv_heads, groups, block_q, head_dim),
             lse.reshape(kv_heads, groups, block_q))
 
@@ -117,7 +122,7 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
   groups = heads // kv_heads
   n_q = q_len // block_q
   tile_order, tile_count = _tile_lists(mask, block_q, block_kv, ordered)
-  q_hm, do_hm = _head_major(q, kv_heads), _head_major(d_out, kv_heads)
+  q_hm, do_hm = _head_major(q * jnp.asarray(scale, q.dtype), kv_heads), _head_major(d_out, kv_heads)
   k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   # delta_i = sum_d out_id * dout_id: the softmax-Jacobian term shared by every tile of a row.
   delta = jnp.sum(_head_major(out, kv_heads).astype(jnp.float32) * do_hm.astype(jnp.float32), -1)
@@ -137,10 +142,11 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
         allowed = pair_mask(q_seg, kv_take(mask.kv_segment_ids[b], 0), q_key,
                             kv_take(mask.kv_keys[b], 0), ordered)
         k_blk, v_blk = kv_take(k_hm[b], 1), kv_take(v_hm[b], 1)  # [kv_heads, bk, d]
-        scores = _scores(q_rows, k_blk, allowed, scale)
-        probs = jnp.where(scores > MASKED_SCORE, jnp.exp(scores - lse_rows[..., None]), 0.0)
+        scores = _scores(q_rows, k_blk, allowed)
+        # Masked scores give exp(MASKED_SCORE - lse) = 0 (lse is 0 for rows with no key).
+        probs = jnp.exp(scores - lse_rows[..., None])
         d_probs = jnp.einsum("hqd,hkd->hqk", do_rows, v_blk, preferred_element_type=jnp.float32)
-        d_scores = probs * (d_probs - delta_rows[..., None]) * scale
+        d_scores = probs * (d_probs - delta_rows[..., None])  # w.r.t. the scores of scaled q
         dv_tile = jnp.einsum("hqk,hqd->hkd", probs, do_rows.astype(jnp.float32))
         dk_tile = jnp.einsum("hqk,hqd->hkd", d_scores, q_rows.astype(jnp.float32))
         dq = dq + jnp.einsum("hqk,hkd->hqd", d_scores, k_blk.astype(jnp.float32))
@@ -155,7 +161,8 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
     zeros = jnp.zeros((kv_heads, kv_len, head_dim), jnp.float32)
     (dk, dv), dq = lax.scan(one_q_block, (zeros, zeros), jnp.arange(n_q))
     # dq [n_q, kv_heads, groups, bq, d] -> [kv_heads, groups, q_len, d]
-    return dq.transpose(1, 2, 0, 3, 4).reshape(kv_heads, groups, q_len, head_dim), dk, dv
+    # Scores used scaled q: dQ picks up the scale here; dK already has it through the scaled q.
+    return dq.transpose(1, 2, 0, 3, 4).reshape(kv_heads, groups, q_len, head_dim) * scale, dk, dv
 
   dq, dk, dv = lax.map(one_row, jnp.arange(batch))
   return (_sequence_major(dq).astype(q.dtype), dk.transpose(0, 2, 1, 3).astype(k.dtype),
