@@ -4,7 +4,8 @@ The same samples, the same model and the same train step (forward, backward, Ada
   padded: every sample laid out as openpi does: 3 camera slots of 256 tokens (empty slots masked),
           the instruction padded to 200 tokens, then the state and action tokens; dense masked
           attention, which materialises every masked score;
-  packed: the real tokens of each sample packed into rows (ejax.data.packing, best fit) with
+  packed: the real tokens of each sample packed into rows (ejax.data.packing, best fit; the row
+          length, a multiple of 128 in 2048..4096, is the one that leaves the least padding) with
           segment ids and per-segment positions; the varlen op (impl "xla" on CPU, the Pallas
           kernel on GPU), which skips tiles no segment pair allows.
 The padded arm's attention is `jax.nn.dot_product_attention(implementation="xla")` with the dense
@@ -148,6 +149,21 @@ def padded_batches(samples, batch_size: int):
     yield {key: jnp.asarray(np.stack([c[key] for c in chunk])) for key in chunk[0]}
 
 
+def choose_row_length(lengths, rows_per_batch: int, seed: int, shortest: int = 2048,
+                      longest: int = 4096, step: int = 128) -> int:
+  """The row length (a multiple of the CPU tile, 128) that packs these samples into the fewest tokens.
+
+  A data pipeline picks its row length once per dataset; the best-fit packer leaves a different
+  tail of padding at each length (8.9 % at 2048 for the headline samples, 1.9 % at 3328), and every
+  padding token costs the packed arm a full MLP pass. Rows are counted after topping up the last
+  batch, as packed_batches does. Ties go to the shorter row.
+  """
+  def tokens(row_length: int) -> int:
+    rows = len(pack_sequences(lengths, row_length, seed=seed))
+    return (rows + -rows % rows_per_batch) * row_length
+  return min(range(shortest, longest + 1, step), key=lambda n: (tokens(n), n))
+
+
 def packed_batches(samples, row_length: int, rows_per_batch: int, seed: int):
   keys = ("features", "block_ids", "action_mask", "targets")
   trimmed = [{key: s[key] for key in keys} for s in samples]
@@ -192,7 +208,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--samples", type=int, default=48)
   parser.add_argument("--padded_batch", type=int, default=8)
-  parser.add_argument("--row_length", type=int, default=2048)
+  parser.add_argument("--row_length", type=int, default=0,
+                      help="tokens per packed row; 0 picks the one with the least padding")
   parser.add_argument("--rows_per_batch", type=int, default=2)
   parser.add_argument("--width", type=int, default=128)
   parser.add_argument("--depth", type=int, default=3)
@@ -205,6 +222,8 @@ def main():
   samples = make_samples(args.samples, args.seed)
   lengths = np.array([len(s["block_ids"]) for s in samples])
   padded = list(padded_batches(samples, args.padded_batch))
+  if args.row_length == 0:
+    args.row_length = choose_row_length([int(n) for n in lengths], args.rows_per_batch, args.seed)
   packed, packed_padding, num_rows, first_samples = packed_batches(samples, args.row_length, args.rows_per_batch,
                                                     args.seed)
   padded_padding = 1.0 - lengths.sum() / (len(samples) * PADDED_LENGTH)
