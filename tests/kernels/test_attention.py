@@ -164,3 +164,21 @@ def test_auto_matches_reference_on_a_long_row():
   kwargs = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, mask_kind="causal")
   np.testing.assert_allclose(attention(q, q, q, **kwargs), attention_reference(q, q, q, **kwargs),
                              atol=2e-5)
+
+
+def test_xla_query_whose_first_tile_is_all_masked():
+  # Segment 1 = tokens 0..19, segment 2 = 20..47, 16-token tiles. kv tile 0 (tokens 0..15) is active
+  # for q block 1 (tokens 16..31) through segment 1's tokens 16..19, but for the segment-2 queries
+  # 20..31 every key in it is masked: their online softmax starts on an all-masked tile, which the
+  # xla path does not mask explicitly (weights exp(0) = 1) and must wipe at the first allowed key.
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(4 * rng.normal(size=(1, 48, 2, 16)), jnp.float32) for _ in range(3))
+  segment_ids = jnp.asarray(np.repeat([1, 2], [20, 28])[None])
+  kwargs = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, mask_kind="bidirectional")
+  tested = lambda q, k, v: flash_attention(q, k, v, impl="xla", block_sizes=BlockSizes(16, 16, 16, 16),
+                                           **kwargs)
+  spec = lambda q, k, v: attention_reference(q, k, v, **kwargs)
+  np.testing.assert_allclose(tested(q, k, v), spec(q, k, v), atol=2e-5)
+  loss = lambda attend: jax.grad(lambda *a: jnp.sum(jnp.sin(attend(*a))), argnums=(0, 1, 2))(q, k, v)
+  for got, want in zip(loss(tested), loss(spec)):
+    np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()))
