@@ -50,14 +50,14 @@ class ActivityLog:
 
 def plot_timeline(log: ActivityLog, path: str, title: str = "RL-VLA3 timeline") -> None:
   """Writes a PNG with one row per component and a bar for every busy interval."""
-  import matplotlib
-  matplotlib.use("Agg")  # headless: no display on training hosts
-  import matplotlib.pyplot as plt
+  # A bare Figure renders headless (Agg) without switching the process-wide pyplot backend.
+  from matplotlib.figure import Figure
 
   with log._lock:
     components = sorted(log.intervals, key=lambda name: (not name.startswith("env"), name))
     rows = [(name, list(log.intervals[name])) for name in components]
-  figure, axes = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
+  figure = Figure(figsize=(12, 0.45 * len(rows) + 1.5))
+  axes = figure.subplots()
   colors = {"env": "tab:green", "inference": "tab:blue", "learner": "tab:red"}
   for row, (name, spans) in enumerate(rows):
     color = next((value for prefix, value in colors.items() if name.startswith(prefix)), "tab:gray")
@@ -68,4 +68,3 @@ def plot_timeline(log: ActivityLog, path: str, title: str = "RL-VLA3 timeline") 
   axes.set_title(title)
   figure.tight_layout()
   figure.savefig(path, dpi=100)
-  plt.close(figure)
