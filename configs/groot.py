@@ -48,7 +48,7 @@ def get_config(arg: str | None = None):
     # A recorded dataset (e.g. ejax.sim demos): the cameras it has, the state it records.
     config.data.update(name="lerobot", path=args.dataset)
     config.model.update(num_cameras=2, max_state_dim=16)
-    config.model.packing.row_length = 2 * config.model.packing.row_length  # two images per sample
+    config.model.packing.row_length = 3 * config.model.packing.row_length  # two images + text, two samples a row
     if args.runlocal:
       config.train.update(steps=400, learning_rate=1e-3)
   return common.apply_run_args(config, args)
