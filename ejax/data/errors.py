@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ejax.errors import UserError
 
-class DataError(Exception):
+
+class DataError(UserError):
   """A dataset file is missing, truncated, corrupt or inconsistent with its metadata.
 
   The message names the file and (where known) the episode, and says what to do; `path` and

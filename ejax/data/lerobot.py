@@ -18,7 +18,6 @@ per-worker `VideoReaderCache`; both are dropped when the source is pickled to a 
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -26,6 +25,7 @@ import numpy as np
 
 from ejax.data import lerobot_format as fmt
 from ejax.data.errors import DataError
+from ejax.data.source import SampleSource
 from ejax.data.lerobot_meta import LeRobotMeta, read_parquet, read_meta
 from ejax.data.lerobot_writer import LeRobotV21Writer, LeRobotV3Writer  # noqa: F401 (re-export)
 from ejax.data.video import VideoReaderCache
@@ -33,23 +33,24 @@ from ejax.data.video import VideoReaderCache
 DEFAULT_TOLERANCE_S = 1e-4  # LeRobot's default: frames must sit on the requested timestamp
 
 
-class LeRobotSource:
+class LeRobotSource(SampleSource):
   """Random access to step-level samples of one LeRobot dataset (see the module docstring)."""
+
+  unit = "frame"
 
   def __init__(self, root: str, *, horizon: int = 16, observation_offsets: Sequence[int] = (0,),
                cameras: Sequence[str] | None = None, image_size: tuple[int, int] | None = None,
                state_key: str = "observation.state", action_key: str = "action",
                embodiment_id: int | Mapping[str, int] = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
                on_bad_sample: str = "error", max_open_videos: int = 32):
-    if on_bad_sample not in ("error", "skip"):
-      raise ValueError(f"on_bad_sample={on_bad_sample!r}: use 'error' or 'skip'")
+    self._set_bad_sample_policy(on_bad_sample)
     self.meta: LeRobotMeta = read_meta(root)
     self.horizon = int(horizon)
     self.embodiment_id = self._resolve_embodiment(embodiment_id)
     self.observation_offsets = np.asarray(observation_offsets, np.int64)
     self.image_size = tuple(image_size) if image_size else None
     self.state_key, self.action_key = state_key, action_key
-    self.tolerance_s, self.on_bad_sample = tolerance_s, on_bad_sample
+    self.tolerance_s = tolerance_s
     self.max_open_videos = max_open_videos
     self.cameras = self._resolve_cameras(cameras)
     info_path = f"{self.meta.root}/meta/info.json"
@@ -60,7 +61,6 @@ class LeRobotSource:
                         path=info_path)
     self.state_dim = int(np.prod(self.meta.features[state_key]["shape"]))
     self.action_dim = int(np.prod(self.meta.features[action_key]["shape"]))
-    self.skipped = 0  # samples skipped in this process (on_bad_sample="skip")
     self._columns: dict[str, np.ndarray] | None = None
     self._lock = threading.Lock()
     # grain reads with several threads; a PyAV container must never be used by two at once.
@@ -148,20 +148,6 @@ class LeRobotSource:
   def episode_of(self, index: int) -> int:
     """Position (into meta.episodes) of the episode holding global frame `index`."""
     return int(np.searchsorted(self.meta.episodes.dataset_from, index, side="right") - 1)
-
-  def __getitem__(self, index: int) -> dict[str, Any] | None:
-    index = int(index)
-    if not 0 <= index < len(self):
-      raise IndexError(f"frame {index} is outside the dataset's {len(self)} frames")
-    try:
-      return self._sample(index)
-    except DataError as error:
-      if self.on_bad_sample == "error":
-        raise
-      self.skipped += 1
-      logging.warning("skipping frame %d (%d skipped so far in this process): %s", index,
-                      self.skipped, error)
-      return None
 
   def _sample(self, index: int) -> dict[str, Any]:
     columns = self.columns()

@@ -13,7 +13,6 @@ Samples follow the LeRobot source's schema ("observation.state", "observation.im
 from __future__ import annotations
 
 import io
-import logging
 import threading
 from typing import Any, Sequence
 
@@ -21,6 +20,7 @@ import numpy as np
 from PIL import Image
 
 from ejax.data.errors import DataError
+from ejax.data.source import SampleSource
 
 
 def _image_keys(observation_features) -> list[str]:
@@ -29,7 +29,7 @@ def _image_keys(observation_features) -> list[str]:
           if isinstance(feature, tfds.features.Image)]
 
 
-class RldsSource:
+class RldsSource(SampleSource):
   """Random access to the steps of every episode of one TFDS RLDS dataset split."""
 
   state_key = "observation.state"
@@ -40,8 +40,7 @@ class RldsSource:
                embodiment_id: int = 0, on_bad_sample: str = "error", state_field: str = "state",
                instruction_field: str = "language_instruction"):
     import tensorflow_datasets as tfds
-    if on_bad_sample not in ("error", "skip"):
-      raise ValueError(f"on_bad_sample={on_bad_sample!r}: use 'error' or 'skip'")
+    self._set_bad_sample_policy(on_bad_sample)
     self.data_dir, self.name, self.split = data_dir, name, split
     try:
       builder = tfds.builder(name, data_dir=data_dir)
@@ -67,8 +66,6 @@ class RldsSource:
       raise ValueError(f"data.embodiment_id must be an int for RLDS, got {embodiment_id!r}")
     self.horizon, self.embodiment_id = int(horizon), int(embodiment_id)
     self.image_size = tuple(image_size) if image_size else None
-    self.on_bad_sample = on_bad_sample
-    self.skipped = 0
     self._source = None
     self._lock = threading.Lock()
     lengths = np.asarray([len(self._episode(e)["steps"]) for e in range(len(self._data()))],
@@ -114,20 +111,6 @@ class RldsSource:
         states.append(np.asarray(step["observation"][self.state_field], np.float32))
         actions.append(np.asarray(step["action"], np.float32))
     return {self.state_key: np.stack(states), self.action_key: np.stack(actions)}
-
-  def __getitem__(self, index: int) -> dict[str, Any] | None:
-    index = int(index)
-    if not 0 <= index < len(self):
-      raise IndexError(f"step {index} is outside the dataset's {len(self)} steps")
-    try:
-      return self._sample(index)
-    except DataError as error:
-      if self.on_bad_sample == "error":
-        raise
-      self.skipped += 1
-      logging.warning("skipping step %d (%d skipped so far in this process): %s", index,
-                      self.skipped, error)
-      return None
 
   def _sample(self, index: int) -> dict[str, Any]:
     episode = int(np.searchsorted(self.episode_from, index, side="right") - 1)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejax.models.io.tensors import CheckpointMismatch, fill_model, model_arrays, param_shapes
+from ejax.models.io.tensors import fill_model, model_arrays, param_shapes, raise_on_mismatch
 
 Arrays = list
 
@@ -96,16 +96,8 @@ def check(links: Sequence[Link], tensors: Mapping[str, np.ndarray], abstract_mod
   unexpected = [k for k in tensors if k not in want and k not in ignored]
   misshaped = [f"{k}: checkpoint {tuple(np.shape(tensors[k]))}, model expects {want[k]}"
                for k in want if k in tensors and tuple(np.shape(tensors[k])) != want[k]]
-  problems = []
-  if missing:
-    problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:10])}")
-  if unexpected:
-    problems.append(f"{len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:10])}")
-  if misshaped:
-    problems.append(f"{len(misshaped)} mis-shaped tensor(s): {'; '.join(misshaped[:10])}")
-  if problems:
-    raise CheckpointMismatch(f"{layout} checkpoint does not match config.model: " + " | ".join(problems) +
-                             " (check config.model sizes against the checkpoint's config)")
+  raise_on_mismatch(missing, unexpected, misshaped, what=f"{layout} checkpoint",
+                    hint="check config.model sizes against the checkpoint's config")
 
 
 def import_with(links: Sequence[Link], tensors: Mapping[str, np.ndarray], abstract_model, *,

@@ -19,8 +19,10 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from ejax.errors import UserError
 
-class CheckpointMismatch(ValueError):
+
+class CheckpointMismatch(UserError, ValueError):
   """A checkpoint whose tensors do not match the model: names every offending key."""
 
 
@@ -127,6 +129,14 @@ def check_tensors(maps: Sequence[TensorMap], tensors: Mapping[str, np.ndarray], 
       want = checkpoint_shape(m.kind, ejax_shapes[m.path])
       if tuple(tensors[key].shape) != want:
         misshaped.append(f"{key}: checkpoint {tuple(tensors[key].shape)}, model expects {want}")
+  raise_on_mismatch(missing, unexpected, misshaped, what="checkpoint",
+                    hint="check config.model sizes against the checkpoint's config.json")
+  return ignored
+
+
+def raise_on_mismatch(missing: list[str], unexpected: list[str], misshaped: list[str], *, what: str,
+                      hint: str) -> None:
+  """One error naming (up to ten of) every missing, unexpected and mis-shaped tensor."""
   problems = []
   if missing:
     problems.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:10])}")
@@ -135,9 +145,7 @@ def check_tensors(maps: Sequence[TensorMap], tensors: Mapping[str, np.ndarray], 
   if misshaped:
     problems.append(f"{len(misshaped)} mis-shaped tensor(s): {'; '.join(misshaped[:10])}")
   if problems:
-    raise CheckpointMismatch("checkpoint does not match the model config: " + " | ".join(problems) +
-                             " (check config.model sizes against the checkpoint's config.json)")
-  return ignored
+    raise CheckpointMismatch(f"{what} does not match the model config: " + " | ".join(problems) + f" ({hint})")
 
 
 def to_ejax(m: TensorMap, array: np.ndarray, ejax_shape: Sequence[int]) -> np.ndarray:
