@@ -62,10 +62,16 @@ class BlockSizes:
 
 
 GPU_BLOCK_SIZES = BlockSizes(64, 64, 64, 64)
-# On CPU a tile is a whole XLA loop iteration, so tiles must be large enough to amortise the loop.
-# Measured on 2 packed 2048-token rows (4 heads x 32, forward+backward, 2 shared CPU cores, best of
-# 4): 128: 0.13 s, 256: 0.15 s; 64 was ~2x slower than 128, 512 ~5x (the tile leaves the cache).
-CPU_BLOCK_SIZES = BlockSizes(128, 128, 128, 128)
+# On CPU a tile is one XLA loop iteration on one thread: its matmuls run at ~55-65 GFLOP/s (of ~78
+# peak on the shared AVX2 core) and the softmax passes cost about half as much again, so the loop
+# overhead no longer dominates and smaller tiles win by skipping more masked pairs at segment
+# boundaries. Measured 2026-11-21 on the packing benchmark's rows (4 batches of 2 x 3328 tokens,
+# 4 heads x 32, block-causal, forward+backward per epoch, shared 2-core CPU at load ~3):
+#   128x128 everywhere: 1.25-1.45 s (22.2M active pairs); 64x64: 0.85-0.95 s (19.1M);
+#   32x32: 1.10-1.25 s (17.6M, tiles too small for the matmuls); 64x32: 0.95-1.2 s;
+#   forward alone: 128x64 0.26-0.29 s, 64x128 0.26-0.29 s, 64x64 0.30-0.34 s, 128x128 0.37-0.40 s.
+# Hence 128x64 forward tiles (wider q rows per matmul, same kv granularity) and 64x64 backward tiles.
+CPU_BLOCK_SIZES = BlockSizes(128, 64, 64, 64)
 
 
 def next_power_of_2(n: int) -> int:
