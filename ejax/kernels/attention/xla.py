@@ -20,11 +20,12 @@ costs ~50 us forward and ~120 us backward (4 heads x 32). Batching work per loop
 threads it was measured and rejected (2026-11-21, the packing benchmark's rows, machine at load
 ~3-4): q blocks sorted by active-tile count and run in cohorts of c blocks per step (each step one
 batched matmul over the cohort, dK/dV by scatter-add) took 0.86-1.0 s per epoch of forward+backward
-at c = 1, 1.02-1.10 s at c = 8, 1.08-1.26 s at c = 16, 1.36-1.54 s at c = 32; a whole packed training
-epoch took 6.5-6.9 s at c = 1, 7.2-7.7 s at c = 4 and 7.6-7.8 s at c = 16. Threaded steps are short
-(~0.1-1 ms), and on a shared machine every one waits for its slowest thread; a vmap over all q
-blocks would also run each block to the largest tile count (2.4x the active tiles of packed rows at
-64-token tiles). Tile sizes are therefore what matters on CPU: see tiles.CPU_BLOCK_SIZES.
+at c = 1, 1.02-1.10 s at c = 8, 1.08-1.26 s at c = 16, 1.36-1.54 s at c = 32; a whole packed
+training epoch took 6.5-6.9 s at c = 1, 7.2-7.7 s at c = 4 and 7.6-7.8 s at c = 16. Threaded
+steps are short (~0.1-1 ms), and on a shared machine every one waits for its slowest thread; a vmap
+over all q blocks would also run each block to the largest tile count (2.4x the active tiles of
+packed rows at 64-token tiles). Tile sizes are therefore what matters on CPU: see
+tiles.CPU_BLOCK_SIZES.
 """
 
 from __future__ import annotations
