@@ -166,6 +166,25 @@ def test_auto_matches_reference_on_a_long_row():
                              atol=2e-5)
 
 
+def test_xla_default_cpu_tiles_values_and_gradients():
+  # The CPU defaults use different forward and backward tiles (128x64, then 64x64), so the backward
+  # re-tiles the forward's lse; a 320-token row pads to 384 and has segments that straddle tiles.
+  rng = np.random.default_rng(3)
+  q = jnp.asarray(rng.normal(size=(2, 320, 4, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, 320, 2, 16)), jnp.float32) for _ in range(2))
+  segment_ids = jnp.asarray(np.stack([np.repeat([1, 2, 3, 0], [70, 150, 90, 10]),
+                                      np.repeat([1, 2], [200, 120])]))
+  block_ids = jnp.asarray(np.tile(np.repeat([0, 1, 2], [250, 10, 60]), (2, 1)))
+  kwargs = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, mask_kind="block_causal",
+                q_block_ids=block_ids, kv_block_ids=block_ids)
+  tested = lambda q, k, v: flash_attention(q, k, v, impl="xla", **kwargs)
+  spec = lambda q, k, v: attention_reference(q, k, v, **kwargs)
+  np.testing.assert_allclose(tested(q, k, v), spec(q, k, v), atol=2e-5)
+  loss = lambda attend: jax.grad(lambda *a: jnp.sum(jnp.sin(attend(*a))), argnums=(0, 1, 2))(q, k, v)
+  for got, want in zip(loss(tested), loss(spec)):
+    np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()))
+
+
 def test_xla_query_whose_first_tile_is_all_masked():
   # Segment 1 = tokens 0..19, segment 2 = 20..47, 16-token tiles. kv tile 0 (tokens 0..15) is active
   # for q block 1 (tokens 16..31) through segment 1's tokens 16..19, but for the segment-2 queries
