@@ -19,6 +19,13 @@ that both arms see the same load on a shared machine; samples/s averages the rou
 per-sample mean; the script first prints the loss of the packed arm's first batch and of the same
 samples padded, at the same init, to show that both arms compute the same thing.
 
+On CPU the packed arm's attention uses the op's CPU tiles (tiles.CPU_BLOCK_SIZES: 128x64 forward,
+64x64 backward, measured fastest for these rows; 128x128 cost ~1.5x as much) and runs its tile loop
+on one thread, while XLA spreads the padded arm's large dense ops over both cores (measured per
+thread). Where a packed epoch goes (2026-11-21, load ~3-4): attention ~2.6-3.0 s of ~6.7 s, the rest
+~3.6-3.9 s; the padded epoch ~17-19 s. The non-attention parts compare at ~1.66x, near the token
+ratio, so the headline moves with how much of the machine XLA's threads get.
+
   python benchmarks/packing.py            # headline: CPU, width 128, 3 layers, 48 samples
 """
 
