@@ -24,7 +24,8 @@ import numpy as np
 from ejax.data.packing import pack_sequences
 from ejax.kernels.attention import attention_mask, flash_attention
 from ejax.kernels.attention.ops import choose_impl
-from ejax.kernels.attention.tiles import CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, MaskInputs, active_fraction
+from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
+                                          MaskInputs, active_fraction)
 
 
 def vla_lengths(num_samples: int, rng: np.random.Generator) -> np.ndarray:
@@ -83,7 +84,9 @@ def main():
   mask = dict(mask_kind="block_causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
               q_block_ids=block_ids, kv_block_ids=block_ids)
   varlen_impl = choose_impl(q, k, "auto") if on_gpu else "xla"
-  blocks = GPU_BLOCK_SIZES if varlen_impl == "pallas" else CPU_BLOCK_SIZES
+  # The tiles the op picks for this impl and backend (ops.flash_attention).
+  blocks = (GPU_BLOCK_SIZES if varlen_impl == "pallas" else
+            XLA_GPU_BLOCK_SIZES if on_gpu else CPU_BLOCK_SIZES)
 
   ideal = args.rows * args.row_length**2 / np.sum(segment_lengths.astype(float)**2)
   tiles = MaskInputs(segment_ids, segment_ids, block_ids, block_ids)

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from ejax.kernels.attention import pallas_gpu, xla
 from ejax.kernels.attention.reference import MASK_KINDS, attention_mask, attention_reference
-from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, BlockSizes, MaskInputs,
-                                          normalise_mask, pad_to_blocks)
+from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
+                                          BlockSizes, MaskInputs, normalise_mask, pad_to_blocks)
 
 IMPLS = ("auto", "reference", "xla", "pallas", "cudnn")
 # Below this many (query, key) pairs per head the dense reference is the fastest path off GPU.
@@ -144,7 +144,10 @@ def flash_attention(
                                  q_positions, kv_positions, q_block_ids, kv_block_ids)
   on_gpu = jax.default_backend() == "gpu"
   if block_sizes is None:
-    block_sizes = GPU_BLOCK_SIZES if impl == "pallas" else CPU_BLOCK_SIZES
+    if impl == "pallas":
+      block_sizes = GPU_BLOCK_SIZES
+    else:
+      block_sizes = XLA_GPU_BLOCK_SIZES if on_gpu else CPU_BLOCK_SIZES
   blocks = block_sizes.fitted(q_len, kv_len)
   interpret = (not on_gpu) if interpret is None else interpret
   plan = _Plan(impl, ordered, scale, blocks, bool(interpret and impl == "pallas"))

@@ -72,6 +72,10 @@ GPU_BLOCK_SIZES = BlockSizes(64, 64, 64, 64)
 #   forward alone: 128x64 0.26-0.29 s, 64x128 0.26-0.29 s, 64x64 0.30-0.34 s, 128x128 0.37-0.40 s.
 # Hence 128x64 forward tiles (wider q rows per matmul, same kv granularity) and 64x64 backward tiles.
 CPU_BLOCK_SIZES = BlockSizes(128, 64, 64, 64)
+# The xla path as the GPU fallback (shapes the Pallas kernel does not take) keeps the tiles it had
+# before the CPU measurements above: a GPU pays far more per loop iteration than per tile, and
+# smaller tiles there are unmeasured.
+XLA_GPU_BLOCK_SIZES = BlockSizes(128, 128, 128, 128)
 
 
 def next_power_of_2(n: int) -> int:
