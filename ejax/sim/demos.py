@@ -4,7 +4,8 @@
 
 Episodes run batched (all chosen tasks mixed in one program) with cameras on; each env's frames are
 kept up to and including the step where it succeeded (or ran out of time). Per frame:
-  observation.state [11] f32, observation.images.agentview / .wrist [H, W, 3] (video), action [4] f32
+  observation.state [11] f32, observation.environment_state [7] f32 (target, goal, held: LeRobot's
+  name for a scene's object state), observation.images.agentview / .wrist [H, W, 3] (video), action [4] f32
 (the action taken after seeing that observation). Failed expert episodes are dropped unless
 config.demos.keep_failures; the job reports the expert's success rate either way.
 """
@@ -27,7 +28,9 @@ STATE_NAMES = [*(f"joint{i + 1}" for i in range(7)), "gripper_opening", "tcp_x",
 ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 CAMERAS = ("agentview", "wrist")
 ROBOT_TYPE = "ejax_franka_like"
-RECORDED_OBSERVATIONS = ("observation.state", *(f"observation.images.{camera}" for camera in CAMERAS))
+ENVIRONMENT_STATE_NAMES = ["target_x", "target_y", "target_z", "goal_x", "goal_y", "goal_z", "holding"]
+RECORDED_OBSERVATIONS = ("observation.state", "observation.environment_state",
+                         *(f"observation.images.{camera}" for camera in CAMERAS))
 
 
 def resolve_tasks(tasks) -> list[str]:
@@ -49,6 +52,8 @@ def dataset_features(image_size: tuple[int, int]) -> dict[str, dict]:
   features = {f"observation.images.{camera}": {"dtype": "video", "shape": [height, width, 3],
                                               "names": ["height", "width", "channels"]} for camera in CAMERAS}
   features["observation.state"] = {"dtype": "float32", "shape": [len(STATE_NAMES)], "names": STATE_NAMES}
+  features["observation.environment_state"] = {"dtype": "float32", "shape": [len(ENVIRONMENT_STATE_NAMES)],
+                                               "names": ENVIRONMENT_STATE_NAMES}
   features["action"] = {"dtype": "float32", "shape": [len(ACTION_NAMES)], "names": ACTION_NAMES}
   return features
 

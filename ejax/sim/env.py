@@ -5,6 +5,9 @@ also mixes tasks in one compiled program). Observations:
   "observation.state"            [11] f32: arm joint angles (7), gripper opening (1, metres between
                                  the fingers), tool-centre-point position (3)
   "task_index"                   [] int32: the task's position in registry.list_tasks()
+  "observation.environment_state" [7] f32: the task's object state (robosuite's "object-state"
+                                 analogue, for state-based policies): the target object's position
+                                 (3), the position it must reach (3), whether it is held (1)
   "observation.images.agentview" [H, W, 3] uint8, front camera facing the robot   (cameras on)
   "observation.images.wrist"     [H, W, 3] uint8, on the hand, looking down       (cameras on)
   "observation.depth.agentview" / "observation.depth.wrist" [H, W] f32 metres along the camera
@@ -31,6 +34,7 @@ from mujoco import mjx
 from ejax.sim import camera, control, kinematics, layout, scene, tasks
 
 STATE_SIZE = 11
+ENVIRONMENT_STATE_SIZE = 7
 CAMERA_NAMES = ("agentview", "wrist")
 
 
@@ -115,8 +119,15 @@ def render_cameras(config: CameraConfig, geom_size, geom_rgba, geom_xpos, geom_x
   return obs
 
 
+def environment_state(info: dict, xp: Any = jnp) -> Any:
+  """[7]: target position, goal position, held flag (from info["privileged"], set before observing)."""
+  p = info["privileged"]
+  return xp.concatenate([p["target_pos"], p["goal"], xp.asarray(p["holding"], xp.float32)[None]]).astype(xp.float32)
+
+
 def base_observations(info: dict, xp: Any = jnp) -> dict:
-  return {"observation.state": state_vector(info, xp), "task_index": info["task_index"]}
+  return {"observation.state": state_vector(info, xp), "observation.environment_state": environment_state(info, xp),
+          "task_index": info["task_index"]}
 
 
 def _observe(model: mjx.Model, data: mjx.Data, info: dict, cameras: CameraConfig | None) -> dict:
@@ -215,7 +226,8 @@ class Env:
 
   def observation_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
     """Documented observation shapes and dtypes."""
-    shapes = {"observation.state": ((STATE_SIZE,), "float32"), "task_index": ((), "int32")}
+    shapes = {"observation.state": ((STATE_SIZE,), "float32"),
+              "observation.environment_state": ((ENVIRONMENT_STATE_SIZE,), "float32"), "task_index": ((), "int32")}
     if self.cameras is not None:
       for name in CAMERA_NAMES:
         shapes[f"observation.images.{name}"] = ((self.cameras.height, self.cameras.width, 3), "uint8")

@@ -29,6 +29,10 @@ def test_demos_job_writes_a_lerobot_v3_dataset(tmp_path):
   assert set(table.column("episode_index").to_pylist()) == set(range(30))
   actions = np.asarray(table.column("action").to_pylist(), np.float32)
   assert actions.shape[1] == 4 and np.all(np.abs(actions) <= 1)
+  assert info["features"]["observation.environment_state"]["shape"] == [7]
+  object_state = np.asarray(table.column("observation.environment_state").to_pylist(), np.float32)
+  assert object_state.shape == (table.num_rows, 7) and set(np.unique(object_state[:, 6])) <= {0.0, 1.0}
+  assert np.any(object_state[:, 6] == 1.0), "the expert holds its target in some frames"
   assert len(list(root.glob("videos/observation.images.wrist/*/*.mp4"))) == 1
   summary = json.loads((tmp_path / "demos_summary.json").read_text())
   assert set(summary["expert_success_rate"].values()) == {1.0}

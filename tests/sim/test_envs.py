@@ -26,7 +26,8 @@ def batch():
 def test_reset_and_step_have_documented_shapes(batch):
   state = batch.reset(jax.random.key(0))
   shapes = batch.observation_shapes()
-  assert shapes == {"observation.state": ((11,), "float32"), "task_index": ((), "int32")}
+  assert shapes == {"observation.state": ((11,), "float32"), "observation.environment_state": ((7,), "float32"),
+                    "task_index": ((), "int32")}
   for name, (shape, dtype) in shapes.items():
     assert state.obs[name].shape == (NUM_ENVS, *shape) and state.obs[name].dtype == dtype
   state = batch.step(state, np.zeros((NUM_ENVS, 4), np.float32))
@@ -35,6 +36,11 @@ def test_reset_and_step_have_documented_shapes(batch):
   np.testing.assert_array_equal(state.info["step"], 1)
   np.testing.assert_array_equal(state.obs["task_index"], np.arange(NUM_ENVS) % len(TASKS))
   assert not np.any(np.asarray(state.success)), "no task may start solved"
+  # The object state is the expert's privileged view of the task: target, goal, held flag.
+  privileged = state.info["privileged"]
+  np.testing.assert_array_equal(state.obs["observation.environment_state"][:, :3], privileged["target_pos"])
+  np.testing.assert_array_equal(state.obs["observation.environment_state"][:, 3:6], privileged["goal"])
+  np.testing.assert_array_equal(state.obs["observation.environment_state"][:, 6], privileged["holding"])
 
 
 @pytest.mark.timeout(600)
