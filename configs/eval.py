@@ -6,8 +6,10 @@ Launch (CPU):
     4 episodes x 15 tasks at 64x64, one video per task; a few minutes on 2 cores, mostly compiling.
     Writes runs/eval_local/eval/{summary.json, summary.txt, success.png, videos/*.mp4}.
   Baselines: --config.eval.policy=random (floor, ~0 %) or expert (scripted, >= 95 % per task).
+  An RL run's policy: --config.eval.policy=rl --config.eval.checkpoint=runs/rl/rl_checkpoints
+    (newest version; --config.eval.version=0 is its SFT starting point).
   python -m ejax.main --config=configs/eval.py --workdir=runs/eval   (50 episodes per task, LIBERO's count)
-Arg string: `runlocal`, `policy=random|expert|checkpoint`, `episodes=N`, `tasks=all|suite|name+name`.
+Arg string: `runlocal`, `policy=random|expert|checkpoint|rl`, `episodes=N`, `tasks=all|suite|name+name`.
 """
 
 from ml_collections import ConfigDict
@@ -20,8 +22,10 @@ def get_config(arg: str | None = None):
   config = common.base_config()
   config.job = "eval"
   config.eval = ConfigDict(dict(
-      policy="checkpoint",   # random | expert | checkpoint
-      checkpoint="",         # checkpoint directory for policy=checkpoint (ejax.train.policy.load_policy)
+      policy="checkpoint",   # random | expert | checkpoint | rl
+      checkpoint="",         # checkpoint directory: the train job's (policy=checkpoint, ejax.train.policy)
+                             # or an rl job's rl_checkpoints (policy=rl, ejax.rl.runner.load_rl_policy)
+      version=-1,            # policy=rl: which saved policy version (-1: the newest)
       tasks="all",           # "all", a suite ("spatial" | "object" | "goal"), or "name+name"
       episodes_per_task=50,
       num_envs=60,           # envs stepped together (split evenly over the tasks)

@@ -23,7 +23,7 @@ from absl import logging
 from ejax.eval import plots, stats, videos
 from ejax.eval.policies import PRIVILEGED_PREFIX, ExpertPolicy, RandomPolicy
 from ejax.sim import registry
-from ejax.sim.batched import make_batched
+from ejax.sim.batched import BatchedEnv, make_batched
 from ejax.sim.demos import resolve_tasks
 
 
@@ -38,7 +38,12 @@ def make_policy(config, action_size: int):
       raise ValueError("config.eval.policy='checkpoint' needs --config.eval.checkpoint=<checkpoint dir>")
     from ejax.train.policy import load_policy
     return load_policy(config.eval.checkpoint)
-  raise ValueError(f"unknown config.eval.policy {kind!r}: use random, expert or checkpoint")
+  if kind == "rl":
+    if not config.eval.checkpoint:
+      raise ValueError("config.eval.policy='rl' needs --config.eval.checkpoint=<workdir of the rl job>/rl_checkpoints")
+    from ejax.rl.runner import load_rl_policy
+    return load_rl_policy(config.eval.checkpoint, version=config.eval.get("version", -1))
+  raise ValueError(f"unknown config.eval.policy {kind!r}: use random, expert, checkpoint or rl")
 
 
 def policy_observations(state, uses_privileged_state: bool) -> dict[str, np.ndarray]:
@@ -103,15 +108,14 @@ def format_table(rows: list[dict], groups: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def run_job(config, workdir: str) -> None:
-  cfg = config.eval
+def evaluate_policy(policy, cfg, output_dir: str, label: str) -> dict:
+  """Runs `policy` over cfg.tasks x cfg.episodes_per_task in simulation and writes the summary, table,
+  plot and videos into output_dir. -> the summary dict (also summary.json)."""
   task_names = resolve_tasks(cfg.tasks)
   envs_per_task = max(1, min(int(cfg.num_envs) // len(task_names), int(cfg.episodes_per_task)))
   env = make_batched(task_names, envs_per_task * len(task_names), backend=cfg.backend, cameras=True,
                      image_size=(int(cfg.image_height), int(cfg.image_width)),
                      episode_length=int(cfg.episode_length) or None)
-  policy = make_policy(config, env.action_size)
-  output_dir = cfg.output_dir or os.path.join(workdir, "eval")
   os.makedirs(os.path.join(output_dir, "videos"), exist_ok=True)
   successes = {name: 0 for name in task_names}
   trials = {name: 0 for name in task_names}
@@ -134,7 +138,7 @@ def run_job(config, workdir: str) -> None:
   suites = sorted({row["suite"] for row in rows})
   groups = [aggregate([r for r in rows if r["suite"] == suite], f"suite:{suite}") for suite in suites]
   groups.append(aggregate(rows, "overall"))
-  summary = {"policy": cfg.policy, "checkpoint": cfg.checkpoint, "backend": cfg.backend,
+  summary = {"policy": label, "checkpoint": cfg.get("checkpoint", ""), "backend": cfg.backend,
              "replan_every": int(cfg.replan_every), "tasks": rows, "suites": groups[:-1], "overall": groups[-1],
              "seconds": time.time() - start}
   with open(os.path.join(output_dir, "summary.json"), "w") as f:
@@ -143,6 +147,12 @@ def run_job(config, workdir: str) -> None:
   with open(os.path.join(output_dir, "summary.txt"), "w") as f:
     f.write(table + "\n")
   plots.success_bar_plot(os.path.join(output_dir, "success.png"), rows,
-                         f"{cfg.policy} policy: overall {groups[-1]['success_rate']:.2f}")
-  logging.info("eval:\n%s", table)
-  print(table)
+                         f"{label} policy: overall {groups[-1]['success_rate']:.2f}")
+  logging.info("eval (%s):\n%s", label, table)
+  return dict(summary, table=table)
+
+
+def run_job(config, workdir: str) -> None:
+  cfg = config.eval
+  policy = make_policy(config, BatchedEnv.action_size)
+  print(evaluate_policy(policy, cfg, cfg.output_dir or os.path.join(workdir, "eval"), cfg.policy)["table"])
