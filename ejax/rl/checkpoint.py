@@ -56,5 +56,27 @@ class RLCheckpointer:
     state = restored["state"]
     return _unflat(state["params"], params_like), _unflat(state["opt_state"], opt_state_like), dict(restored["metadata"])
 
+  def restore_params(self, params_like: Any, version: int | None = None) -> tuple[Any, dict]:
+    """The policy parameters and metadata of one version, without the optimizer state (evaluation)."""
+    version = self.latest_version() if version is None else version
+    if version is None:
+      raise FileNotFoundError(f"no RL checkpoint in {self.directory}")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": _flat(params_like)})
+    restored = self._manager.restore(version, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                                     partial_restore=True),
+        metadata=ocp.args.JsonRestore()))
+    return _unflat(restored["state"]["params"], params_like), dict(restored["metadata"])
+
+  def read_metadata(self, version: int | None = None) -> dict:
+    version = self.latest_version() if version is None else version
+    if version is None:
+      raise FileNotFoundError(f"no RL checkpoint in {self.directory}")
+    restored = self._manager.restore(version, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+    return dict(restored["metadata"])
+
+  def all_versions(self) -> list[int]:
+    return list(self._manager.all_steps())
+
   def close(self) -> None:
     self._manager.close()

@@ -95,10 +95,14 @@ class EnvShard:
                segment_queue: queue.Queue, param_store: ParamStore, delay: DelaySampler,
                activity: ActivityLog, stop: threading.Event, seed: int, max_restarts: int,
                device: jax.Device | None = None, on_fatal: Callable[[BaseException], None] | None = None,
-               fault_injector: Callable[[int, int, np.ndarray], np.ndarray] | None = None):
+               fault_injector: Callable[[int, int, np.ndarray], np.ndarray] | None = None,
+               success_bonus: float = 0.0):
     """env_functions: (batched reset, chunk step) from `env_functions`, shared by all shards of an env.
     fault_injector(shard_id, step, reward) -> reward runs after every step; tests raise from it or
-    return corrupted rewards to exercise the restart path."""
+    return corrupted rewards to exercise the restart path.
+    success_bonus is added to the reward of the chunk in which an episode succeeds: success ends the
+    episode, so without it a policy that hovers near the goal collecting dense reward would be worth
+    more than one that finishes (the bonus stands for the reward a finished episode forgoes)."""
     if mode not in ("gae", "grpo"):
       raise ValueError(f"env shard mode {mode!r}: use 'gae' or 'grpo'")
     if mode == "grpo" and num_envs % group_size:
@@ -108,6 +112,7 @@ class EnvShard:
     self.tickets, self.board, self.segment_queue, self.param_store = tickets, board, segment_queue, param_store
     self.delay, self.activity, self.stop, self.device = delay, activity, stop, device
     self.max_restarts, self.on_fatal, self.fault_injector = max_restarts, on_fatal, fault_injector
+    self.success_bonus = float(success_bonus)
     self.name = f"env{shard_id}"
     self._rng = jax.random.key(seed)
     self._reset, self._chunk_step = env_functions
@@ -190,6 +195,8 @@ class EnvShard:
       rngs = jax.random.split(self._next_rng(), self.num_envs)
       state, reward, done, success = self._chunk_step(state, actions, rngs)
       reward, done, success = np.asarray(reward), np.asarray(done), np.asarray(success)
+      if self.success_bonus:
+        reward = reward + self.success_bonus * success
       if self.fault_injector is not None:
         reward = self.fault_injector(self.shard_id, self._steps_done, reward)
       if not np.all(np.isfinite(reward)) or not all(

@@ -33,8 +33,12 @@ def _flatten_time(tree: Any) -> Any:
 def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm: str, gamma: float, gae_lambda: float,
                    clip_epsilon: float, behaviour_weight_threshold: float | None, dual_clip: float | None,
                    value_coef: float, num_epochs: int, num_minibatches: int, group_size: int,
-                   normalize_advantages: bool = True) -> Callable:
+                   normalize_advantages: bool = True, train_actor: bool = True) -> Callable:
   """(params, opt_state, batch, rng) -> (params, opt_state, metrics): one policy version's update.
+
+  train_actor=False is the critic warm-up: the same update with the policy loss left out of the
+  gradient (it is still reported), so the value head learns the SFT policy's returns before its
+  advantages steer the actor.
 
   batch: time-major segments concatenated along the env axis ([T, N, ...] leaves plus
   "bootstrap_observation" [N, ...]). The proximal policy is `params` as passed in: log-probs and
@@ -76,7 +80,7 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
           clip_epsilon=clip_epsilon, behaviour_weight_threshold=behaviour_weight_threshold, dual_clip=dual_clip,
           mask=minibatch["valid"])
       value_error = losses.value_loss(value, minibatch["return"], mask=minibatch["valid"])
-      total = policy_loss + (value_coef * value_error if algorithm == "ppo" else 0.0)
+      total = (policy_loss if train_actor else 0.0) + (value_coef * value_error if algorithm == "ppo" else 0.0)
       return total, dict(metrics, policy_loss=policy_loss, value_loss=value_error)
 
     def minibatch_step(carry, minibatch):
@@ -117,10 +121,13 @@ class Learner:
                activity: ActivityLog, stop: threading.Event, seed: int,
                put_batch: Callable[[dict], dict] = lambda batch: batch,
                on_update: Callable[[int, Any, Any, dict], None] | None = None,
-               on_fatal: Callable[[BaseException], None] | None = None):
+               on_fatal: Callable[[BaseException], None] | None = None,
+               warmup_update_fn: Callable | None = None, warmup_updates: int = 0):
     """put_batch places a host batch on the learner's devices; on_update(version, params, opt_state,
-    metrics) runs after each publish (metrics logging, periodic checkpoints)."""
+    metrics) runs after each publish (metrics logging, periodic checkpoints). The first
+    `warmup_updates` versions use warmup_update_fn (the critic warm-up) instead of update_fn."""
     self._update = update_fn  # jitted by the caller (no donation: see ejax.rl.pipeline)
+    self._warmup_update, self.warmup_updates = warmup_update_fn, warmup_updates
     self.params, self.opt_state = params, opt_state
     self.version, self.num_updates = start_version, num_updates
     self.segments_per_update, self.eta = segments_per_update, eta
@@ -165,7 +172,8 @@ class Learner:
         start = self.activity.now()
         self._rng, rng = jax.random.split(self._rng)
         device_batch = self.put_batch({key: value for key, value in batch.items() if key != "policy_version"})
-        params, opt_state, metrics = self._update(self.params, self.opt_state, device_batch, rng)
+        update_fn = self._warmup_update if update < self.warmup_updates and self._warmup_update else self._update
+        params, opt_state, metrics = update_fn(self.params, self.opt_state, device_batch, rng)
         self.param_store.publish(params, update + 1)  # blocks until the arrays are ready (see ParamStore)
         self.params, self.opt_state, self.version = params, opt_state, update + 1
         end = self.activity.now()

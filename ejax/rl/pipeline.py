@@ -37,6 +37,39 @@ from ejax.rl.timeline import ActivityLog, plot_timeline
 JOIN_TIMEOUT_S = 30.0
 
 
+def _is_critic(path) -> bool:
+  return getattr(path[0], "key", None) == "critic"  # ActorCritic's parameters: {"actor": ..., "critic": ...}
+
+
+def _per_part(transform: Callable[[Any, bool], Any]) -> optax.GradientTransformation:
+  """A stateless transformation applied to the actor's and the critic's updates separately."""
+  def update(updates, state, params=None):
+    del params
+    flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    parts = {critic: [leaf for path, leaf in flat if _is_critic(path) == critic] for critic in (False, True)}
+    done = {critic: iter(transform(leaves, critic)) if leaves else iter(()) for critic, leaves in parts.items()}
+    return jax.tree_util.tree_unflatten(treedef, [next(done[_is_critic(path)]) for path, _ in flat]), state
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(config: ConfigDict) -> optax.GradientTransformation:
+  """Adam, with the actor's and the critic's gradients clipped (global norm) and scaled separately:
+  the value loss's gradients (returns can be large) must not eat the actor's share of one clip, and
+  the critic may learn faster than the actor. The state is plain Adam moments shaped like the
+  parameters, so it shards like them."""
+  actor_rate, critic_rate = config.learning_rate, config.critic_learning_rate or config.learning_rate
+
+  def clip(leaves, critic):
+    norm = optax.global_norm(leaves)
+    scale = jnp.minimum(1.0, config.grad_clip_norm / jnp.maximum(norm, 1e-12))
+    return [leaf * scale for leaf in leaves]
+
+  def rate(leaves, critic):
+    return [-(critic_rate if critic else actor_rate) * leaf for leaf in leaves]
+
+  return optax.chain(_per_part(clip), optax.scale_by_adam(), _per_part(rate))
+
+
 def default_config() -> ConfigDict:
   """The `rl` section of a config: pipeline shape, staleness, algorithm, placement, faults."""
   return ConfigDict(dict(
@@ -49,12 +82,15 @@ def default_config() -> ConfigDict:
       algorithm="ppo",           # ppo (value head + GAE) | grpo (group-normalised success)
       group_size=4, gamma=0.99, gae_lambda=0.95, clip_epsilon=0.2, behaviour_weight_threshold=2.0,
       dual_clip=3.0, value_coef=0.5, num_epochs=2, num_minibatches=4, learning_rate=3e-4, grad_clip_norm=1.0,
+      critic_learning_rate=0.0,  # 0: learning_rate; actor and critic are clipped and stepped separately
+      critic_warmup_updates=0,   # first updates train only the value head (PPO)
       noise_level=0.5,
       # Device indexes; empty / -1 = the default device. Several learner devices form learner_mesh.
       placement=ConfigDict(dict(env_devices=[], inference_device=-1, learner_devices=[],
                                 learner_mesh=ConfigDict(dict(data=-1, fsdp=1, tensor=1)))),
       inference_weights="same",  # same | fp8_block: the server sees block-FP8 (e4m3, 128x128) weights
       inference_full_batch_only=False,  # pad every inference batch to all shards: fewer compilations
+      success_bonus=0.0,         # added to the reward of the chunk where an episode succeeds (see EnvShard)
       max_restarts=3, checkpoint_every_updates=0, seed=0,
   ))
 
@@ -95,7 +131,7 @@ class RLPipeline:
 
     # Learner state, resumed from the newest checkpoint when there is one.
     self.policy = policy
-    self.optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), optax.adam(config.learning_rate))
+    self.optimizer = make_optimizer(config)
     params = policy.initial_params
     opt_state = self.optimizer.init(params)
     self.checkpointer = RLCheckpointer(checkpoint_dir) if checkpoint_dir else None
@@ -122,7 +158,8 @@ class RLPipeline:
         param_store=self.param_store, delay=DelaySampler(delays[shard_id], config.seed * 1000 + shard_id),
         activity=self.activity, stop=self.stop, seed=config.seed * 1000 + 100 + shard_id + 7919 * start_version,
         max_restarts=config.max_restarts, device=env_devices[shard_id % len(env_devices)],
-        on_fatal=self._fatal, fault_injector=fault_injector) for shard_id in range(config.num_shards)]
+        on_fatal=self._fatal, fault_injector=fault_injector, success_bonus=config.success_bonus)
+        for shard_id in range(config.num_shards)]
     self.server = InferenceServer(policy.jit_sample, board=self.board, param_store=self.param_store,
                                   num_shards=config.num_shards, envs_per_shard=config.envs_per_shard, barrier=sync,
                                   activity=self.activity, stop=self.stop, seed=config.seed + 17 + start_version,
@@ -131,14 +168,16 @@ class RLPipeline:
     update_fn = self._jitted_update(policy, config)
     if update_wrapper is not None:
       update_fn = update_wrapper(update_fn)
+    warmup_fn = self._jitted_update(policy, config, train_actor=False) if config.critic_warmup_updates else None
     self.learner = Learner(update_fn, params, opt_state, start_version=start_version, num_updates=config.num_updates,
                            segments_per_update=config.segments_per_update, eta=self.eta,
                            segment_queue=self.segment_queue, param_store=self.param_store, activity=self.activity,
                            stop=self.stop, seed=config.seed + 29, put_batch=put_batch, on_update=self._on_update,
-                           on_fatal=self._fatal)
+                           on_fatal=self._fatal, warmup_update_fn=warmup_fn,
+                           warmup_updates=config.critic_warmup_updates)
     self.wall_seconds = 0.0
 
-  def _jitted_update(self, policy, config: ConfigDict) -> Callable:
+  def _jitted_update(self, policy, config: ConfigDict, train_actor: bool = True) -> Callable:
     """The learner's update, jitted once per policy and hyper-parameters (pipelines that share a
     policy, like a run and its resume, share the compilation). No donation: on the colocated
     placement the published parameters share buffers with the learner's, and the last good state
@@ -146,8 +185,9 @@ class RLPipeline:
     hyper = dict(algorithm=config.algorithm, gamma=config.gamma, gae_lambda=config.gae_lambda,
                  clip_epsilon=config.clip_epsilon, behaviour_weight_threshold=config.behaviour_weight_threshold,
                  dual_clip=config.dual_clip, value_coef=config.value_coef, num_epochs=config.num_epochs,
-                 num_minibatches=config.num_minibatches, group_size=config.group_size)
-    key = ("update", config.learning_rate, config.grad_clip_norm, tuple(sorted(hyper.items())))
+                 num_minibatches=config.num_minibatches, group_size=config.group_size, train_actor=train_actor)
+    key = ("update", config.learning_rate, config.critic_learning_rate, config.grad_clip_norm,
+           tuple(sorted(hyper.items())))
     if key not in policy.compiled:
       policy.compiled[key] = jax.jit(make_update_fn(policy, self.optimizer, **hyper))
     return policy.compiled[key]
@@ -211,12 +251,20 @@ class RLPipeline:
     if self.checkpointer is not None and every and version % every == 0:
       self.save_checkpoint()
 
-  def save_checkpoint(self) -> None:
-    if self.checkpointer is None or self.learner.version in (0, self.checkpointer.latest_version()):
-      return  # nothing trained yet, or this version is already saved
+  def save_checkpoint(self, *, starting_point: bool = False) -> None:
+    """Saves the learner's version. Version 0 (the SFT starting point) only when asked for, so a
+    run that stops before its first update leaves nothing new behind."""
+    if self.checkpointer is None or self.learner.version == self.checkpointer.latest_version():
+      return  # this version is already saved
+    if self.learner.version == 0 and not starting_point:
+      return
+    # The policy's own config travels with it, so the eval job can rebuild it (policy=rl).
+    policy_config = self.config.get("policy")
     self.checkpointer.save(self.learner.version, self.learner.params, self.learner.opt_state,
                            {"env_steps": int(sum(shard.env_steps for shard in self.shards)),
-                            "samples_consumed": self.learner.samples_consumed})
+                            "samples_consumed": self.learner.samples_consumed,
+                            "policy": policy_config.to_dict() if policy_config is not None else None,
+                            "actions_per_step": int(self.config.actions_per_step)})
 
   @property
   def threads(self) -> list[threading.Thread]:

@@ -33,9 +33,18 @@ def task_index(observation: dict) -> jax.Array:
   return jnp.zeros(observation["observation.state"].shape[:1], jnp.int32)
 
 
+def policy_state(observation: dict) -> jax.Array:
+  """The state a state-based policy sees [n, s]: proprioception, followed by the scene's object state
+  ("observation.environment_state", ejax.sim's task objects) when the env provides one."""
+  state = observation["observation.state"].astype(jnp.float32)
+  if "observation.environment_state" in observation:
+    state = jnp.concatenate([state, observation["observation.environment_state"].astype(jnp.float32)], axis=-1)
+  return state
+
+
 def state_and_task(observation: dict) -> tuple:
   """Inputs of ejax.models.tiny.TinyFlowPolicy.velocity: (state [n, s], task_id [n])."""
-  return observation["observation.state"], task_index(observation)
+  return policy_state(observation), task_index(observation)
 
 
 class ValueHead(nnx.Module):
@@ -51,7 +60,7 @@ class ValueHead(nnx.Module):
     self.out = dense(hidden, 1, (ax.EMBED, ax.IN_FEATURES))
 
   def __call__(self, observation: dict) -> jax.Array:
-    x = jnp.tanh(self.state_in(observation["observation.state"].astype(jnp.float32))
+    x = jnp.tanh(self.state_in(policy_state(observation))
                  + self.task_embed(task_index(observation)))
     return self.out(jnp.tanh(self.hidden(x)))[:, 0]
 

@@ -6,11 +6,15 @@
 2. Warm start: resume an interrupted RL run from workdir/rl_checkpoints if there is one; otherwise
    start from SFT: behaviour cloning on the env's scripted expert (config.rl.warm_start; an ejax.sim
    task uses its privileged-state expert).
-3. Judge the starting policy's closed-loop success rate (ejax.sim tasks: the eval job's rollout on
-   a batched env, one episode per env).
+3. Judge the starting policy's closed-loop success rate. ejax.sim tasks are judged by the eval
+   job's evaluation (ejax.eval.evaluate.evaluate_policy: table, Wilson intervals, plot, videos in
+   workdir/eval_before), on layouts of its own seed; the SFT policy is saved as version 0.
 4. Run the asynchronous pipeline (ejax.rl.pipeline) to config.rl.num_updates; SIGTERM stops it
    cleanly and checkpoints.
-5. Judge again; write rl_summary.json, rl_history.jsonl and timeline.png into the workdir.
+5. Judge again (workdir/eval_after); write rl_summary.json, rl_history.jsonl and timeline.png.
+Any saved version can be judged again later by the eval job itself:
+    python -m ejax.main --config=configs/eval.py --config.eval.policy=rl \
+        --config.eval.checkpoint=WORKDIR/rl_checkpoints --config.eval.tasks=TASK [--config.eval.version=0]
 """
 
 from __future__ import annotations
@@ -72,6 +76,34 @@ def stop_on_sigterm(pipeline: RLPipeline):
     signal.signal(signal.SIGTERM, previous)
 
 
+def load_rl_policy(checkpoint_dir: str, version: int = -1) -> "warm_start.EvalPolicy":
+  """A saved RL policy version (-1: the newest) behind ejax.eval's policy interface."""
+  checkpointer = RLCheckpointer(checkpoint_dir)
+  try:
+    chosen = checkpointer.latest_version() if version < 0 else version
+    if chosen is None:
+      raise FileNotFoundError(f"no RL checkpoint in {checkpoint_dir}: run the rl job with this workdir first")
+    if chosen not in checkpointer.all_versions():
+      raise FileNotFoundError(f"RL checkpoint {checkpoint_dir} has no version {chosen}; saved: {checkpointer.all_versions()}")
+    metadata = checkpointer.read_metadata(chosen)
+    if not metadata.get("policy"):
+      raise ValueError(f"RL checkpoint {checkpoint_dir} version {chosen} does not record its policy config")
+    policy = make_policy(ConfigDict(metadata["policy"]), seed=0)
+    params, _ = checkpointer.restore_params(policy.initial_params, chosen)
+  finally:
+    checkpointer.close()
+  return warm_start.EvalPolicy(policy, params)
+
+
+def judge_config(rl: ConfigDict) -> ConfigDict:
+  """The eval job's settings for judging an RL run on its ejax.sim task (see configs/eval.py)."""
+  judge = rl.judge
+  return ConfigDict(dict(tasks=rl.env.name, episodes_per_task=judge.episodes, num_envs=judge.episodes,
+                         backend=judge.get("backend", "mjx"), image_height=judge.get("image_size", 64),
+                         image_width=judge.get("image_size", 64), replan_every=rl.actions_per_step, episode_length=0,
+                         videos_per_task=judge.get("videos", 2), seed=judge.seed, checkpoint=""))
+
+
 def run_job(config: ConfigDict, workdir: str) -> dict:
   rl = config.rl
   os.makedirs(workdir, exist_ok=True)
@@ -81,13 +113,17 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
   resuming = os.path.isdir(checkpoint_dir) and RLCheckpointer(checkpoint_dir).latest_version() is not None
   simulated = rl.env.name != "point_reach"
   if simulated:
+    from ejax.eval.evaluate import evaluate_policy
     from ejax.sim.batched import make_batched
-    judge_env = make_batched(rl.env.name, rl.judge.episodes, backend=rl.env.get("judge_backend", "mjx"))
-    judge = lambda params: warm_start.batched_success_rate(policy, params, judge_env, actions_per_step=rl.actions_per_step,
-                                                           rng=jax.random.key(rl.judge.seed))
+
+    def judge(params, stage: str) -> float:
+      summary = evaluate_policy(warm_start.EvalPolicy(policy, params), judge_config(rl),
+                                os.path.join(workdir, f"eval_{stage}"), label=f"rl ({stage} RL)")
+      return summary["overall"]["success_rate"]
   else:
-    judge = lambda params: warm_start.success_rate(policy, params, env, num_episodes=rl.judge.episodes,
-                                                   actions_per_step=rl.actions_per_step, rng=jax.random.key(rl.judge.seed))
+    judge = lambda params, stage: warm_start.success_rate(
+        policy, params, env, num_episodes=rl.judge.episodes, actions_per_step=rl.actions_per_step,
+        rng=jax.random.key(rl.judge.seed))
 
   # -- warm start ----------------------------------------------------------------------------
   if not resuming and rl.warm_start.steps > 0:
@@ -95,7 +131,7 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
     demo_rng = jax.random.key(config.seed)
     if simulated:
       demos = warm_start.collect_batched_expert_demos(
-          make_batched(rl.env.name, rl.warm_start.demo_episodes, backend=rl.env.get("judge_backend", "mjx")),
+          make_batched(rl.env.name, rl.warm_start.demo_episodes, backend=rl.env.get("demo_backend", "mjx")),
           horizon=rl.policy.horizon, action_noise=rl.warm_start.action_noise, rng=demo_rng)
     else:
       demos = warm_start.collect_expert_demos(env, num_episodes=rl.warm_start.demo_episodes, horizon=rl.policy.horizon,
@@ -107,13 +143,15 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
                  rl.warm_start.steps, time.perf_counter() - start)
 
   pipeline = RLPipeline(rl, env, policy, checkpoint_dir=checkpoint_dir, sharding_rules=config.sharding_rules)
-  success_before = judge(pipeline.learner.params)
+  if not resuming:
+    pipeline.save_checkpoint(starting_point=True)  # version 0: the SFT policy, for later judging
+  success_before = judge(pipeline.learner.params, "before")
   logging.info("success rate before RL (version %d): %.3f", pipeline.start_version, success_before)
 
   # -- RL ------------------------------------------------------------------------------------
   with stop_on_sigterm(pipeline):
     summary = pipeline.run()
-  success_after = judge(pipeline.learner.params)
+  success_after = judge(pipeline.learner.params, "after")
   logging.info("success rate after RL (version %d): %.3f", pipeline.learner.version, success_after)
 
   # -- outputs -------------------------------------------------------------------------------

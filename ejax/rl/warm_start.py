@@ -4,9 +4,9 @@ The RL job fine-tunes a policy that already solves its task part of the time. Wh
 checkpoint from the train job is given, `behaviour_clone` produces one in-process: it rolls out the
 env's scripted expert (with action noise, so demonstrations are imperfect), labels every step with
 the expert's next `horizon` actions, and trains the flow actor with the flow-matching loss of its
-convention. `success_rate` is the closed-loop judge used before and after RL (deterministic Euler
-sampling, as evaluation runs a policy); `EvalPolicy` exposes a policy to ejax.eval's
-`act(obs, instructions, rng)` interface.
+convention. `success_rate` is the closed-loop judge of jittable envs (PointReach; deterministic
+Euler sampling, as evaluation runs a policy); `EvalPolicy` exposes a policy to ejax.eval's
+`act(obs, instructions, rng)` interface, through which the eval job judges ejax.sim tasks.
 """
 
 from __future__ import annotations
@@ -132,11 +132,8 @@ def success_rate(policy, params: Any, env, *, num_episodes: int, actions_per_ste
   return float(np.mean(np.asarray(successes)))
 
 
-def batched_success_rate(policy, params: Any, batched_env, *, actions_per_step: int, rng: jax.Array) -> float:
-  """Success rate over one episode per env of an ejax.sim batched env, by the eval job's rollout."""
-  from ejax.eval.evaluate import rollout
-  success, _, _ = rollout(batched_env, EvalPolicy(policy, params), rng, actions_per_step, [])
-  return float(np.mean(success))
+# What the state-based RL policies read (ejax.rl.policy.policy_state); images stay out of their jit.
+POLICY_OBSERVATIONS = ("observation.state", "observation.environment_state", "task_index")
 
 
 class EvalPolicy:
@@ -149,5 +146,5 @@ class EvalPolicy:
   def act(self, obs: dict, instructions: list[str] | None, rng: jax.Array) -> jax.Array:
     """obs {key: [num_envs, ...]} -> action chunks [num_envs, horizon, action_dim]."""
     del instructions  # the task is identified by obs["task_index"] for the policies built here
-    inputs = {key: value for key, value in obs.items() if key in ("observation.state", "task_index")}
+    inputs = {key: value for key, value in obs.items() if key in POLICY_OBSERVATIONS}
     return self._act(self.params, inputs, rng)
