@@ -19,12 +19,24 @@ that both arms see the same load on a shared machine; samples/s averages the rou
 per-sample mean; the script first prints the loss of the packed arm's first batch and of the same
 samples padded, at the same init, to show that both arms compute the same thing.
 
+Both arms train data-parallel, as a multi-core CPU host trains: one XLA:CPU device per core
+(--xla_force_host_platform_device_count, set below before jax starts, unless the user set a count),
+a 1-D mesh over them, and a step that is jax.shard_map over the batch rows: each device computes
+the loss and gradients of its rows (padded: 4 of the 8 rows, packed: 1 of the 2, on 2 cores), the
+loss sums, sample counts and gradients are summed over the mesh (so the loss stays the exact
+per-sample mean when devices hold different numbers of samples, as packed rows do), and the
+replicated AdamW update follows. Why: XLA:CPU runs a loop's iterations, and independent loops of
+one program, on one thread; it threads only large single ops. Single-device, the packed arm's
+attention tile loop ran on one core while XLA spread the padded arm's big dense matmuls over both
+(measured per thread); with a device per core each device runs its own rows' tile loop on its own
+thread, concurrently. The device count is the largest (up to the cores) that divides both
+--padded_batch and --rows_per_batch; on GPU the step runs on one GPU, as before.
+
 On CPU the packed arm's attention uses the op's CPU tiles (tiles.CPU_BLOCK_SIZES: 128x64 forward,
-64x64 backward, measured fastest for these rows; 128x128 cost ~1.5x as much) and runs its tile loop
-on one thread, while XLA spreads the padded arm's large dense ops over both cores (measured per
-thread). Where a packed epoch goes (2026-11-21, load ~3-4): attention ~2.6-3.0 s of ~6.7 s, the rest
-~3.6-3.9 s; the padded epoch ~17-19 s. The non-attention parts compare at ~1.66x, near the token
-ratio, so the headline moves with how much of the machine XLA's threads get.
+64x64 backward, measured fastest for these rows; 128x128 cost ~1.5x as much). Where a packed epoch
+went on one device (2026-11-21, load ~3-4): attention ~2.6-3.0 s of ~6.7 s, the rest ~3.6-3.9 s;
+the padded epoch ~17-19 s. The non-attention parts compare at ~1.66x, near the token ratio, so the
+headline moves with how much of the machine each arm gets.
 
   python benchmarks/packing.py            # headline: CPU, width 128, 3 layers, 48 samples
 """
@@ -32,13 +44,25 @@ ratio, so the headline moves with how much of the machine XLA's threads get.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import time
+
+# One XLA:CPU device per core, set before jax creates its CPU client (the module docstring says
+# why). The flag only shapes the host platform: on a GPU the benchmark still runs on one GPU.
+# A device count the user set (XLA_FLAGS or JAX_NUM_CPU_DEVICES) is kept.
+if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+    and "JAX_NUM_CPU_DEVICES" not in os.environ
+    and os.environ.get("JAX_PLATFORMS", "cpu").lower() in ("", "cpu")):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={os.cpu_count() or 1}")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ejax.data.packing import assemble_rows, pack_sequences
 from ejax.kernels.attention import attention, attention_mask
@@ -49,6 +73,7 @@ CAMERA_TOKENS, CAMERA_SLOTS, INSTRUCTION_PAD, STATE_TOKENS, ACTION_TOKENS = 256,
 PADDED_LENGTH = CAMERA_SLOTS * CAMERA_TOKENS + INSTRUCTION_PAD + STATE_TOKENS + ACTION_TOKENS
 FEATURES, ACTION_DIM = 32, 8
 GOAL = 2.9
+DATA = "data"  # the one mesh axis: batch rows are split over it, parameters replicated
 
 
 def make_samples(num_samples: int, seed: int):
@@ -133,19 +158,48 @@ class PolicyTransformer(nnx.Module):
     return self.head(self.norm(x))
 
 
-def per_sample_mean_loss(model, batch, impl: str):
-  """Mean over samples of each sample's mean squared error on its action tokens."""
+def sample_count(batch) -> jax.Array:
+  """Samples in a batch (padded or packed): each has ACTION_TOKENS action tokens."""
+  return jnp.sum(batch["action_mask"]) / ACTION_TOKENS
+
+
+def sample_loss_sum(model, batch, impl: str) -> jax.Array:
+  """Sum over samples of each sample's mean squared error on its action tokens."""
   errors = jnp.sum((model(batch, impl) - batch["targets"]) ** 2, axis=-1) / ACTION_DIM
-  per_token = errors * batch["action_mask"] / ACTION_TOKENS
-  return jnp.sum(per_token) / jnp.maximum(jnp.sum(batch["action_mask"]) / ACTION_TOKENS, 1.0)
+  return jnp.sum(errors * batch["action_mask"]) / ACTION_TOKENS
 
 
-def make_train_step(impl: str):
-  @nnx.jit(donate_argnums=(0, 1))  # model and optimizer state are replaced every step
-  def train_step(model, optimizer, batch):
-    loss, grads = nnx.value_and_grad(lambda m: per_sample_mean_loss(m, batch, impl))(model)
-    optimizer.update(model, grads)
-    return loss
+def per_sample_mean_loss(model, batch, impl: str) -> jax.Array:
+  return sample_loss_sum(model, batch, impl) / jnp.maximum(sample_count(batch), 1.0)
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, impl: str,
+                    mesh: jax.sharding.Mesh):
+  """A data-parallel step: each device's rows give loss and gradients, summed over the mesh."""
+
+  def device_loss_and_grads(params: nnx.State, batch):
+    # Each device divides its loss sum by the sample count of the whole batch, so the psums below
+    # give the exact per-sample mean even when devices hold different numbers of samples (packed
+    # rows do); with equal counts this is the pmean of per-device means.
+    total_samples = jnp.maximum(jax.lax.psum(sample_count(batch), DATA), 1.0)
+    loss_fn = lambda p: sample_loss_sum(nnx.merge(graphdef, p), batch, impl) / total_samples
+    loss, grads = jax.value_and_grad(loss_fn)(params)  # this device's rows only
+    return jax.lax.psum(loss, DATA), jax.lax.psum(grads, DATA)
+
+  # check_vma=False: the attention op's tile loops start their carries from constants, which the
+  # varying-axes check rejects against carries computed from this device's rows. Unchecked, grad
+  # of the replicated parameters is each device's own gradient, and the psum above adds them.
+  loss_and_grads = jax.shard_map(device_loss_and_grads, mesh=mesh, in_specs=(P(), P(DATA)),
+                                 out_specs=(P(), P()), check_vma=False)
+  replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))
+
+  # Parameters and optimizer state are replaced every step: donated, they are updated in place.
+  @functools.partial(jax.jit, donate_argnums=(0, 1), in_shardings=(replicated, replicated, rows),
+                     out_shardings=(replicated, replicated, replicated))
+  def train_step(params: nnx.State, opt_state, batch):
+    loss, grads = loss_and_grads(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
   return train_step
 
 
@@ -186,20 +240,43 @@ def packed_batches(samples, row_length: int, rows_per_batch: int, seed: int):
 
 
 class Arm:
-  """One layout's model, optimizer and jitted step; `epoch()` times one pass over its batches."""
+  """One layout's parameters, optimizer state and data-parallel step; `timed_step` times a step."""
 
-  def __init__(self, batches, impl: str, args):
-    self.batches = batches
-    self.model = PolicyTransformer(args.width, args.depth, args.heads, nnx.Rngs(0))
-    self.optimizer = nnx.Optimizer(self.model, optax.adamw(1e-4), wrt=nnx.Param)
-    self.step = make_train_step(impl)
+  def __init__(self, batches, impl: str, mesh: jax.sharding.Mesh, args):
+    # Batch rows live split over the mesh before the step, as a data loader would put them.
+    self.batches = [jax.device_put(batch, NamedSharding(mesh, P(DATA))) for batch in batches]
+    graphdef, params = nnx.split(PolicyTransformer(args.width, args.depth, args.heads, nnx.Rngs(0)),
+                                 nnx.Param)
+    optimizer = optax.adamw(1e-4)
+    replicated = NamedSharding(mesh, P())
+    self.params = jax.device_put(params, replicated)
+    self.opt_state = jax.device_put(optimizer.init(params), replicated)
+    self.step = make_train_step(graphdef, optimizer, impl, mesh)
     for _ in range(2):
-      self.step(self.model, self.optimizer, batches[0]).block_until_ready()
+      self._run(0).block_until_ready()
+
+  def _run(self, index: int) -> jax.Array:
+    self.params, self.opt_state, loss = self.step(self.params, self.opt_state, self.batches[index])
+    return loss
 
   def timed_step(self, index: int) -> float:
     start = time.perf_counter()
-    self.step(self.model, self.optimizer, self.batches[index]).block_until_ready()
+    self._run(index).block_until_ready()
     return time.perf_counter() - start
+
+
+def data_mesh(args) -> jax.sharding.Mesh:
+  """A 1-D mesh over CPU devices (the most that split both arms' batches evenly); one GPU on GPU."""
+  devices = jax.devices()
+  count = 1
+  if jax.default_backend() == "cpu":
+    count = max(n for n in range(1, len(devices) + 1)
+                if args.padded_batch % n == 0 and args.rows_per_batch % n == 0)
+    if count < len(devices):
+      print(f"using {count} of {len(devices)} CPU devices: the largest count that divides both "
+            f"--padded_batch {args.padded_batch} and --rows_per_batch {args.rows_per_batch}")
+  return jax.make_mesh((count,), (DATA,), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=devices[:count])
 
 
 def check_same_losses(samples, packed_batch, sample_indices, packed_impl: str, args):
@@ -211,7 +288,8 @@ def check_same_losses(samples, packed_batch, sample_indices, packed_impl: str, a
 
 
 def main():
-  nnx.use_eager_sharding(False)  # parameters carry logical names; no mesh in a one-device benchmark
+  # Parameters carry logical names, but here they are all replicated over the data mesh.
+  nnx.use_eager_sharding(False)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--samples", type=int, default=48)
   parser.add_argument("--padded_batch", type=int, default=8)
@@ -234,7 +312,9 @@ def main():
   packed, packed_padding, num_rows, first_samples = packed_batches(samples, args.row_length, args.rows_per_batch,
                                                     args.seed)
   padded_padding = 1.0 - lengths.sum() / (len(samples) * PADDED_LENGTH)
-  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+  mesh = data_mesh(args)
+  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}) x {mesh.size} "
+        f"data-parallel, jax {jax.__version__}")
   print(f"{len(samples)} samples, lengths {lengths.min()}..{lengths.max()} (mean {lengths.mean():.0f}); "
         f"model width {args.width}, depth {args.depth}, {args.heads} heads")
   print(f"padded: {len(padded)} batches of {args.padded_batch} x {PADDED_LENGTH} tokens, "
@@ -248,7 +328,8 @@ def main():
   padded_loss, packed_loss = check_same_losses(samples, packed[0], first_samples, args.packed_impl, args)
   print(f"loss of the packed arm's first {len(first_samples)} samples at init: padded {padded_loss:.5f}, "
         f"packed {packed_loss:.5f}")
-  arms = {"padded": Arm(padded, "dense", args), "packed": Arm(packed, args.packed_impl, args)}
+  arms = {"padded": Arm(padded, "dense", mesh, args),
+          "packed": Arm(packed, args.packed_impl, mesh, args)}
   # Steps of the two arms alternate, so both see the same (shared, fluctuating) machine.
   seconds = {name: [0.0] * args.rounds for name in arms}
   for round_index in range(args.rounds):
