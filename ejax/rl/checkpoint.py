@@ -29,11 +29,18 @@ def _unflat(flat: dict[str, Any], like: Any) -> Any:
 
 
 class RLCheckpointer:
-  """Saves {"params", "opt_state"} and JSON metadata (version, env steps, ...) per policy version."""
+  """Saves {"params", "opt_state"} and JSON metadata (version, env steps, policy config, ...) per
+  policy version; keeps the newest `keep` versions and version 0."""
 
   def __init__(self, directory: str, *, keep: int = 3):
     self.directory = os.path.abspath(directory)
-    self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+    # The newest `keep` versions, and version 0 (the SFT starting point) for good: judging a run
+    # against where it started must still work after many saves.
+    from orbax.checkpoint import checkpoint_managers
+    preserve = checkpoint_managers.AnyPreservationPolicy([checkpoint_managers.LatestN(n=keep),
+                                                          checkpoint_managers.CustomSteps(steps=[0])])
+    self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+        preservation_policy=preserve, create=True))
 
   def save(self, version: int, params: Any, opt_state: Any, metadata: dict) -> None:
     state = {"params": _flat(params), "opt_state": _flat(opt_state)}

@@ -59,10 +59,11 @@ def test_rl_job_improves_success_then_stops_on_sigterm_and_resumes(tmp_path):
 def sim_config():
   """The runlocal recipe on its ejax.sim task, shrunk to a plumbing check (the improvement itself
   takes the full runlocal budget: see the slow test below)."""
-  config = rl_vla3.get_config("runlocal,updates=2")
+  config = rl_vla3.get_config("runlocal,updates=4")
   config.rl.update(num_shards=2, envs_per_shard=8, segments_per_update=2, num_minibatches=2, queue_size=4)
   config.rl.warm_start.update(demo_episodes=8, steps=100)
   config.rl.judge.update(episodes=8, videos=1)
+  config.rl.checkpoint_every_updates = 1  # versions 0..4: more than the 3 newest kept, 0 kept for good
   return config
 
 
@@ -73,7 +74,7 @@ def test_rl_job_on_a_sim_task_is_judged_by_the_eval_job_and_rejudged_from_checkp
 
   workdir = str(tmp_path / "run")
   summary = run_job(sim_config(), workdir)
-  assert summary["version"] == 2 and summary["lag_max"] <= summary["eta"] and summary["threads_alive"] == []
+  assert summary["version"] == 4 and summary["lag_max"] <= summary["eta"] and summary["threads_alive"] == []
   for stage in ("before", "after"):
     judged = json.load(open(os.path.join(workdir, f"eval_{stage}", "summary.json")))
     assert judged["tasks"][0]["task"] == "goal_lift_green_block" and judged["overall"]["episodes"] == 8
@@ -83,7 +84,7 @@ def test_rl_job_on_a_sim_task_is_judged_by_the_eval_job_and_rejudged_from_checkp
   # Version 0 (the SFT policy) and the final version are saved with their policy config; the eval
   # job rebuilds either from the checkpoint and reproduces the job's own judgement.
   checkpoints = RLCheckpointer(os.path.join(workdir, "rl_checkpoints"))
-  assert {0, 2} <= set(checkpoints.all_versions())
+  assert checkpoints.all_versions() == [0, 2, 3, 4]
   for version, stage in ((0, "before"), (-1, "after")):
     config = eval_config.get_config("policy=rl")
     config.eval.update(checkpoint=os.path.join(workdir, "rl_checkpoints"), version=version,
