@@ -1,12 +1,12 @@
 """RL-VLA3: asynchronous RL fine-tuning of a flow-matching policy beside batched simulators.
 
-Launch (CPU-sized, ~5 minutes on 2 cores):
+Launch (CPU-sized, 6-7 minutes on 2 cores):
   python -m ejax.main --config=configs/rl_vla3.py:runlocal --workdir=runs/rl_local
 On the ejax.sim task "goal_lift_green_block" ("lift the green block"): SFT on 64 scripted-expert
 demonstrations, judged by the eval job's evaluation (64 episodes on layouts of its own seed;
 table, plot and videos in eval_before/), then 60 asynchronous PPO updates with 4 MJX env shards of
 16 envs under lognormal delays, judged again (eval_after/). Expect success to rise from ~0.2 to
-~0.35 (seen 0.164 -> 0.367 on 128 episodes, 2026-11-21); policy lag max <= eta = 2, all threads
+~0.3-0.45 (seen 0.219 -> 0.453 and 0.219 -> 0.266 on 128 episodes, 2026-11-21); policy lag max <= eta = 2, all threads
 joined; the workdir also gets rl_summary.json, rl_history.jsonl, timeline.png and rl_checkpoints/
 (version 0 is the SFT policy; run again to resume). Judge any saved version again with
   python -m ejax.main --config=configs/eval.py --config.eval.policy=rl \
@@ -17,8 +17,9 @@ Arg string: `runlocal`, `updates=N`, `mode=sync|async`, `task=NAME` (another eja
 `point_reach`: ejax.rl's 2-D reaching toy, a one-minute run for trying pipeline settings).
 
 The policy is state-based (proprioception + the task's object state, "observation.environment_state"),
-an MLP flow-matching actor with a value head: small enough for a CPU. The same pipeline runs the VLAs
-through ejax.rl.policy.FlowPolicy on a GPU.
+an MLP flow-matching actor with a value head (ejax.rl.policy.FlowPolicy): small enough for a CPU.
+Any flow model with a `velocity(noisy_actions, t, ...)` method can be the actor; an adapter that puts
+GR00T or pi0.5 in that place is not built yet.
 """
 
 from ml_collections import ConfigDict
