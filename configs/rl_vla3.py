@@ -3,11 +3,11 @@
 Launch (CPU-sized, 6-7 minutes on 2 cores):
   python -m ejax.main --config=configs/rl_vla3.py:runlocal --workdir=runs/rl_local
 On the ejax.sim task "goal_lift_green_block" ("lift the green block"): SFT on 64 scripted-expert
-demonstrations, judged by the eval job's evaluation (64 episodes on layouts of its own seed;
+demonstrations, judged by the eval job's evaluation (128 episodes on layouts of its own seed;
 table, plot and videos in eval_before/), then 60 asynchronous PPO updates with 4 MJX env shards of
 16 envs under lognormal delays, judged again (eval_after/). Expect success to rise from ~0.2 to
-~0.3-0.45 (seen 0.219 -> 0.453 and 0.219 -> 0.266 on 128 episodes, 2026-11-21); policy lag max <= eta = 2, all threads
-joined; the workdir also gets rl_summary.json, rl_history.jsonl, timeline.png and rl_checkpoints/
+~0.3-0.45 (seen 0.219 -> 0.453 and 0.219 -> 0.266 on 128 episodes, 2026-11-21); policy lag max
+<= eta = 2, all threads joined; the workdir also gets rl_summary.json, rl_history.jsonl, timeline.png and rl_checkpoints/
 (version 0 is the SFT policy; run again to resume). Judge any saved version again with
   python -m ejax.main --config=configs/eval.py --config.eval.policy=rl \
       --config.eval.checkpoint=runs/rl_local/rl_checkpoints --config.eval.tasks=goal_lift_green_block

@@ -99,7 +99,7 @@ def test_rl_job_on_a_sim_task_is_judged_by_the_eval_job_and_rejudged_from_checkp
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_runlocal_rl_improves_success_on_the_sim_task(tmp_path):
-  """Acceptance 2 as the README states it (`configs/rl_vla3.py:runlocal`, ~5 minutes): opt-in, -m slow."""
+  """Acceptance 2 as the README states it (`configs/rl_vla3.py:runlocal`, 6-7 minutes): opt-in, -m slow."""
   summary = run_job(rl_vla3.get_config("runlocal"), str(tmp_path / "run"))
   assert summary["lag_max"] <= summary["eta"] and summary["threads_alive"] == []
   # Seen over runs on 2 cores: 0.219 -> 0.453 and -> 0.266 (128 judged episodes each).
