@@ -12,6 +12,9 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers
+
+from ejax.checkpoint import CheckpointError
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -36,7 +39,6 @@ class RLCheckpointer:
     self.directory = os.path.abspath(directory)
     # The newest `keep` versions, and version 0 (the SFT starting point) for good: judging a run
     # against where it started must still work after many saves.
-    from orbax.checkpoint import checkpoint_managers
     preserve = checkpoint_managers.AnyPreservationPolicy([checkpoint_managers.LatestN(n=keep),
                                                           checkpoint_managers.CustomSteps(steps=[0])])
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
@@ -49,13 +51,20 @@ class RLCheckpointer:
                        force=True)
     self._manager.wait_until_finished()  # a shutdown right after must not lose the save
 
+  def resolve_version(self, version: int | None) -> int:
+    """`version` (None: the newest) if it is saved here; otherwise a CheckpointError naming what is."""
+    saved = self.all_versions()
+    chosen = self.latest_version() if version is None else version
+    if chosen is None or chosen not in saved:
+      what = f"no version {version}; saved: {saved}" if saved else "no RL checkpoint: run the rl job with it as workdir first"
+      raise CheckpointError(f"{self.directory}: {what}")
+    return chosen
+
   def latest_version(self) -> int | None:
     return self._manager.latest_step()
 
   def restore(self, params_like: Any, opt_state_like: Any, version: int | None = None) -> tuple[Any, Any, dict]:
-    version = self.latest_version() if version is None else version
-    if version is None:
-      raise FileNotFoundError(f"no RL checkpoint in {self.directory}")
+    version = self.resolve_version(version)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                             {"params": _flat(params_like), "opt_state": _flat(opt_state_like)})
     restored = self._manager.restore(version, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
@@ -65,9 +74,7 @@ class RLCheckpointer:
 
   def restore_params(self, params_like: Any, version: int | None = None) -> tuple[Any, dict]:
     """The policy parameters and metadata of one version, without the optimizer state (evaluation)."""
-    version = self.latest_version() if version is None else version
-    if version is None:
-      raise FileNotFoundError(f"no RL checkpoint in {self.directory}")
+    version = self.resolve_version(version)
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": _flat(params_like)})
     restored = self._manager.restore(version, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
@@ -76,9 +83,7 @@ class RLCheckpointer:
     return _unflat(restored["state"]["params"], params_like), dict(restored["metadata"])
 
   def read_metadata(self, version: int | None = None) -> dict:
-    version = self.latest_version() if version is None else version
-    if version is None:
-      raise FileNotFoundError(f"no RL checkpoint in {self.directory}")
+    version = self.resolve_version(version)
     restored = self._manager.restore(version, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
     return dict(restored["metadata"])
 

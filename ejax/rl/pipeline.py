@@ -263,8 +263,7 @@ class RLPipeline:
     self.checkpointer.save(self.learner.version, self.learner.params, self.learner.opt_state,
                            {"env_steps": int(sum(shard.env_steps for shard in self.shards)),
                             "samples_consumed": self.learner.samples_consumed,
-                            "policy": policy_config.to_dict() if policy_config is not None else None,
-                            "actions_per_step": int(self.config.actions_per_step)})
+                            "policy": policy_config.to_dict() if policy_config is not None else None})
 
   @property
   def threads(self) -> list[threading.Thread]:

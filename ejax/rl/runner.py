@@ -31,6 +31,7 @@ from absl import logging
 from flax import nnx
 from ml_collections import ConfigDict
 
+from ejax.checkpoint import CheckpointError
 from ejax.rl import warm_start
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.pipeline import RLPipeline
@@ -78,16 +79,15 @@ def stop_on_sigterm(pipeline: RLPipeline):
 
 def load_rl_policy(checkpoint_dir: str, version: int = -1) -> "warm_start.EvalPolicy":
   """A saved RL policy version (-1: the newest) behind ejax.eval's policy interface."""
+  if not os.path.isdir(checkpoint_dir):
+    raise CheckpointError(f"RL checkpoint directory {checkpoint_dir} does not exist: point "
+                          f"--config.eval.checkpoint at an rl run's <workdir>/rl_checkpoints")
   checkpointer = RLCheckpointer(checkpoint_dir)
   try:
-    chosen = checkpointer.latest_version() if version < 0 else version
-    if chosen is None:
-      raise FileNotFoundError(f"no RL checkpoint in {checkpoint_dir}: run the rl job with this workdir first")
-    if chosen not in checkpointer.all_versions():
-      raise FileNotFoundError(f"RL checkpoint {checkpoint_dir} has no version {chosen}; saved: {checkpointer.all_versions()}")
+    chosen = checkpointer.resolve_version(None if version < 0 else version)
     metadata = checkpointer.read_metadata(chosen)
     if not metadata.get("policy"):
-      raise ValueError(f"RL checkpoint {checkpoint_dir} version {chosen} does not record its policy config")
+      raise CheckpointError(f"RL checkpoint {checkpoint_dir} version {chosen} does not record its policy config")
     policy = make_policy(ConfigDict(metadata["policy"]), seed=0)
     params, _ = checkpointer.restore_params(policy.initial_params, chosen)
   finally:

@@ -141,7 +141,10 @@ class EvalPolicy:
 
   def __init__(self, policy, params: Any):
     self.policy, self.params = policy, params
-    self._act = jax.jit(policy.deterministic_actions)
+    # One compiled sampler per policy: judging before and after RL must not compile twice.
+    if "deterministic_actions" not in policy.compiled:
+      policy.compiled["deterministic_actions"] = jax.jit(policy.deterministic_actions)
+    self._act = policy.compiled["deterministic_actions"]
 
   def act(self, obs: dict, instructions: list[str] | None, rng: jax.Array) -> jax.Array:
     """obs {key: [num_envs, ...]} -> action chunks [num_envs, horizon, action_dim]."""

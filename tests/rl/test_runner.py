@@ -85,6 +85,10 @@ def test_rl_job_on_a_sim_task_is_judged_by_the_eval_job_and_rejudged_from_checkp
   # job rebuilds either from the checkpoint and reproduces the job's own judgement.
   checkpoints = RLCheckpointer(os.path.join(workdir, "rl_checkpoints"))
   assert checkpoints.all_versions() == [0, 2, 3, 4]
+  from ejax.checkpoint import CheckpointError
+  from ejax.rl.runner import load_rl_policy
+  with pytest.raises(CheckpointError, match=r"no version 1; saved: \[0, 2, 3, 4\]"):
+    load_rl_policy(os.path.join(workdir, "rl_checkpoints"), version=1)
   for version, stage in ((0, "before"), (-1, "after")):
     config = eval_config.get_config("policy=rl")
     config.eval.update(checkpoint=os.path.join(workdir, "rl_checkpoints"), version=version,
