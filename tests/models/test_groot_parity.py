@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from tests.models.parity import assert_matches, require_parity, strip_prefix
+
 from ejax.models import groot, groot_inputs, layers
 from ejax.models.io import groot as groot_io
 
@@ -32,10 +34,7 @@ TOLERANCE = dict(atol=1e-4, rtol=1e-4)
 
 @pytest.fixture(scope="module")
 def setup(request):
-  if "parity" not in (request.config.option.markexpr or ""):
-    pytest.skip("parity tests are opt-in: pytest -m parity")
-  torch = pytest.importorskip("torch")
-  pytest.importorskip("transformers")
+  torch = require_parity(request)
   config = groot.model_config("runlocal")
   config.num_cameras = 1                      # image tokens in every prompt (runlocal has none)
   config.llm = dict(config.llm, num_layers=3, rope_theta=1_000_000.0)   # select_layer 3, published theta
@@ -50,16 +49,6 @@ def setup(request):
   return torch, config, model, tensors
 
 
-def _strip(tensors, prefix):
-  return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
-def _report(name, ours, expected):
-  error = np.abs(ours - expected).max()
-  print(f"{name} max abs error {error:.2e} (output scale {np.abs(expected).max():.2f})")
-  np.testing.assert_allclose(ours, expected, **TOLERANCE)
-
-
 def _hf_qwen3(config, tensors):
   from transformers import Qwen3Config, Qwen3Model
   c = dict(config.llm)
@@ -69,7 +58,7 @@ def _hf_qwen3(config, tensors):
       head_dim=c["head_dim"], rms_norm_eps=1e-6, rope_theta=c["rope_theta"], attention_bias=False,
       attn_implementation="eager"))
   assert hf.config.rope_parameters["rope_theta"] == c["rope_theta"], hf.config.rope_parameters
-  hf.load_state_dict(_strip(tensors, groot_io.LLM + "model."), strict=True)
+  hf.load_state_dict(strip_prefix(tensors, groot_io.LLM + "model."), strict=True)
   return hf.eval()
 
 
@@ -80,14 +69,14 @@ def _hf_siglip(config, tensors):
       hidden_size=v["width"], intermediate_size=v["mlp_dim"], num_hidden_layers=v["depth"],
       num_attention_heads=v["num_heads"], image_size=v["image_size"], patch_size=v["patch_size"],
       hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, vision_use_head=False, attn_implementation="eager"))
-  hf.load_state_dict(_strip(tensors, groot_io.VISION), strict=True)
+  hf.load_state_dict(strip_prefix(tensors, groot_io.VISION), strict=True)
   return hf.eval()
 
 
 def _hf_connector(torch, config, tensors):
   assert config.connector.num_layers == 1 and not config.connector.use_pixel_shuffle
   mlp1 = torch.nn.Sequential(torch.nn.Linear(config.vision.width, config.llm.width))
-  mlp1.load_state_dict(_strip(tensors, groot_io.CONNECTOR), strict=True)
+  mlp1.load_state_dict(strip_prefix(tensors, groot_io.CONNECTOR), strict=True)
   return mlp1.eval()
 
 
@@ -100,7 +89,7 @@ def test_qwen3_decoder_matches_transformers_qwen3(setup):
   positions = np.broadcast_to(np.arange(20), (2, 20))
   llm = model.backbone.llm
   ours = np.asarray(llm(llm.embed(tokens), np.ones((2, 20), np.int32), positions))
-  _report("qwen3 (select_layer 3)", ours, expected)
+  assert_matches("qwen3 (select_layer 3)", ours, expected, **TOLERANCE)
 
 
 def test_siglip_tower_matches_transformers_siglip(setup):
@@ -111,7 +100,7 @@ def test_siglip_tower_matches_transformers_siglip(setup):
   with torch.no_grad():
     expected = hf(pixel_values=torch.from_numpy(images.transpose(0, 3, 1, 2).copy())).last_hidden_state.numpy()
   ours = np.asarray(model.backbone.vision(images))
-  _report("siglip vision", ours, expected)
+  assert_matches("siglip vision", ours, expected, **TOLERANCE)
 
 
 def test_backbone_on_packed_rows_matches_transformers_composition(setup):
