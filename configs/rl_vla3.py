@@ -14,13 +14,31 @@ table, plot and videos in eval_before/), then 60 asynchronous PPO updates with 4
 The default variant is the same recipe at GPU scale (16 shards x 64 envs, 200 updates).
 Synchronous baseline of either: --config.rl.mode=sync.
 Arg string: `runlocal`, `updates=N`, `mode=sync|async`, `task=NAME` (another ejax.sim task, or
-`point_reach`: ejax.rl's 2-D reaching toy, a one-minute run for trying pipeline settings).
+`point_reach`: ejax.rl's 2-D reaching toy, a one-minute run for trying pipeline settings),
+`actor=mlp|groot`, `sft=PATH` and `size=PX` (actor=groot, below).
 
-The policy is state-based (proprioception + the task's object state, "observation.environment_state"),
-an MLP flow-matching actor with a value head (ejax.rl.policy.FlowPolicy): small enough for a CPU.
-Any flow model with a `velocity(noisy_actions, t, ...)` method can be the actor; an adapter that puts
-GR00T or pi0.5 in that place is not built yet.
+By default the policy is state-based (proprioception + the task's object state,
+"observation.environment_state"), an MLP flow-matching actor with a value head
+(ejax.rl.policy.FlowPolicy): small enough for a CPU.
+
+actor=groot fine-tunes a GR00T-N1.5 checkpoint of the train job instead (ejax.rl.vla): the actor
+sees the cameras, the state and the task's instruction exactly as in SFT (the in-jit observation
+mapping reproduces the train collate), SFT inside this job is skipped and version 0 of the RL
+checkpoints is the SFT checkpoint; the LLM and vision tower stay frozen as the checkpoint's config
+says; the critic is a value head on the env's privileged state. The env renders both cameras at
+`size` (the size the demos were recorded at; the actor resizes to the model's image size as the
+training pipeline did). CPU-sized, the three steps:
+  python -m ejax.main --config=configs/demos.py:runlocal,tasks=goal_lift_green_block,episodes=20 \
+      --workdir=runs/demos_lift
+  python -m ejax.main --config=configs/groot.py:runlocal,dataset=runs/demos_lift/dataset --workdir=runs/groot_lift
+  python -m ejax.main --config=configs/rl_vla3.py:runlocal,actor=groot,sft=runs/groot_lift/checkpoints \
+      --workdir=runs/rl_groot
+then judge any version again with the eval job as above, adding --config.eval.image_height=64
+--config.eval.image_width=64 --config.eval.replan_every=4. At full size (configs/groot.py on GPUs,
+demos at 128 px) pass size=128.
 """
+
+import os
 
 from ml_collections import ConfigDict
 
@@ -32,7 +50,12 @@ DEFAULT_TASK = "goal_lift_green_block"
 
 
 def get_config(arg: str | None = None):
-  args = common.parse_arg(arg, runlocal=False, updates=0, mode="", task=DEFAULT_TASK)
+  args = common.parse_arg(arg, runlocal=False, updates=0, mode="", task=DEFAULT_TASK, actor="mlp", sft="", size=64)
+  if args.actor not in ("mlp", "groot"):
+    raise ConfigError(f"rl_vla3 actor={args.actor!r}: use 'mlp' or 'groot'")
+  if args.actor == "groot" and (not args.sft or args.task == "point_reach"):
+    raise ConfigError("rl_vla3 actor=groot needs sft=<a GR00T train job's checkpoints dir> and an ejax.sim task "
+                      "(see this file's docstring for the demos -> SFT -> RL commands)")
   config = common.base_config()
   config.job = "rl"
   rl = pipeline_config()
@@ -74,8 +97,33 @@ def get_config(arg: str | None = None):
       # 1024 chunk samples per update: smaller batches left the advantage too noisy to trend up.
       rl.update(segments_per_update=8)
       rl.judge.episodes = 128
+  if args.actor == "groot":
+    groot_actor(rl, sft=args.sft, image_size=args.size, runlocal=args.runlocal)
   if args.updates:
     rl.num_updates = args.updates
   if args.mode:
     rl.mode = args.mode
   return config
+
+
+def groot_actor(rl: ConfigDict, *, sft: str, image_size: int, runlocal: bool) -> None:
+  """rl settings for fine-tuning a GR00T SFT checkpoint (ejax.rl.vla) on an ejax.sim task."""
+  from ejax.sim import registry
+  tasks = registry.list_tasks()
+  # Both cameras, at the size the demos were recorded at; the env's task_index is global.
+  rl.env.kwargs = dict(cameras=True, image_size=[image_size, image_size])
+  rl.policy = ConfigDict(dict(
+      kind="groot", checkpoint=os.path.abspath(sft), step=-1,
+      instructions=[registry.get_spec(name).instruction for name in tasks],
+      # The critic: proprioception (11) + object state (7), per task (ejax.rl.vla.groot_flow_policy).
+      state_dim=18, num_tasks=len(tasks), hidden=128, noise_level=0.5,
+      num_steps=0))  # 0: the checkpoint's num_inference_steps
+  rl.warm_start.steps = 0  # the checkpoint is the SFT policy: version 0
+  rl.judge.image_size = image_size
+  # The pretrained actor moves in small steps; the critic starts from scratch and learns faster.
+  rl.update(learning_rate=3e-5, critic_learning_rate=1e-3, critic_warmup_updates=5)
+  if runlocal:
+    # Every inference runs the VL backbone on two camera images: fewer, smaller shards on a CPU.
+    rl.update(num_shards=2, envs_per_shard=8, segments_per_update=4, num_updates=20, num_minibatches=4,
+              queue_size=4, learning_rate=1e-4, critic_warmup_updates=3, checkpoint_every_updates=5)
+    rl.judge.episodes = 32

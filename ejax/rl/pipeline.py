@@ -52,11 +52,14 @@ def _per_part(transform: Callable[[Any, bool], Any]) -> optax.GradientTransforma
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def make_optimizer(config: ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(config: ConfigDict, trainable_mask: Any = None) -> optax.GradientTransformation:
   """Adam, with the actor's and the critic's gradients clipped (global norm) and scaled separately:
   the value loss's gradients (returns can be large) must not eat the actor's share of one clip, and
   the critic may learn faster than the actor. The state is plain Adam moments shaped like the
-  parameters, so it shards like them."""
+  parameters, so it shards like them.
+
+  trainable_mask (FlowPolicy.trainable_mask, bools shaped like the params): parameters marked
+  False (a VLA's frozen LLM and vision tower) get a zero update and no Adam moments."""
   actor_rate, critic_rate = config.learning_rate, config.critic_learning_rate or config.learning_rate
 
   def clip(leaves, critic):
@@ -67,7 +70,11 @@ def make_optimizer(config: ConfigDict) -> optax.GradientTransformation:
   def rate(leaves, critic):
     return [-(critic_rate if critic else actor_rate) * leaf for leaf in leaves]
 
-  return optax.chain(_per_part(clip), optax.scale_by_adam(), _per_part(rate))
+  optimizer = optax.chain(_per_part(clip), optax.scale_by_adam(), _per_part(rate))
+  if trainable_mask is None:
+    return optimizer
+  labels = jax.tree.map(lambda trainable: "trainable" if trainable else "frozen", trainable_mask)
+  return optax.multi_transform({"trainable": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
 def default_config() -> ConfigDict:
@@ -131,7 +138,7 @@ class RLPipeline:
 
     # Learner state, resumed from the newest checkpoint when there is one.
     self.policy = policy
-    self.optimizer = make_optimizer(config)
+    self.optimizer = make_optimizer(config, getattr(policy, "trainable_mask", None))
     params = policy.initial_params
     opt_state = self.optimizer.init(params)
     self.checkpointer = RLCheckpointer(checkpoint_dir) if checkpoint_dir else None

@@ -1,8 +1,8 @@
 """Actor-critic around a flow-matching policy: Flow-SDE sampling, log-probs and a value head.
 
 The actor is any flow-matching model with a `velocity(noisy_actions, t, *inputs)` method in its
-own time convention (ejax.models.tiny.TinyFlowPolicy; the VLAs expose the same through an
-adapter). Exploration and likelihoods come from Flow-SDE (ejax.models.flow): one randomly chosen
+own time convention (ejax.models.tiny.TinyFlowPolicy; GR00T through ejax.rl.vla.GrootActor, whose
+`prepare` runs the VL backbone once per sample). Exploration and likelihoods come from Flow-SDE (ejax.models.flow): one randomly chosen
 denoising step is a Gaussian transition, the rest stay Euler; a sample stores its chain and the
 chosen step, so the learner recomputes its log-prob under new parameters with one velocity call.
 
@@ -24,6 +24,9 @@ from ejax.parallel import axes as ax
 
 # observation dict -> the positional inputs the actor's velocity takes after (x, t).
 ActorInputs = Callable[[dict], tuple]
+
+# What the state-based policies read (policy_state, task_index); images stay out of their jit.
+STATE_OBSERVATIONS = ("observation.state", "observation.environment_state", "task_index")
 
 
 def task_index(observation: dict) -> jax.Array:
@@ -104,50 +107,91 @@ class ActorCritic(nnx.Module):
 class FlowPolicy:
   """Pure functions of (params, observation) for a flow actor and a value critic.
 
-  sample(params, observation, rng) -> {"actions" [n, h, a], "chain" [n, steps + 1, h, a],
+  sample(params, observation, rng) -> {"actions" [n, h, env a], "chain" [n, steps + 1, h, a],
       "step_index" [n], "log_prob" [n], "value" [n]}
   evaluate(params, observation, chain, step_index) -> (log_prob [n], value [n])
   value(params, observation) -> [n]
+
+  Optional parts, for actors that are whole VLAs (ejax.rl.vla):
+  - an actor with `prepare(*actor_inputs) -> inputs` runs it once per sample / evaluate call, and
+    its `velocity(x, t, *inputs)` once per denoising step (the backbone is not re-run per step);
+  - action_mask [h, a] (1 = real): the chain may be wider than the env's action (a model's padded
+    max_action_dim); log-probs count only the real entries, in sample and evaluate alike;
+  - env_actions(chain's last state) -> the actions the env executes (e.g. unnormalised and cut to
+    the env's action_dim); the chain and its log-prob stay in the actor's own space;
+  - trainable: an nnx filter of the parameters the learner may update (`trainable_mask`, a bool
+    pytree like the params, which ejax.rl.pipeline.make_optimizer honours); None: all of them;
+  - observation_keys / observation_prefixes: what `select_observations` keeps for the policy.
   """
 
   def __init__(self, model: ActorCritic, *, horizon: int, action_dim: int, num_steps: int,
-               convention: str, noise_level: float = 0.5, actor_inputs: ActorInputs = state_and_task):
+               convention: str, noise_level: float = 0.5, actor_inputs: ActorInputs = state_and_task,
+               action_mask: Any = None, env_actions: Callable[[jax.Array], jax.Array] | None = None,
+               trainable: Any = None, observation_keys: tuple[str, ...] = STATE_OBSERVATIONS,
+               observation_prefixes: tuple[str, ...] = ()):
     self.graphdef, params = nnx.split(model)
     self.initial_params = params
     self.horizon, self.action_dim, self.num_steps = horizon, action_dim, num_steps
     self.convention, self.noise_level, self.actor_inputs = convention, noise_level, actor_inputs
+    self.action_mask = None if action_mask is None else jnp.asarray(action_mask, jnp.float32)
+    self.env_actions = env_actions or (lambda actions: actions)
+    self.trainable_mask = None if trainable is None else trainable_mask(model, params, trainable)
+    self.observation_keys, self.observation_prefixes = tuple(observation_keys), tuple(observation_prefixes)
     self.jit_sample = jax.jit(self.sample)  # one compiled sampler per policy, shared by every server
     self.compiled: dict = {}  # other jitted functions of this policy, built once (see ejax.rl.pipeline)
 
-  def _velocity_fn(self, model: ActorCritic, observation: dict):
+  def select_observations(self, observation: dict) -> dict:
+    """The entries of an env observation this policy reads (the rest need not travel to it)."""
+    return {key: value for key, value in observation.items()
+            if key in self.observation_keys or key.startswith(self.observation_prefixes)}
+
+  def velocity_inputs(self, model: ActorCritic, observation: dict) -> tuple:
+    """The positional inputs of model.actor.velocity after (x, t), computed once per call."""
     inputs = self.actor_inputs(observation)
+    prepare = getattr(model.actor, "prepare", None)
+    return inputs if prepare is None else prepare(*inputs)
+
+  def _velocity_fn(self, model: ActorCritic, observation: dict):
+    inputs = self.velocity_inputs(model, observation)
     return lambda x, t: model.actor.velocity(x, t, *inputs)
+
+  def _noise(self, rng: jax.Array, observation: dict) -> jax.Array:
+    n = observation["observation.state"].shape[0]
+    return jax.random.normal(rng, (n, self.horizon, self.action_dim), jnp.float32)
 
   def sample(self, params: Any, observation: dict, rng: jax.Array) -> dict[str, jax.Array]:
     model = nnx.merge(self.graphdef, params)
-    n = observation["observation.state"].shape[0]
     noise_rng, sde_rng = jax.random.split(rng)
-    noise = jax.random.normal(noise_rng, (n, self.horizon, self.action_dim), jnp.float32)
-    result = flow.flow_sde_sample(self._velocity_fn(model, observation), noise, self.num_steps, sde_rng,
-                                  convention=self.convention, noise_level=self.noise_level)
-    return {"actions": result.actions, "chain": result.chain, "step_index": result.step_index,
+    result = flow.flow_sde_sample(self._velocity_fn(model, observation), self._noise(noise_rng, observation),
+                                  self.num_steps, sde_rng, convention=self.convention, noise_level=self.noise_level,
+                                  action_mask=self.action_mask)
+    return {"actions": self.env_actions(result.actions), "chain": result.chain, "step_index": result.step_index,
             "log_prob": result.log_prob, "value": model.critic(observation)}
 
   def evaluate(self, params: Any, observation: dict, chain: jax.Array, step_index: jax.Array) -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(self.graphdef, params)
     log_prob = flow.flow_sde_log_prob(self._velocity_fn(model, observation), chain, step_index,
-                                      convention=self.convention, noise_level=self.noise_level)
+                                      convention=self.convention, noise_level=self.noise_level,
+                                      action_mask=self.action_mask)
     return log_prob, model.critic(observation)
 
   def value(self, params: Any, observation: dict) -> jax.Array:
     return nnx.merge(self.graphdef, params).critic(observation)
 
   def deterministic_actions(self, params: Any, observation: dict, rng: jax.Array) -> jax.Array:
-    """Euler (ODE) sampling, as evaluation runs the policy."""
+    """Euler (ODE) sampling, as evaluation runs the policy; env actions."""
     model = nnx.merge(self.graphdef, params)
-    n = observation["observation.state"].shape[0]
-    noise = jax.random.normal(rng, (n, self.horizon, self.action_dim), jnp.float32)
-    return flow.euler_sample(self._velocity_fn(model, observation), noise, self.num_steps, convention=self.convention)
+    actions = flow.euler_sample(self._velocity_fn(model, observation), self._noise(rng, observation), self.num_steps,
+                                convention=self.convention)
+    return self.env_actions(actions)
+
+
+def trainable_mask(model: nnx.Module, params: Any, trainable: Any) -> Any:
+  """A pytree of bools shaped like `params` (nnx.split(model)): True where `trainable` (an nnx
+  filter over the model's paths) selects the parameter."""
+  _, selected, _ = nnx.split(model, trainable, ...)
+  chosen = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(selected)[0]}
+  return jax.tree_util.tree_map_with_path(lambda path, _: jax.tree_util.keystr(path) in chosen, params)
 
 
 def tiny_flow_policy(model_config, *, rngs: nnx.Rngs, value_hidden: int = 64, noise_level: float = 0.5,

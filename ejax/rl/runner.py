@@ -2,10 +2,12 @@
 
     python -m ejax.main --config=configs/rl_vla3.py:runlocal
 
-1. Build the env (config.rl.env) and the flow policy (config.rl.policy).
+1. Build the env (config.rl.env) and the flow policy (config.rl.policy): a state-based flow actor,
+   or GR00T from a train job's checkpoint (kind "groot", ejax.rl.vla; the env then renders the
+   cameras the checkpoint was trained on).
 2. Warm start: resume an interrupted RL run from workdir/rl_checkpoints if there is one; otherwise
-   start from SFT: behaviour cloning on the env's scripted expert (config.rl.warm_start; an ejax.sim
-   task uses its privileged-state expert).
+   start from SFT: the GR00T checkpoint's weights, or behaviour cloning on the env's scripted
+   expert (config.rl.warm_start; an ejax.sim task uses its privileged-state expert).
 3. Judge the starting policy's closed-loop success rate. ejax.sim tasks are judged by the eval
    job's evaluation (ejax.eval.evaluate.evaluate_policy: table, Wilson intervals, plot, videos in
    workdir/eval_before), on layouts of its own seed; the SFT policy is saved as version 0.
@@ -61,7 +63,11 @@ def make_policy(policy_config: ConfigDict, seed: int):
     model_config.update(dict(policy_config.get("model", {})))
     return policies.tiny_flow_policy(model_config, rngs=rngs, value_hidden=policy_config.hidden,
                                      noise_level=policy_config.noise_level)
-  raise ValueError(f"rl.policy.kind {policy_config.kind!r}: use 'mlp_flow' or 'tiny_flow'")
+  if policy_config.kind == "groot":
+    # The SFT checkpoint (a train job's checkpoints dir) is the actor; its weights are version 0.
+    from ejax.rl.vla import groot_flow_policy
+    return groot_flow_policy(policy_config, rngs=rngs)
+  raise ValueError(f"rl.policy.kind {policy_config.kind!r}: use 'mlp_flow', 'tiny_flow' or 'groot'")
 
 
 @contextlib.contextmanager
@@ -78,7 +84,9 @@ def stop_on_sigterm(pipeline: RLPipeline):
 
 
 def load_rl_policy(checkpoint_dir: str, version: int = -1) -> "warm_start.EvalPolicy":
-  """A saved RL policy version (-1: the newest) behind ejax.eval's policy interface."""
+  """A saved RL policy version (-1: the newest) behind ejax.eval's policy interface. The policy is
+  rebuilt from the config saved with it (a GR00T actor: from the SFT checkpoint it names, which
+  gives the architecture, tokenizer and normalisation), then takes the version's parameters."""
   if not os.path.isdir(checkpoint_dir):
     raise CheckpointError(f"RL checkpoint directory {checkpoint_dir} does not exist: point "
                           f"--config.eval.checkpoint at an rl run's <workdir>/rl_checkpoints")
@@ -100,7 +108,8 @@ def judge_config(rl: ConfigDict) -> ConfigDict:
   judge = rl.judge
   return ConfigDict(dict(tasks=rl.env.name, episodes_per_task=judge.episodes, num_envs=judge.episodes,
                          backend=judge.get("backend", "mjx"), image_height=judge.get("image_size", 64),
-                         image_width=judge.get("image_size", 64), replan_every=rl.actions_per_step, episode_length=0,
+                         image_width=judge.get("image_size", 64), replan_every=rl.actions_per_step,
+                         episode_length=judge.get("episode_length", 0),  # 0: the task's own limit
                          videos_per_task=judge.get("videos", 2), seed=judge.seed, checkpoint=""))
 
 

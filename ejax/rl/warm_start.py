@@ -84,7 +84,7 @@ def behaviour_clone(policy, params: Any, demos: dict, *, steps: int, batch_size:
     noise = jax.random.normal(noise_key, actions.shape)
     t = flow.sample_time(time_key, actions.shape[0], convention=convention)
     noisy, target = flow.interpolate(noise, actions, t, convention=convention)
-    predicted = model.actor.velocity(noisy, t, *policy.actor_inputs(batch["observation"]))
+    predicted = model.actor.velocity(noisy, t, *policy.velocity_inputs(model, batch["observation"]))
     return jnp.mean(jnp.square(predicted - target))
 
   @jax.jit
@@ -132,10 +132,6 @@ def success_rate(policy, params: Any, env, *, num_episodes: int, actions_per_ste
   return float(np.mean(np.asarray(successes)))
 
 
-# What the state-based RL policies read (ejax.rl.policy.policy_state); images stay out of their jit.
-POLICY_OBSERVATIONS = ("observation.state", "observation.environment_state", "task_index")
-
-
 class EvalPolicy:
   """A FlowPolicy with fixed parameters behind ejax.eval's policy interface."""
 
@@ -149,5 +145,5 @@ class EvalPolicy:
   def act(self, obs: dict, instructions: list[str] | None, rng: jax.Array) -> jax.Array:
     """obs {key: [num_envs, ...]} -> action chunks [num_envs, horizon, action_dim]."""
     del instructions  # the task is identified by obs["task_index"] for the policies built here
-    inputs = {key: value for key, value in obs.items() if key in POLICY_OBSERVATIONS}
-    return self._act(self.params, inputs, rng)
+    # Only what the policy reads enters its jit (state-based policies: no images).
+    return self._act(self.params, self.policy.select_observations(obs), rng)

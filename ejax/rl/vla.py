@@ -1,0 +1,226 @@
+"""GR00T-N1.5 as the RL actor: the SFT checkpoint's own policy inside ejax.rl.policy.FlowPolicy.
+
+    observation (plain arrays, dynamically batched by the inference server)
+      --GrootObservations (in jit)--> GR00T batch: one sample per VL row (assemble's pack=False layout)
+      --GrootActor.prepare--> (VL tokens after the VL transformer, state token): ONCE per sample
+      --GrootActor.velocity x num_steps--> only the DiT and the per-embodiment action codecs
+      chain in the model's normalised, max_action_dim-wide action space (padding dims masked out
+      of the log-prob) --env_actions--> env units, cut to the env's action_dim
+
+Everything from observation to model batch is jnp inside the sampler's jit, so the inference
+server keeps batching plain arrays from any mix of shards: each task's Eagle prompt is tokenised
+once, here, into constant tables [num_tasks, L] (tokens, segment ids, positions, image slots) that
+the jitted code gathers by observation["task_index"]; images are resized with jax.image.resize
+(antialiased bilinear, like the training pipeline's PIL resize); the state is normalised with the
+checkpoint's statistics and zero-padded to max_state_dim, exactly as the train collate does.
+
+Which parameters train follows the checkpoint's config (`groot.trainable_filter`: LLM and vision
+frozen by default); FlowPolicy turns that filter into the learner's optimizer mask, so frozen
+weights get no update and no optimizer moments. RL samples without dropout: Flow-SDE log-probs must
+be deterministic functions of the parameters, and the learner's ratio compares two of them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from ml_collections import ConfigDict
+
+from ejax.models import groot as groot_lib
+from ejax.models import groot_inputs
+from ejax.models.qwen_tokenizer import eagle_prompt, load_tokenizer
+from ejax.rl.policy import ActorCritic, FlowPolicy, ValueHead
+
+IMAGE_PREFIX = "observation.images."
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+class GrootObservations:
+  """observation dict -> GR00T model batch, in jnp only (callable inside jit).
+
+  One sample per VL row, as `groot_inputs.assemble(..., pack=False)` lays it out: row r holds
+  sample r alone (segment 1, positions from 0, image slots counted from the sample's first image
+  token), so sample_row_offset = 0 and sample_segment = 1 for every sample, and the per-task rows
+  are constants gathered by task index. Rows are as long as the longest task prompt (rounded up
+  to 8), not the training row length: padding beyond a sample's segment is masked everywhere, and
+  shorter rows make every backbone call cheaper.
+  """
+
+  def __init__(self, model_config: ConfigDict, *, instructions: Sequence[str], state_key: str,
+               state_center: np.ndarray | None, state_scale: np.ndarray | None, clip_state: bool,
+               action_dim: int, action_center: np.ndarray | None, action_scale: np.ndarray | None,
+               embodiment_id: int = 0, cameras: Sequence[str] | None = None, tokenizer=None):
+    """instructions[i] is the instruction of task_index i. cameras: the image keys the model was
+    trained on (None: every "observation.images.*" key of the observation, sorted, as the train
+    collate orders them). *_center / *_scale: the checkpoint's normaliser (None: identity)."""
+    c = model_config
+    self.config = c
+    if action_dim > c.max_action_dim:
+      raise ValueError(f"env action_dim {action_dim} > the model's max_action_dim {c.max_action_dim}")
+    self.state_key, self.clip_state = state_key, clip_state
+    self.action_dim, self.embodiment_id = action_dim, embodiment_id
+    self.cameras = None if cameras is None else sorted(k if k.startswith(IMAGE_PREFIX) else IMAGE_PREFIX + k
+                                                       for k in cameras)
+    self.image_size = int(c.vision.image_size)
+    as_array = lambda x: None if x is None else np.asarray(x, np.float32).reshape(-1)
+    self.state_center, self.state_scale = as_array(state_center), as_array(state_scale)
+    self.action_center, self.action_scale = as_array(action_center), as_array(action_scale)
+    tokenizer = tokenizer or load_tokenizer(c.tokenizer_path, c.llm.vocab_size)
+    prompts = [eagle_prompt(tokenizer, text, c.num_cameras, groot_inputs.tokens_per_image(c),
+                            image_token_id=c.image_token_id) for text in instructions]
+    self.row_length = _round_up(max(len(p) for p in prompts), 8)
+    # The same function the train collate packs with, one sample per row: its tables are ours.
+    table_config = ConfigDict(c.to_dict())
+    table_config.packing.row_length = self.row_length
+    num_tasks, size = len(prompts), self.image_size
+    table = groot_inputs.assemble(
+        table_config, prompts, np.zeros((num_tasks * c.num_cameras, size, size, 3), np.uint8),
+        np.zeros((num_tasks, c.max_state_dim)), np.zeros((num_tasks, c.action_horizon, c.max_action_dim)),
+        np.zeros((num_tasks, c.action_horizon, c.max_action_dim)), np.zeros((num_tasks,)), pack=False)
+    self.tables = {key: table[key] for key in ("vl_tokens", "vl_segment_ids", "vl_positions", "vl_image_slot")}
+    self.num_tasks = num_tasks
+    # Real action entries of the chain: the first action_dim of max_action_dim, every step.
+    self.action_mask = np.zeros((c.action_horizon, c.max_action_dim), np.float32)
+    self.action_mask[:, :action_dim] = 1.0
+
+  def camera_keys(self, observation: dict) -> list[str]:
+    keys = self.cameras if self.cameras is not None else sorted(k for k in observation if k.startswith(IMAGE_PREFIX))
+    missing = [k for k in keys if k not in observation]
+    if missing or len(keys) != self.config.num_cameras:
+      raise ValueError(f"GR00T was trained on {self.config.num_cameras} cameras ({keys}) but the observation has "
+                       f"{sorted(k for k in observation if k.startswith(IMAGE_PREFIX))}: make the env with cameras=True")
+    return keys
+
+  def images(self, observation: dict) -> jax.Array:
+    """[n * num_cameras, S, S, 3] uint8, sample-major like the train collate."""
+    keys = self.camera_keys(observation)
+    size = self.image_size
+    per_camera = []
+    for key in keys:
+      image = jnp.asarray(observation[key])
+      if image.shape[1:3] != (size, size):
+        resized = jax.image.resize(image.astype(jnp.float32), (image.shape[0], size, size, image.shape[3]),
+                                   method="bilinear", antialias=True)
+        image = jnp.clip(jnp.round(resized), 0, 255).astype(jnp.uint8)
+      per_camera.append(image)
+    if not per_camera:  # a camera-less model: text-only prompts
+      return jnp.zeros((0, size, size, 3), jnp.uint8)
+    stacked = jnp.stack(per_camera, axis=1)  # [n, cameras, S, S, 3]
+    return stacked.reshape((-1,) + stacked.shape[2:])
+
+  def state(self, observation: dict) -> jax.Array:
+    """[n, max_state_dim] float32: normalised like the training samples, zero-padded."""
+    state = jnp.asarray(observation[self.state_key]).astype(jnp.float32)
+    if state.shape[-1] > self.config.max_state_dim:
+      raise ValueError(f"{self.state_key} has {state.shape[-1]} dims > the model's max_state_dim "
+                       f"{self.config.max_state_dim}")
+    if self.state_center is not None:
+      state = (state - self.state_center) / self.state_scale
+      if self.clip_state:
+        state = jnp.clip(state, -1.0, 1.0)
+    return jnp.pad(state, ((0, 0), (0, self.config.max_state_dim - state.shape[-1])))
+
+  def __call__(self, observation: dict) -> dict[str, jax.Array]:
+    task = jnp.asarray(observation["task_index"]).astype(jnp.int32)
+    n = task.shape[0]
+    batch = {key: jnp.take(jnp.asarray(table), task, axis=0) for key, table in self.tables.items()}
+    batch.update(images=self.images(observation), state=self.state(observation),
+                 sample_row_offset=jnp.zeros((n,), jnp.int32), sample_segment=jnp.ones((n,), jnp.int32),
+                 embodiment_id=jnp.full((n,), self.embodiment_id, jnp.int32))
+    return batch
+
+  def env_actions(self, actions: jax.Array) -> jax.Array:
+    """[n, h, max_action_dim] normalised -> [n, h, action_dim] in env units."""
+    actions = actions[..., :self.action_dim]
+    if self.action_center is None:
+      return actions
+    return actions * self.action_scale + self.action_center
+
+
+class GrootActor(nnx.Module):
+  """A Groot behind FlowPolicy's actor interface, with the once-per-sample context split out.
+
+  prepare(batch) -> (batch, vl, state_tokens): backbone + VL transformer + state encoder;
+  velocity(x, t, batch, vl, state_tokens): the DiT only (GR00T time convention).
+  """
+
+  def __init__(self, groot: groot_lib.Groot):
+    self.groot = groot
+
+  def prepare(self, batch: dict) -> tuple:
+    vl, state_tokens = self.groot._context(batch)  # no rng: no dropout (see the module docstring)
+    return batch, vl, state_tokens
+
+  def velocity(self, noisy_actions: jax.Array, t: jax.Array, batch: dict, vl: jax.Array,
+               state_tokens: jax.Array) -> jax.Array:
+    """noisy_actions [n, h, max_action_dim], t [n] -> velocity [n, h, max_action_dim]."""
+    return self.groot.velocity_fn(batch, vl=vl, state_tokens=state_tokens)(noisy_actions, t)
+
+
+def load_sft(checkpoint_dir: str, step: int | None = None):
+  """(Groot model, CheckpointPolicy) of a train-job checkpoint: the SFT policy RL starts from.
+
+  The CheckpointPolicy carries the config, the normaliser and the action dim exactly as the eval
+  job uses them; the model is rebuilt from its restored state.
+  """
+  from ejax.train.policy import load_policy
+  from ejax.train.state import model_parts
+  policy = load_policy(os.path.abspath(checkpoint_dir), step=step)
+  if policy.config.model.name != "groot":
+    raise ValueError(f"{checkpoint_dir} holds a {policy.config.model.name!r} model; rl.policy.kind='groot' "
+                     f"needs a GR00T checkpoint (configs/groot.py)")
+  # CheckpointPolicy keeps the restored state for its own sampler; there is no public model handle.
+  model = nnx.merge(model_parts(policy.config.model).graphdef, policy._state)
+  return model, policy
+
+
+def observations_for(sft_policy, instructions: Sequence[str]) -> GrootObservations:
+  """The in-jit observation mapping matching CheckpointPolicy.act's host-side one."""
+  config, normalizer = sft_policy.config, sft_policy.normalizer
+  state_params = normalizer.params.get(sft_policy.state_key, (None, None))
+  action_params = normalizer.params.get("action", (None, None))
+  embodiment = config.data.get("embodiment_id", 0)
+  return GrootObservations(
+      config.model, instructions=instructions, state_key=sft_policy.state_key, state_center=state_params[0],
+      state_scale=state_params[1], clip_state=normalizer.mode == "quantile",
+      action_dim=int(sft_policy.action_dim or config.model.max_action_dim), action_center=action_params[0],
+      action_scale=action_params[1], embodiment_id=embodiment if isinstance(embodiment, int) else 0,
+      cameras=config.data.get("cameras"))
+
+
+def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolicy:
+  """FlowPolicy(GrootActor from the SFT checkpoint, ValueHead critic) for rl.policy.kind="groot".
+
+  policy_config: checkpoint (the train job's checkpoints dir), step (-1: newest), instructions
+  (task_index -> instruction), state_dim / num_tasks / hidden (the critic), noise_level, num_steps
+  (0: the model's num_inference_steps).
+
+  The critic is asymmetric: a ValueHead on proprioception + the env's object state + task
+  (ejax.rl.policy.policy_state), privileged information the actor never sees. Values only shape
+  advantages during training, so they may use what the deployed policy cannot; a low-dimensional
+  critic also learns the returns within a few updates, while a head on the frozen VL features
+  would share the actor's slow, image-sized forward pass for every value call (bootstrap included).
+  """
+  step = int(policy_config.get("step", -1))
+  model, sft = load_sft(policy_config.checkpoint, None if step < 0 else step)
+  c = model.config
+  observations = observations_for(sft, list(policy_config.instructions))
+  if observations.num_tasks != policy_config.num_tasks:
+    raise ValueError(f"rl.policy.instructions has {observations.num_tasks} entries but num_tasks="
+                     f"{policy_config.num_tasks}: give one instruction per task index")
+  critic = ValueHead(policy_config.state_dim, policy_config.num_tasks, policy_config.hidden, rngs)
+  observation_keys = (sft.state_key, "observation.state", "observation.environment_state", "task_index")
+  return FlowPolicy(ActorCritic(GrootActor(model), critic), horizon=c.action_horizon, action_dim=c.max_action_dim,
+                    num_steps=int(policy_config.get("num_steps", 0)) or c.num_inference_steps, convention="groot",
+                    noise_level=policy_config.noise_level, actor_inputs=lambda observation: (observations(observation),),
+                    action_mask=observations.action_mask, env_actions=observations.env_actions,
+                    trainable=groot_lib.trainable_filter(c), observation_keys=observation_keys,
+                    observation_prefixes=(IMAGE_PREFIX,))
