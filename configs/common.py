@@ -74,11 +74,30 @@ def base_config() -> ConfigDict:
   return config
 
 
+def demo_settings() -> dict:
+  """What configs/demos.py records (and data.name="sim_demos" records on first use): ejax.sim's
+  scripted experts on every task, one LeRobot v3 dataset (ejax/sim/demos.py)."""
+  return dict(
+      tasks="all",            # "all", a suite ("spatial" | "object" | "goal"), or "name,name"
+      episodes_per_task=50,
+      num_envs=60,            # envs stepped together (split evenly over the tasks)
+      backend="native",       # "native" (faster on CPU) or "mjx"
+      image_height=128,
+      image_width=128,
+      action_noise=0.0,       # > 0: execute expert + N(0, noise) but record the expert's action
+      keep_failures=False,
+      video_codec="h264",
+      seed=0,
+  )
+
+
 def data_defaults() -> ConfigDict:
   """Every field the input pipeline reads (ejax/data/pipeline.py), so each can be overridden."""
   return ConfigDict(dict(
-      name="synthetic",               # synthetic | lerobot | rlds
-      path=placeholder(str),          # dataset root (LeRobot) or TFDS data dir (RLDS)
+      name="synthetic",               # synthetic | lerobot | rlds | sim_demos
+      path=placeholder(str),          # dataset root (LeRobot) or TFDS data dir (RLDS); sim_demos: where
+                                      # to keep the recording (None: ~/.cache/ejax/sim_demos/<settings>)
+      sim_demos=demo_settings(),      # sim_demos: what to record when data.path holds no dataset yet
       rlds_name=placeholder(str),     # RLDS builder name
       split="train",
       rlds_state_field="state",

@@ -19,19 +19,8 @@ def get_config(arg: str | None = None):
   args = common.parse_arg(arg, runlocal=False, episodes=0, tasks="", size=0)
   config = common.base_config()
   config.job = "demos"
-  config.demos = ConfigDict(dict(
-      tasks="all",            # "all", a suite ("spatial" | "object" | "goal"), or "name,name"
-      episodes_per_task=50,
-      num_envs=60,            # envs stepped together (split evenly over the tasks)
-      backend="native",       # "native" (faster on CPU) or "mjx"
-      image_height=128,
-      image_width=128,
-      action_noise=0.0,       # > 0: execute expert + N(0, noise) but record the expert's action
-      keep_failures=False,
-      video_codec="h264",
-      output_dir="",          # default: <workdir>/dataset
-      seed=0,
-  ))
+  config.demos = ConfigDict(common.demo_settings())
+  config.demos.output_dir = ""  # default: <workdir>/dataset
   if args.runlocal:
     config.demos.update(episodes_per_task=2, num_envs=30, image_height=64, image_width=64)
   if args.episodes:

@@ -10,19 +10,24 @@ Expect: ~2.4B parameters (DiT 0.55B, VL self-attention 0.20B, per-embodiment MLP
 truncated at layer 12 0.92B, SigLIP2 0.4B), LLM and vision frozen as LeRobot fine-tunes them; the
 flow-matching loss falls from ~1.5 to ~0.05 over a fine-tuning run.
 
-CPU-sized run of the same architecture (the README's quickstart): it trains on the built-in
-synthetic demonstrations, needs no download, and takes a few minutes on 2 CPU cores; the
-flow-matching loss falls to well under half its start:
+CPU-sized run of the same architecture (the README's quickstart): the first run records ejax.sim's
+scripted-expert demonstrations of all 15 tasks (10 episodes each, two 64x64 cameras; ~2 min on 2
+cores, kept in ~/.cache/ejax/sim_demos or $EJAX_CACHE_DIR), then trains 400 steps (~3 min); no
+download. The flow-matching loss falls from ~1.9 to ~1.0. Evaluate it in closed loop with
+configs/eval.py:
   python -m ejax.main --config=configs/groot.py:runlocal
-Train on simulated demonstrations instead (record them with configs/demos.py), then evaluate in
-closed loop with configs/eval.py:
-  python -m ejax.main --config=configs/groot.py:runlocal,dataset=runs/demos_local/dataset
-Arg string: `runlocal`, `steps=N`, `batch=N`, `dataset=PATH` (a LeRobot dataset: both cameras,
-state up to 16 dims), e.g. configs/groot.py:runlocal,steps=50.
+Arg string: `runlocal`, `steps=N`, `batch=N`, `dataset=PATH` (another LeRobot dataset, e.g. one
+recorded with configs/demos.py: both cameras, state up to 16 dims) or `dataset=synthetic` (the
+camera-less synthetic smoke-test data, ejax/data/synthetic.py, 200 steps in well under a minute),
+e.g. configs/groot.py:runlocal,steps=50. Record other demonstrations on first use with
+--config.data.sim_demos.tasks=goal_open_drawer+goal_close_drawer (or .episodes_per_task=N, ...).
 """
 
 from configs import common
+from ejax.config.validate import ConfigError
 from ejax.models import groot
+
+DEMOS_PER_TASK = 10  # runlocal's recorded demonstrations per task
 
 
 def get_config(arg: str | None = None):
@@ -38,17 +43,27 @@ def get_config(arg: str | None = None):
                       weight_decay=1e-5, warmup_fraction=0.05, remat=config.model.remat)
   config.checkpoint.every_steps = 1000
   if args.runlocal:
-    config.data.name = "synthetic"
+    # The README's default data: ejax.sim's scripted-expert demonstrations of all 15 tasks, recorded
+    # once into ~/.cache/ejax/sim_demos (native MuJoCo, 64x64 cameras; see configs/demos.py).
+    config.data.name = "sim_demos"
+    config.data.sim_demos.update(episodes_per_task=DEMOS_PER_TASK, image_height=64, image_width=64)
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
-    config.train.update(steps=200, global_batch_size=32, learning_rate=3e-3, compute_dtype="float32",
+    config.train.update(steps=400, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
                         remat="none")
     config.checkpoint.every_steps = 100
     config.metrics.log_every_steps = 20
-  if args.dataset:
-    # A recorded dataset (e.g. ejax.sim demos): the cameras it has, the state it records.
+  if args.dataset == "synthetic":
+    # ejax/data/synthetic.py: no cameras, no simulator, the shapes model_config("runlocal") sets.
+    if not args.runlocal:
+      raise ConfigError("groot dataset=synthetic is the CPU-sized smoke-test data: use it as runlocal,dataset=synthetic")
+    config.data.name = "synthetic"
+    config.train.update(steps=200, learning_rate=3e-3)
+  elif args.dataset:
     config.data.update(name="lerobot", path=args.dataset)
+  if config.data.name == "sim_demos" or args.dataset not in ("", "synthetic"):
+    # A recorded dataset (ejax.sim demos: two cameras, 11-d state): the cameras it has, the state it records.
     config.model.update(num_cameras=2, max_state_dim=16)
-    config.model.packing.row_length = 3 * config.model.packing.row_length  # two images + text, two samples a row
-    if args.runlocal:
-      config.train.update(steps=400, learning_rate=1e-3)
+    # Two samples a row: each is two images and a byte-level prompt of up to ~110 tokens at CPU size
+    # (ejax.sim's longest instruction), ~300 with the released tokenizer and 64-token images.
+    config.model.packing.row_length = 256 if args.runlocal else 3 * config.model.packing.row_length
   return common.apply_run_args(config, args)

@@ -35,7 +35,7 @@ def validate(config: ConfigDict) -> None:
     raise ConfigError(
         f"data.name={data.name!r} needs --config.data.path=<dataset directory> "
         f"(record one with --config.job=demos, or use the built-in --config.data.name=synthetic)")
-  if data is not None and data.get("path"):
+  if data is not None and data.get("path") and data.get("name") != "sim_demos":  # sim_demos records there
     if not os.path.exists(data.path):
       raise ConfigError(
           f"data.path {data.path!r} does not exist: point --config.data.path at a dataset "

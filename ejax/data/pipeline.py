@@ -71,6 +71,11 @@ def _quiet_grain_import():
 def make_source(data_config):
   """The random-access sample source named by data.name."""
   name = data_config.get("name", "lerobot")
+  path = data_config.get("path")
+  if name == "sim_demos":
+    # ejax.sim's scripted-expert demonstrations: a LeRobot v3 dataset, recorded on first use.
+    from ejax.sim.demos import cached_dataset
+    name, path = "lerobot", cached_dataset(data_config.sim_demos, path)
   common = dict(horizon=int(data_config.get("horizon", 16)),
                 cameras=data_config.get("cameras", None),
                 image_size=data_config.get("image_size", None),
@@ -79,19 +84,19 @@ def make_source(data_config):
   if name == "lerobot":
     from ejax.data.lerobot import DEFAULT_TOLERANCE_S, LeRobotSource
     return LeRobotSource(
-        data_config.path, observation_offsets=tuple(data_config.get("observation_offsets", (0,))),
+        path, observation_offsets=tuple(data_config.get("observation_offsets", (0,))),
         state_key=data_config.get("state_key", "observation.state"),
         action_key=data_config.get("action_key", "action"),
         tolerance_s=float(data_config.get("tolerance_s", DEFAULT_TOLERANCE_S)),
         max_open_videos=int(data_config.get("max_open_videos", 32)), **common)
   if name == "rlds":
     from ejax.data.rlds import RldsSource
-    return RldsSource(data_config.path, data_config.rlds_name,
+    return RldsSource(path, data_config.rlds_name,
                       split=data_config.get("split", "train"),
                       state_field=data_config.get("rlds_state_field", "state"),
                       instruction_field=data_config.get("rlds_instruction_field",
                                                         "language_instruction"), **common)
-  raise ValueError(f"data.name={name!r} is not a dataset source: use 'lerobot' or 'rlds'")
+  raise ValueError(f"data.name={name!r} is not a dataset source: use 'lerobot', 'rlds' or 'sim_demos'")
 
 
 class _ShuffledShard:

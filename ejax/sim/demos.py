@@ -12,15 +12,19 @@ config.demos.keep_failures; the job reports the expert's success rate either way
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import time
+import uuid
 
 import jax
 import numpy as np
 from absl import logging
 
 from ejax.data.lerobot import LeRobotV3Writer
+from ejax.errors import UserError
 from ejax.sim import registry
 from ejax.sim.batched import make_batched
 
@@ -87,14 +91,14 @@ def record_round(env, rng: jax.Array, action_noise: float, noise_rng: np.random.
   return episodes
 
 
-def run_job(config, workdir: str) -> None:
-  cfg = config.demos
+def record(cfg, root: str) -> dict:
+  """Records cfg's episodes (a config.demos section) into a new LeRobot v3 dataset at `root`;
+  -> a summary: episodes written and the expert's success rate per task."""
   task_names = resolve_tasks(cfg.tasks)
   image_size = (int(cfg.image_height), int(cfg.image_width))
   envs_per_task = max(1, min(int(cfg.num_envs) // len(task_names), int(cfg.episodes_per_task)))
   env = make_batched(task_names, envs_per_task * len(task_names), backend=cfg.backend, cameras=True,
                      image_size=image_size)
-  root = cfg.output_dir or os.path.join(workdir, "dataset")
   writer = LeRobotV3Writer(root, fps=env.control_hz, features=dataset_features(image_size), robot_type=ROBOT_TYPE,
                            video_codec=cfg.video_codec)
   rounds = -(-int(cfg.episodes_per_task) // envs_per_task)
@@ -117,10 +121,63 @@ def run_job(config, workdir: str) -> None:
     logging.info("demos: round %d/%d, %d episodes written, %.0f s", round_index + 1, rounds,
                  sum(written.values()), time.time() - start)
   writer.finalize()
-  summary = {"root": root, "episodes_written": written, "expert_success_rate":
-             {name: succeeded[name] / max(attempted[name], 1) for name in task_names},
-             "image_size": list(image_size), "fps": env.control_hz, "seconds": time.time() - start}
+  logging.info("demos: wrote %d episodes to %s", sum(written.values()), root)
+  return {"root": root, "episodes_written": written, "expert_success_rate":
+          {name: succeeded[name] / max(attempted[name], 1) for name in task_names},
+          "image_size": list(image_size), "fps": env.control_hz, "seconds": time.time() - start}
+
+
+def run_job(config, workdir: str) -> None:
+  root = config.demos.output_dir or os.path.join(workdir, "dataset")
+  summary = record(config.demos, root)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "demos_summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
-  logging.info("demos: wrote %d episodes to %s", sum(written.values()), root)
+
+
+# Bump when what a recording holds changes (features, tasks, expert), so stale caches are not reused.
+RECORDING_FORMAT = 1
+
+
+def cached_dataset(settings, path: str | None = None) -> str:
+  """The LeRobot dataset that `settings` (a config.demos section) record, recorded on first use.
+
+  At `path`, or else under $EJAX_CACHE_DIR (default ~/.cache/ejax)/sim_demos/ in a directory named
+  by the settings. A recording goes to a temporary sibling that is renamed into place only once it
+  is complete: an interrupted run never leaves something that looks like a dataset, and processes
+  recording the same dataset at once (several hosts on one filesystem) cannot clash; the first
+  rename wins and the others drop their copy.
+  """
+  settings = {key: settings[key] for key in sorted(settings.keys()) if key != "output_dir"}
+  if not path:
+    digest = hashlib.sha1(json.dumps([RECORDING_FORMAT, registry.list_tasks(), settings],
+                                     sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = (f"{str(settings['tasks']).replace(',', '+')}-{settings['episodes_per_task']}ep-"
+            f"{settings['image_height']}x{settings['image_width']}-seed{settings['seed']}-{digest}")
+    cache = os.path.expanduser(os.environ.get("EJAX_CACHE_DIR", "~/.cache/ejax"))
+    path = os.path.join(cache, "sim_demos", name)
+  if os.path.exists(os.path.join(path, "meta", "info.json")):
+    return path
+  if os.path.exists(path) and os.listdir(path):
+    raise UserError(f"{path} exists but holds no LeRobot dataset (no meta/info.json): remove it, or point "
+                          f"data.path elsewhere to record the simulated demonstrations there")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  partial = f"{path}.recording-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+  logging.info("recording simulated demonstrations (once) to %s: %s", path, settings)
+  try:
+    record(_Settings(settings), partial)
+    if os.path.isdir(path) and not os.listdir(path):
+      os.rmdir(path)
+    os.rename(partial, path)
+  except OSError:
+    if not os.path.exists(os.path.join(path, "meta", "info.json")):
+      raise
+    logging.info("another process recorded %s first; using its copy", path)
+  finally:
+    shutil.rmtree(partial, ignore_errors=True)
+  return path
+
+
+class _Settings(dict):
+  """A plain dict readable as cfg.key, like the config section record() is written against."""
+  __getattr__ = dict.__getitem__

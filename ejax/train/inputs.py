@@ -11,7 +11,7 @@ from ml_collections import ConfigDict
 from ejax.errors import UserError
 from ejax.models.registry import get_model_spec
 
-SOURCES = ("synthetic", "lerobot", "rlds")
+SOURCES = ("synthetic", "lerobot", "rlds", "sim_demos")
 
 
 class StackedMicroBatches:
@@ -66,7 +66,7 @@ def _make_source(config: ConfigDict, *, local_batch_size: int) -> Any:
     return synthetic.make_iterator(config.model, data, batch_size=local_batch_size, seed=config.seed,
                                    process_index=jax.process_index(), process_count=jax.process_count(),
                                    collate=collate)
-  if name in ("lerobot", "rlds"):
+  if name in ("lerobot", "rlds", "sim_demos"):
     from ejax.data import pipeline
     return pipeline.build_pipeline(data, batch_size=local_batch_size, seed=config.seed,
                                    process_index=jax.process_index(), process_count=jax.process_count(),

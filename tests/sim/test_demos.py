@@ -2,22 +2,32 @@
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from configs import demos as demos_config
+from ejax.errors import UserError
 from ejax.sim import demos
 
 TASKS = "all"  # 15 tasks x 2 envs at 64x64: the batch of tests/sim, so compiled programs are shared
 
 
-@pytest.mark.timeout(900)
-def test_demos_job_writes_a_lerobot_v3_dataset(tmp_path):
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+  """The demos job's workdir after recording 2 episodes of every task."""
+  workdir = tmp_path_factory.mktemp("demos")
   config = demos_config.get_config("runlocal")
   config.demos.update(tasks=TASKS, episodes_per_task=2, num_envs=30, image_height=64, image_width=64)
-  demos.run_job(config, str(tmp_path))
+  demos.run_job(config, str(workdir))
+  return workdir
+
+
+@pytest.mark.timeout(900)
+def test_demos_job_writes_a_lerobot_v3_dataset(recorded):
+  tmp_path = recorded
   root = tmp_path / "dataset"
   info = json.loads((root / "meta" / "info.json").read_text())
   assert info["codebase_version"] == "v3.0" and info["fps"] == 10 and info["total_episodes"] == 30
@@ -47,3 +57,44 @@ def test_resolve_tasks_accepts_suites_and_lists():
   with pytest.raises(ValueError, match="unknown task"):
     demos.resolve_tasks("object_red_block_to_bowl,nope")
   assert os.path.basename(demos_config.__file__) == "demos.py"
+
+
+def test_sim_demos_source_records_once_into_the_cache_and_never_leaves_a_partial_dataset(recorded, tmp_path,
+                                                                                          monkeypatch):
+  """data.name="sim_demos" (the README's default data): recorded on first use under EJAX_CACHE_DIR,
+  reused after; a recording that fails leaves nothing that looks like a dataset."""
+  from ml_collections import ConfigDict
+
+  from configs import common
+  from ejax.data.pipeline import make_source
+  calls = []
+
+  def fake_record(settings, root):  # the real recording is the fixture's; copy it (seconds, not minutes)
+    calls.append(root)
+    shutil.copytree(recorded / "dataset", root)
+
+  monkeypatch.setattr(demos, "record", fake_record)
+  monkeypatch.setenv("EJAX_CACHE_DIR", str(tmp_path / "cache"))
+  settings = ConfigDict(common.demo_settings())
+  settings.update(episodes_per_task=2, image_height=64, image_width=64)
+  data = ConfigDict(dict(name="sim_demos", path=None, sim_demos=settings, horizon=4))
+  source = make_source(data)
+  assert len(calls) == 1 and len(source) > 0
+  path = demos.cached_dataset(settings)
+  assert os.path.basename(path).startswith("all-2ep-64x64-seed0-") and len(calls) == 1  # reused
+  assert os.listdir(tmp_path / "cache" / "sim_demos") == [os.path.basename(path)]  # no partial copy left
+  settings.seed = 1  # other settings: another dataset
+  assert demos.cached_dataset(settings) != path and len(calls) == 2
+
+  def failing_record(settings, root):
+    os.makedirs(os.path.join(root, "meta"))
+    raise KeyboardInterrupt  # e.g. Ctrl-C half way
+  monkeypatch.setattr(demos, "record", failing_record)
+  target = tmp_path / "elsewhere"
+  with pytest.raises(KeyboardInterrupt):
+    demos.cached_dataset(settings, str(target))
+  assert not target.exists() and os.listdir(tmp_path) == ["cache"]  # no dataset, no partial copy
+  target.mkdir()
+  (target / "notes.txt").write_text("not a dataset")
+  with pytest.raises(UserError, match="holds no LeRobot dataset"):
+    demos.cached_dataset(settings, str(target))
