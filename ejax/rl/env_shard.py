@@ -96,13 +96,15 @@ class EnvShard:
                activity: ActivityLog, stop: threading.Event, seed: int, max_restarts: int,
                device: jax.Device | None = None, on_fatal: Callable[[BaseException], None] | None = None,
                fault_injector: Callable[[int, int, np.ndarray], np.ndarray] | None = None,
-               success_bonus: float = 0.0):
+               success_bonus: float = 0.0, observation_filter: Callable[[dict], dict] | None = None):
     """env_functions: (batched reset, chunk step) from `env_functions`, shared by all shards of an env.
     fault_injector(shard_id, step, reward) -> reward runs after every step; tests raise from it or
     return corrupted rewards to exercise the restart path.
     success_bonus is added to the reward of the chunk in which an episode succeeds: success ends the
     episode, so without it a policy that hovers near the goal collecting dense reward would be worth
-    more than one that finishes (the bonus stands for the reward a finished episode forgoes)."""
+    more than one that finishes (the bonus stands for the reward a finished episode forgoes).
+    observation_filter (FlowPolicy.select_observations) keeps what the policy reads: what the
+    shard posts for inference and queues for the learner (e.g. no depth images)."""
     if mode not in ("gae", "grpo"):
       raise ValueError(f"env shard mode {mode!r}: use 'gae' or 'grpo'")
     if mode == "grpo" and num_envs % group_size:
@@ -113,6 +115,7 @@ class EnvShard:
     self.delay, self.activity, self.stop, self.device = delay, activity, stop, device
     self.max_restarts, self.on_fatal, self.fault_injector = max_restarts, on_fatal, fault_injector
     self.success_bonus = float(success_bonus)
+    self.observation_filter = observation_filter or (lambda observation: observation)
     self.name = f"env{shard_id}"
     self._rng = jax.random.key(seed)
     self._reset, self._chunk_step = env_functions
@@ -183,7 +186,7 @@ class EnvShard:
     alive = np.ones((self.num_envs,), bool)
     steps = []
     for step in range(self.segment_length):
-      observation = {key: np.asarray(value) for key, value in state.obs.items()}
+      observation = {key: np.asarray(value) for key, value in self.observation_filter(state.obs).items()}
       self.board.post(InferenceRequest(self.shard_id, observation, None, self._reply, time.perf_counter()))
       (version, sample), waited = get_until_stopped(self._reply, self.stop)
       self.activity.wait("env_inference", waited)
@@ -216,7 +219,8 @@ class EnvShard:
         alive &= ~done
 
     segment = jax.tree.map(lambda *xs: np.stack(xs), *steps)  # every leaf [T, num_envs, ...]
-    segment["bootstrap_observation"] = {key: np.asarray(value) for key, value in state.obs.items()}
+    segment["bootstrap_observation"] = {key: np.asarray(value)
+                                        for key, value in self.observation_filter(state.obs).items()}
     segment["ticket"], segment["shard_id"] = ticket, self.shard_id
     self.activity.wait("env_queue_put", put_until_stopped(self.segment_queue, segment, self.stop))
     self.tickets.finish(ticket)

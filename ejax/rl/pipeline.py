@@ -165,7 +165,8 @@ class RLPipeline:
         param_store=self.param_store, delay=DelaySampler(delays[shard_id], config.seed * 1000 + shard_id),
         activity=self.activity, stop=self.stop, seed=config.seed * 1000 + 100 + shard_id + 7919 * start_version,
         max_restarts=config.max_restarts, device=env_devices[shard_id % len(env_devices)],
-        on_fatal=self._fatal, fault_injector=fault_injector, success_bonus=config.success_bonus)
+        on_fatal=self._fatal, fault_injector=fault_injector, success_bonus=config.success_bonus,
+        observation_filter=getattr(policy, "select_observations", None))
         for shard_id in range(config.num_shards)]
     self.server = InferenceServer(policy.jit_sample, board=self.board, param_store=self.param_store,
                                   num_shards=config.num_shards, envs_per_shard=config.envs_per_shard, barrier=sync,

@@ -34,7 +34,7 @@ from ml_collections import ConfigDict
 from ejax.models import groot as groot_lib
 from ejax.models import groot_inputs
 from ejax.models.qwen_tokenizer import eagle_prompt, load_tokenizer
-from ejax.rl.policy import ActorCritic, FlowPolicy, ValueHead
+from ejax.rl.policy import STATE_OBSERVATIONS, ActorCritic, FlowPolicy, ValueHead, task_index
 
 IMAGE_PREFIX = "observation.images."
 
@@ -57,10 +57,13 @@ class GrootObservations:
   def __init__(self, model_config: ConfigDict, *, instructions: Sequence[str], state_key: str,
                state_center: np.ndarray | None, state_scale: np.ndarray | None, clip_state: bool,
                action_dim: int, action_center: np.ndarray | None, action_scale: np.ndarray | None,
-               embodiment_id: int = 0, cameras: Sequence[str] | None = None, tokenizer=None):
+               embodiment_id: int = 0, cameras: Sequence[str] | None = None,
+               data_image_size: Sequence[int] | None = None, tokenizer=None):
     """instructions[i] is the instruction of task_index i. cameras: the image keys the model was
     trained on (None: every "observation.images.*" key of the observation, sorted, as the train
-    collate orders them). *_center / *_scale: the checkpoint's normaliser (None: identity)."""
+    collate orders them). *_center / *_scale: the checkpoint's normaliser (None: identity).
+    data_image_size: the pipeline's [height, width] resize before the collate's own resize to the
+    model's image size (config.data.image_size; None: none), replayed here in the same order."""
     c = model_config
     self.config = c
     if action_dim > c.max_action_dim:
@@ -70,6 +73,7 @@ class GrootObservations:
     self.cameras = None if cameras is None else sorted(k if k.startswith(IMAGE_PREFIX) else IMAGE_PREFIX + k
                                                        for k in cameras)
     self.image_size = int(c.vision.image_size)
+    self.resizes = ([tuple(int(x) for x in data_image_size)] if data_image_size else []) + [(self.image_size,) * 2]
     as_array = lambda x: None if x is None else np.asarray(x, np.float32).reshape(-1)
     self.state_center, self.state_scale = as_array(state_center), as_array(state_scale)
     self.action_center, self.action_scale = as_array(action_center), as_array(action_scale)
@@ -106,10 +110,11 @@ class GrootObservations:
     per_camera = []
     for key in keys:
       image = jnp.asarray(observation[key])
-      if image.shape[1:3] != (size, size):
-        resized = jax.image.resize(image.astype(jnp.float32), (image.shape[0], size, size, image.shape[3]),
-                                   method="bilinear", antialias=True)
-        image = jnp.clip(jnp.round(resized), 0, 255).astype(jnp.uint8)
+      for height, width in self.resizes:  # each stage rounds to uint8, as PIL does
+        if image.shape[1:3] != (height, width):
+          resized = jax.image.resize(image.astype(jnp.float32), (image.shape[0], height, width, image.shape[3]),
+                                     method="bilinear", antialias=True)
+          image = jnp.clip(jnp.round(resized), 0, 255).astype(jnp.uint8)
       per_camera.append(image)
     if not per_camera:  # a camera-less model: text-only prompts
       return jnp.zeros((0, size, size, 3), jnp.uint8)
@@ -129,7 +134,7 @@ class GrootObservations:
     return jnp.pad(state, ((0, 0), (0, self.config.max_state_dim - state.shape[-1])))
 
   def __call__(self, observation: dict) -> dict[str, jax.Array]:
-    task = jnp.asarray(observation["task_index"]).astype(jnp.int32)
+    task = jnp.asarray(task_index(observation)).astype(jnp.int32)  # rows of the prompt tables
     n = task.shape[0]
     batch = {key: jnp.take(jnp.asarray(table), task, axis=0) for key, table in self.tables.items()}
     batch.update(images=self.images(observation), state=self.state(observation),
@@ -193,7 +198,7 @@ def observations_for(sft_policy, instructions: Sequence[str]) -> GrootObservatio
       state_scale=state_params[1], clip_state=normalizer.mode == "quantile",
       action_dim=int(sft_policy.action_dim or config.model.max_action_dim), action_center=action_params[0],
       action_scale=action_params[1], embodiment_id=embodiment if isinstance(embodiment, int) else 0,
-      cameras=config.data.get("cameras"))
+      cameras=config.data.get("cameras"), data_image_size=config.data.get("image_size"))
 
 
 def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolicy:
@@ -217,7 +222,7 @@ def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolic
     raise ValueError(f"rl.policy.instructions has {observations.num_tasks} entries but num_tasks="
                      f"{policy_config.num_tasks}: give one instruction per task index")
   critic = ValueHead(policy_config.state_dim, policy_config.num_tasks, policy_config.hidden, rngs)
-  observation_keys = (sft.state_key, "observation.state", "observation.environment_state", "task_index")
+  observation_keys = tuple(dict.fromkeys(STATE_OBSERVATIONS + (sft.state_key,)))  # + the cameras (prefix)
   return FlowPolicy(ActorCritic(GrootActor(model), critic), horizon=c.action_horizon, action_dim=c.max_action_dim,
                     num_steps=int(policy_config.get("num_steps", 0)) or c.num_inference_steps, convention="groot",
                     noise_level=policy_config.noise_level, actor_inputs=lambda observation: (observations(observation),),

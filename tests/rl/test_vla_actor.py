@@ -81,7 +81,10 @@ def test_in_jit_batch_is_what_the_train_collate_makes(policy, sft_policy):
   """Tokens, positions, image placement, images and normalised state of every sample equal the
   train collate's for the same observations (images rendered at 64 px, resized in jit like PIL)."""
   obs = observations(5, 2 * IMAGE_SIZE)
-  batch = jax.device_get(jax.jit(lambda o: policy.actor_inputs(o)[0])(policy.select_observations(obs)))
+  selected = policy.select_observations(obs)
+  assert sorted(selected) == ["observation.environment_state", "observation.images.agentview",
+                              "observation.images.wrist", "observation.state", "task_index"]  # no depth
+  batch = jax.device_get(jax.jit(lambda o: policy.actor_inputs(o)[0])(selected))
   # CheckpointPolicy's host path: normalise, resize (PIL), the model's own collate (packed rows).
   train = sft_policy.collate(sft_policy._samples(obs, instructions(obs)))
   config = sft_policy.config.model
@@ -127,7 +130,8 @@ def test_log_probs_agree_and_the_backbone_runs_once_per_call(policy, monkeypatch
   sample = jax.jit(policy.sample)(policy.initial_params, obs, jax.random.key(0))
   jax.block_until_ready(sample)
   assert calls == {"backbone": 1, "dit": policy.num_steps} and policy.num_steps == 4
-  log_prob, value = jax.jit(policy.evaluate)(policy.initial_params, obs, sample["chain"], sample["step_index"])
+  evaluate = jax.jit(policy.evaluate)
+  log_prob, value = evaluate(policy.initial_params, obs, sample["chain"], sample["step_index"])
   jax.block_until_ready(log_prob)
   assert calls == {"backbone": 2, "dit": policy.num_steps + 1}
   np.testing.assert_allclose(log_prob, sample["log_prob"], rtol=1e-5, atol=1e-4)
@@ -138,10 +142,10 @@ def test_log_probs_agree_and_the_backbone_runs_once_per_call(policy, monkeypatch
   rows = np.arange(4)
   after = np.asarray(sample["chain"]).copy()
   after[rows, sample["step_index"] + 1, :, ACTION_DIM:] += 1.0
-  padded, _ = policy.evaluate(policy.initial_params, obs, after, sample["step_index"])
+  padded, _ = evaluate(policy.initial_params, obs, after, sample["step_index"])
   np.testing.assert_allclose(padded, sample["log_prob"], rtol=1e-5, atol=1e-4)
   after[rows, sample["step_index"] + 1, :, 0] += 1.0
-  real, _ = policy.evaluate(policy.initial_params, obs, after, sample["step_index"])
+  real, _ = evaluate(policy.initial_params, obs, after, sample["step_index"])
   assert np.all(np.asarray(real) < np.asarray(sample["log_prob"]) - 1.0)
 
   # The env's actions are the chain's end, cut to the env's dims and unnormalised (mean_std).
@@ -158,9 +162,10 @@ def policy_action_stats(policy):
 
 
 def test_deterministic_actions_are_the_sft_policy(policy, sft_policy):
+  from ejax.rl.warm_start import EvalPolicy
   obs = observations(6, IMAGE_SIZE, seed=2)
-  ours = jax.jit(policy.deterministic_actions)(policy.initial_params, policy.select_observations(obs),
-                                               jax.random.key(7))
+  # EvalPolicy: the RL job's and the eval job's way of running it (deterministic Euler, env actions).
+  ours = EvalPolicy(policy, policy.initial_params).act(obs, None, jax.random.key(7))
   theirs = sft_policy.act(obs, instructions(obs), jax.random.key(7))
   assert ours.shape == theirs.shape == (6, 8, ACTION_DIM)
   np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-4, atol=1e-4)
@@ -172,6 +177,7 @@ def test_rl_job_fine_tunes_the_sft_checkpoint_and_the_eval_job_rebuilds_it(sft_c
   from configs import eval as eval_config
   from ejax.eval import evaluate
   from ejax.rl.checkpoint import RLCheckpointer
+  from ejax.rl.warm_start import EvalPolicy
   config = rl_config(sft_checkpoint, ",updates=2")
   config.rl.update(num_shards=2, envs_per_shard=2, segment_length=2, segments_per_update=2, num_minibatches=2,
                    queue_size=4, critic_warmup_updates=0, checkpoint_every_updates=1, learning_rate=1e-3)
@@ -204,6 +210,6 @@ def test_rl_job_fine_tunes_the_sft_checkpoint_and_the_eval_job_rebuilds_it(sft_c
   rebuilt = evaluate.make_policy(eval_cfg, ACTION_DIM)
   for a, b in zip(jax.tree.leaves(rebuilt.params), jax.tree.leaves(end)):
     np.testing.assert_array_equal(a, b)
-  obs = observations(2, IMAGE_SIZE, seed=3)
-  expected = policy.deterministic_actions(end, policy.select_observations(obs), jax.random.key(1))
+  obs = observations(6, IMAGE_SIZE, seed=3)  # the batch test 3 compiled for
+  expected = EvalPolicy(policy, end).act(obs, None, jax.random.key(1))
   np.testing.assert_allclose(rebuilt.act(obs, instructions(obs), jax.random.key(1)), expected, rtol=1e-5, atol=1e-5)
