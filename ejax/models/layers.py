@@ -84,6 +84,23 @@ class Dense(nnx.Module):
     return y
 
 
+@jax.custom_vjp
+def materialize_cotangent(x: jax.Array) -> jax.Array:
+  """Identity whose backward writes its incoming gradient out in full (an optimization barrier).
+
+  A norm's input is the residual stream. Left alone, XLA fuses the residual gradient's running sum
+  (every later layer's norm backward added up) into each consumer, among them the transposed copy
+  that feeds a weight-gradient dot, so each consumer recomputes the whole chain of later layers:
+  work that grows with depth squared. On XLA:CPU those fusions took ~19 % of a packed training step
+  of benchmarks/packing.py (3 layers); with the gradient materialised once per norm the packed step
+  ran 22-35 % faster and the padded one no slower (2026-11-21, 2-core CPU). The forward is untouched.
+  """
+  return x
+
+
+materialize_cotangent.defvjp(lambda x: (x, None), lambda _, g: (jax.lax.optimization_barrier(g),))
+
+
 class LayerNorm(nnx.Module):
   """LayerNorm in fp32; `elementwise_affine=False` gives the parameter-free norm the DiT uses."""
 
@@ -95,7 +112,7 @@ class LayerNorm(nnx.Module):
     self.bias = make_param(rngs, ZEROS, (dim,), (NORM,), param_dtype) if elementwise_affine and use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    xf = x.astype(jnp.float32)
+    xf = materialize_cotangent(x).astype(jnp.float32)
     mean = jnp.mean(xf, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
     y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
@@ -118,7 +135,7 @@ class RMSNorm(nnx.Module):
     self.scale = make_param(rngs, ZEROS if zero_centered else ONES, (dim,), (NORM,), param_dtype)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    xf = x.astype(jnp.float32)
+    xf = materialize_cotangent(x).astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
     scale = self.scale[...].astype(jnp.float32)
     y = y * (1.0 + scale if self.zero_centered else scale)

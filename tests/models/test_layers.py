@@ -21,6 +21,35 @@ def test_norms_match_numpy():
   np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(rms, x), expected, atol=1e-5)
 
 
+def test_norm_gradients_are_the_plain_formula_through_a_residual_stack():
+  """materialize_cotangent changes how XLA schedules a norm's backward, never its value: gradients
+  through a residual stack of LayerNorm / RMSNorm match the same stack written without it."""
+  x = jax.random.normal(jax.random.key(1), (2, 5, 8)) * 2 + 0.5
+  w = jax.random.normal(jax.random.key(2), (3, 8, 8)) * 0.3
+  ln = layers.LayerNorm(8, rngs=nnx.Rngs(0))
+  rms = layers.RMSNorm(8, rngs=nnx.Rngs(0))
+
+  def plain_ln(h):
+    mean = h.mean(-1, keepdims=True)
+    return (h - mean) * jax.lax.rsqrt(((h - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+  def plain_rms(h):
+    return h * jax.lax.rsqrt((h ** 2).mean(-1, keepdims=True) + 1e-6)
+
+  def stack(norm, x, w):
+    h = x
+    for layer in range(3):
+      h = h + jnp.tanh(norm(h) @ w[layer])
+    return jnp.sum(h ** 2)
+
+  for module, plain in ((ln, plain_ln), (rms, plain_rms)):
+    got = jax.jit(jax.grad(lambda x, w: stack(module, x, w), argnums=(0, 1)))(x, w)
+    want = jax.grad(lambda x, w: stack(plain, x, w), argnums=(0, 1))(x, w)
+    for g, e in zip(got, want):
+      np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(got[0]).max()) > 0  # a real gradient flowed
+
+
 def test_rope_scores_depend_only_on_relative_position():
   q = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
   k = jax.random.normal(jax.random.key(2), (1, 1, 1, 16))
