@@ -178,19 +178,19 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
   """A data-parallel step: each device's rows give loss and gradients, summed over the mesh."""
 
   def device_loss_and_grads(params: nnx.State, batch):
-    # Each device divides its loss sum by the sample count of the whole batch, so the psums below
-    # give the exact per-sample mean even when devices hold different numbers of samples (packed
-    # rows do); with equal counts this is the pmean of per-device means.
+    # Each device divides its loss sum by the sample count of the whole batch, so the sums over
+    # the mesh give the exact per-sample mean even when devices hold different numbers of samples
+    # (packed rows do); with equal counts this is the mean of per-device means.
     total_samples = jnp.maximum(jax.lax.psum(sample_count(batch), DATA), 1.0)
     loss_fn = lambda p: sample_loss_sum(nnx.merge(graphdef, p), batch, impl) / total_samples
-    loss, grads = jax.value_and_grad(loss_fn)(params)  # this device's rows only
-    return jax.lax.psum(loss, DATA), jax.lax.psum(grads, DATA)
+    # The parameters enter replicated (unvarying over DATA) and meet each device's rows: under
+    # shard_map's varying-axes check the gradient of such an input comes back already summed over
+    # the mesh (the transpose of its implicit broadcast), so only the loss needs a psum here.
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.lax.psum(loss, DATA), grads
 
-  # check_vma=False: the attention op's tile loops start their carries from constants, which the
-  # varying-axes check rejects against carries computed from this device's rows. Unchecked, grad
-  # of the replicated parameters is each device's own gradient, and the psum above adds them.
   loss_and_grads = jax.shard_map(device_loss_and_grads, mesh=mesh, in_specs=(P(), P(DATA)),
-                                 out_specs=(P(), P()), check_vma=False)
+                                 out_specs=(P(), P()))
   replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA))
 
   # Parameters and optimizer state are replaced every step: donated, they are updated in place.

@@ -201,3 +201,31 @@ def test_xla_query_whose_first_tile_is_all_masked():
   loss = lambda attend: jax.grad(lambda *a: jnp.sum(jnp.sin(attend(*a))), argnums=(0, 1, 2))(q, k, v)
   for got, want in zip(loss(tested), loss(spec)):
     np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+def test_xla_inside_shard_map_with_the_varying_axes_check():
+  # Data-parallel training calls the op inside jax.shard_map, whose varying-axes check is on by
+  # default: the tile loops' carries must enter typed like the per-device rows they accumulate.
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:2])
+  rng = np.random.default_rng(4)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 48, 2, 16)), jnp.float32) for _ in range(3))
+  segment_ids = jnp.asarray(np.stack([np.repeat([1, 2, 0], [20, 24, 4]), np.repeat([1], [48])]))
+  kwargs = lambda seg: dict(q_segment_ids=seg, kv_segment_ids=seg, mask_kind="causal")
+  blocks = BlockSizes(16, 16, 16, 16)
+
+  def per_device(q, k, v, seg):
+    loss = lambda q, k, v: jnp.sum(jnp.sin(flash_attention(q, k, v, impl="xla", block_sizes=blocks, **kwargs(seg))))
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.lax.psum(value, "data"), grads
+
+  rows = NamedSharding(mesh, P("data"))
+  sharded = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("data"),
+                                  out_specs=(P(), P("data"))))
+  value, grads = sharded(*(jax.device_put(x, rows) for x in (q, k, v, segment_ids)))
+  spec = lambda q, k, v: jnp.sum(jnp.sin(attention_reference(q, k, v, **kwargs(segment_ids))))
+  want_value, want_grads = jax.value_and_grad(spec, argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()))

@@ -37,6 +37,18 @@ from jax import lax
 from ejax.kernels.attention.tiles import MASKED_SCORE, MaskInputs, active_tiles, compact, pair_mask
 
 
+def _carry(shape, value: float, sources) -> jax.Array:
+  """A constant fp32 loop carry, typed as varying over every jax.shard_map axis that `sources`
+  vary over. The loop bodies mix those inputs in, and shard_map's varying-axes check (on by
+  default) requires a carry to enter a loop with the type it leaves with; outside shard_map no
+  axis varies and this is a plain constant."""
+  carry = jnp.full(shape, value, jnp.float32)
+  axes = set()
+  for source in jax.tree.leaves(sources):
+    axes |= set(getattr(jax.typeof(source), "vma", ()))
+  return lax.pcast(carry, tuple(sorted(axes)), to="varying") if axes else carry
+
+
 def _tile_lists(mask: MaskInputs, block_q: int, block_kv: int, ordered: bool):
   return compact(active_tiles(mask, block_q, block_kv, ordered))
 
@@ -110,9 +122,10 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
       return acc, new_max, row_sum
 
     rows = groups * block_q
-    init = (jnp.zeros((kv_heads, rows, head_dim), jnp.float32),
-            jnp.full((kv_heads, rows), MASKED_SCORE, jnp.float32),
-            jnp.zeros((kv_heads, rows), jnp.float32))
+    sources = (q_rows, k_hm, v_hm, mask, tile_order)
+    init = (_carry((kv_heads, rows, head_dim), 0.0, sources),
+            _carry((kv_heads, rows), MASKED_SCORE, sources),
+            _carry((kv_heads, rows), 0.0, sources))
     acc, row_max, row_sum = lax.fori_loop(0, tile_count[b, i], kv_tile, init)
     seen = row_max > MASKED_SCORE / 2  # rows with no allowed key output zeros
     safe_sum = jnp.where(seen, row_sum, 1.0)
@@ -141,6 +154,7 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
   k_hm, v_hm = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   # delta_i = sum_d out_id * dout_id: the softmax-Jacobian term shared by every tile of a row.
   delta = jnp.sum(_head_major(out, kv_heads).astype(jnp.float32) * do_hm.astype(jnp.float32), -1)
+  sources = (q_hm, do_hm, k_hm, v_hm, lse, delta, mask, tile_order)
 
   def one_row(b):
     def one_q_block(carry, i):
@@ -169,11 +183,11 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
         dv = lax.dynamic_update_slice_in_dim(dv, kv_take(dv, 1) + dv_tile, kv_start, 1)
         return dq, dk, dv
 
-      dq0 = jnp.zeros((kv_heads, groups * block_q, head_dim), jnp.float32)
+      dq0 = _carry((kv_heads, groups * block_q, head_dim), 0.0, sources)
       dq, dk, dv = lax.fori_loop(0, tile_count[b, i], kv_tile, (dq0, *carry))
       return (dk, dv), dq.reshape(kv_heads, groups, block_q, head_dim)
 
-    zeros = jnp.zeros((kv_heads, kv_len, head_dim), jnp.float32)
+    zeros = _carry((kv_heads, kv_len, head_dim), 0.0, sources)
     (dk, dv), dq = lax.scan(one_q_block, (zeros, zeros), jnp.arange(n_q))
     # dq [n_q, kv_heads, groups, bq, d] -> [kv_heads, groups, q_len, d]
     # Scores used scaled q: dQ picks up the scale here; dK already has it through the scaled q.
