@@ -33,10 +33,11 @@ thread, concurrently. The device count is the largest (up to the cores) that div
 --padded_batch and --rows_per_batch; on GPU the step runs on one GPU, as before.
 
 On CPU the packed arm's attention uses the op's CPU tiles (tiles.CPU_BLOCK_SIZES: 128x64 forward,
-64x64 backward, measured fastest for these rows; 128x128 cost ~1.5x as much). Where a packed epoch
-went on one device (2026-11-21, load ~3-4): attention ~2.6-3.0 s of ~6.7 s, the rest ~3.6-3.9 s;
-the padded epoch ~17-19 s. The non-attention parts compare at ~1.66x, near the token ratio, so the
-headline moves with how much of the machine each arm gets.
+64x64 backward, measured fastest for these rows; 128x128 cost ~1.5x as much). The model's norms
+write their input's gradient out once (ejax.models.layers.materialize_cotangent); before that, XLA
+recomputed the residual gradient of every later layer inside each weight-gradient consumer, ~19 %
+of a packed step. Where an epoch goes now (2026-11-21, 2 devices, load 1.3-3.2): packed 4.5-5.5 s,
+padded 13.3-18.1 s; the headline measured 3.06-3.48x (BENCHMARKS.md).
 
   python benchmarks/packing.py            # headline: CPU, width 128, 3 layers, 48 samples
 """
