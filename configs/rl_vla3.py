@@ -125,5 +125,5 @@ def groot_actor(rl: ConfigDict, *, sft: str, image_size: int, runlocal: bool) ->
   if runlocal:
     # Every inference runs the VL backbone on two camera images: fewer, smaller shards on a CPU.
     rl.update(num_shards=2, envs_per_shard=8, segments_per_update=4, num_updates=20, num_minibatches=4,
-              queue_size=4, learning_rate=1e-4, critic_warmup_updates=3, checkpoint_every_updates=5)
+              queue_size=4, critic_warmup_updates=3, checkpoint_every_updates=5)
     rl.judge.episodes = 32

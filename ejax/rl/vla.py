@@ -183,7 +183,13 @@ def load_sft(checkpoint_dir: str, step: int | None = None):
     raise ValueError(f"{checkpoint_dir} holds a {policy.config.model.name!r} model; rl.policy.kind='groot' "
                      f"needs a GR00T checkpoint (configs/groot.py)")
   # CheckpointPolicy keeps the restored state for its own sampler; there is no public model handle.
-  model = nnx.merge(model_parts(policy.config.model).graphdef, policy._state)
+  # The restore lays the state out over a mesh of every device (the trainer's); the RL pipeline
+  # places parameters itself (rl.placement), so they start as plain default-device arrays, like a
+  # freshly built policy's. Left on the mesh (or device_put to one of its devices, which keeps the
+  # mesh in the arrays' types), RL computations would run replicated over all devices and the
+  # learner's outputs would not match its inputs' types: a second compilation of its update.
+  state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), policy._state)
+  model = nnx.merge(model_parts(policy.config.model).graphdef, state)
   return model, policy
 
 
