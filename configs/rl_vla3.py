@@ -36,6 +36,12 @@ training pipeline did). CPU-sized, the three steps:
 then judge any version again with the eval job as above, adding --config.eval.image_height=64
 --config.eval.image_width=64 --config.eval.replan_every=4. At full size (configs/groot.py on GPUs,
 demos at 128 px) pass size=128.
+Seen on 2 shared CPU cores (2026-11-21; 20 demos, SFT 400 steps to loss 0.49): the RL step takes
+~6 minutes (20 updates of 256 chunk samples in 290 s, ~70 env steps/s, lag max 2 = eta, about a
+minute of it compiling the env with cameras and the learner's update); approx KL to the behaviour
+policy 0.02-0.18, clip fraction 0.08-0.29. That SFT policy succeeds on 0/32 judged episodes and
+1/32 after RL: the plumbing is exercised end to end, but a CPU-sized GR00T this briefly trained is
+too weak a start for 20 updates to show an improvement.
 """
 
 import os
