@@ -41,6 +41,7 @@ def sft_checkpoint(tmp_path_factory):
   config.model.max_action_dim = MAX_ACTION_DIM
   config.metrics.update(tensorboard=False, progress_bar=False)
   config.checkpoint.update(async_save=False, every_steps=2)
+  config.compilation_cache_dir = ""  # keep the tests' own compilation cache (tests/conftest.py)
   train(config, str(root / "sft"))
   return str(root / "sft" / "checkpoints")
 
