@@ -2,11 +2,12 @@
 
 The actor is any flow-matching model with a `velocity(noisy_actions, t, *inputs)` method in its
 own time convention (ejax.models.tiny.TinyFlowPolicy; GR00T through ejax.rl.vla.GrootActor, whose
-`prepare` runs the VL backbone once per sample). Exploration and likelihoods come from Flow-SDE (ejax.models.flow): one randomly chosen
-denoising step is a Gaussian transition, the rest stay Euler; a sample stores its chain and the
-chosen step, so the learner recomputes its log-prob under new parameters with one velocity call.
+`prepare` runs the VL backbone once per sample). Exploration and likelihoods come from Flow-SDE
+(ejax.models.flow): one randomly chosen denoising step is a Gaussian transition, the rest stay
+Euler; a sample stores its chain and the chosen step, so the learner recomputes its log-prob under
+new parameters with one velocity call.
 
-The critic is a small MLP on the same observation inputs. Everything is functional over
+The critic is a small MLP on the observation's state and task. Everything is functional over
 (graphdef, params) so the inference server and the learner, each on its own thread and device,
 share no mutable module.
 """

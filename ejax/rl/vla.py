@@ -99,8 +99,9 @@ class GrootObservations:
     keys = self.cameras if self.cameras is not None else sorted(k for k in observation if k.startswith(IMAGE_PREFIX))
     missing = [k for k in keys if k not in observation]
     if missing or len(keys) != self.config.num_cameras:
+      present = sorted(k for k in observation if k.startswith(IMAGE_PREFIX))
       raise ValueError(f"GR00T was trained on {self.config.num_cameras} cameras ({keys}) but the observation has "
-                       f"{sorted(k for k in observation if k.startswith(IMAGE_PREFIX))}: make the env with cameras=True")
+                       f"{present}: make the env with cameras=True")
     return keys
 
   def images(self, observation: dict) -> jax.Array:
@@ -220,6 +221,11 @@ def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolic
   critic also learns the returns within a few updates, while a head on the frozen VL features
   would share the actor's slow, image-sized forward pass for every value call (bootstrap included).
   """
+  if not os.path.isdir(policy_config.checkpoint):
+    from ejax.checkpoint import CheckpointError
+    raise CheckpointError(
+        f"rl.policy.checkpoint {policy_config.checkpoint} does not exist: a GR00T RL policy starts from, and is "
+        f"rebuilt from, its SFT checkpoint (a train job's <workdir>/checkpoints); restore it or point sft= at one")
   step = int(policy_config.get("step", -1))
   model, sft = load_sft(policy_config.checkpoint, None if step < 0 else step)
   c = model.config
@@ -231,7 +237,8 @@ def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolic
   observation_keys = tuple(dict.fromkeys(STATE_OBSERVATIONS + (sft.state_key,)))  # + the cameras (prefix)
   return FlowPolicy(ActorCritic(GrootActor(model), critic), horizon=c.action_horizon, action_dim=c.max_action_dim,
                     num_steps=int(policy_config.get("num_steps", 0)) or c.num_inference_steps, convention="groot",
-                    noise_level=policy_config.noise_level, actor_inputs=lambda observation: (observations(observation),),
+                    noise_level=policy_config.noise_level,
+                    actor_inputs=lambda observation: (observations(observation),),
                     action_mask=observations.action_mask, env_actions=observations.env_actions,
                     trainable=groot_lib.trainable_filter(c), observation_keys=observation_keys,
                     observation_prefixes=(IMAGE_PREFIX,))

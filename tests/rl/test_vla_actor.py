@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ml_collections import ConfigDict
 
 from configs import demos as demos_config
 from configs import groot as groot_config
@@ -214,3 +213,14 @@ def test_rl_job_fine_tunes_the_sft_checkpoint_and_the_eval_job_rebuilds_it(sft_c
   obs = observations(6, IMAGE_SIZE, seed=3)  # the batch test 3 compiled for
   expected = EvalPolicy(policy, end).act(obs, None, jax.random.key(1))
   np.testing.assert_allclose(rebuilt.act(obs, instructions(obs), jax.random.key(1)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_config_and_missing_checkpoint_errors_name_the_fix(tmp_path):
+  from ejax.checkpoint import CheckpointError
+  from ejax.config.validate import ConfigError
+  with pytest.raises(ConfigError, match="sft=<a GR00T train job's checkpoints dir>"):
+    rl_vla3.get_config("runlocal,actor=groot")
+  config = rl_config(str(tmp_path / "gone"))
+  assert config.rl.warm_start.steps == 0 and config.rl.env.kwargs.cameras
+  with pytest.raises(CheckpointError, match="starts from, and is rebuilt from, its SFT checkpoint"):
+    runner.make_policy(config.rl.policy, seed=0)
