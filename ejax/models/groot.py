@@ -181,7 +181,7 @@ class Groot(nnx.Module):
     self.backbone = GrootBackbone(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.action_head = GrootActionHead(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def _context(self, batch, rng=None):
+  def context(self, batch, rng=None):
     """VL tokens after the action head's VL transformer, and the state token, per sample."""
     features = self.backbone(batch)
     if not (self.config.tune_llm or self.config.tune_visual):
@@ -194,7 +194,7 @@ class Groot(nnx.Module):
   def velocity_fn(self, batch, *, vl=None, state_tokens=None):
     """velocity_fn(x [n, horizon, dim], t [n]) in the GR00T convention, for ejax.models.flow."""
     if vl is None:
-      vl, state_tokens = self._context(batch)
+      vl, state_tokens = self.context(batch)
     buckets = self.config.num_timestep_buckets
 
     def fn(x, t):
@@ -209,7 +209,7 @@ class Groot(nnx.Module):
     t = flow.sample_time(time_rng, n, convention="groot") if time is None else time
     noise = jax.random.normal(noise_rng, actions.shape, jnp.float32) if noise is None else noise
     dropout_rng = dropout_rng if train else None
-    vl, state_tokens = self._context(batch, None if dropout_rng is None else jax.random.fold_in(dropout_rng, 0))
+    vl, state_tokens = self.context(batch, None if dropout_rng is None else jax.random.fold_in(dropout_rng, 0))
     noisy, target = flow.interpolate(noise, actions, t, convention="groot")
     buckets = flow.groot_timestep_buckets(t, self.config.num_timestep_buckets)
     pred = self.action_head.velocity(noisy, buckets, state_tokens, vl, batch,

@@ -162,7 +162,7 @@ class GrootActor(nnx.Module):
     self.groot = groot
 
   def prepare(self, batch: dict) -> tuple:
-    vl, state_tokens = self.groot._context(batch)  # no rng: no dropout (see the module docstring)
+    vl, state_tokens = self.groot.context(batch)  # no rng: no dropout (see the module docstring)
     return batch, vl, state_tokens
 
   def velocity(self, noisy_actions: jax.Array, t: jax.Array, batch: dict, vl: jax.Array,
@@ -183,13 +183,12 @@ def load_sft(checkpoint_dir: str, step: int | None = None):
   if policy.config.model.name != "groot":
     raise ValueError(f"{checkpoint_dir} holds a {policy.config.model.name!r} model; rl.policy.kind='groot' "
                      f"needs a GR00T checkpoint (configs/groot.py)")
-  # CheckpointPolicy keeps the restored state for its own sampler; there is no public model handle.
   # The restore lays the state out over a mesh of every device (the trainer's); the RL pipeline
   # places parameters itself (rl.placement), so they start as plain default-device arrays, like a
   # freshly built policy's. Left on the mesh (or device_put to one of its devices, which keeps the
   # mesh in the arrays' types), RL computations would run replicated over all devices and the
   # learner's outputs would not match its inputs' types: a second compilation of its update.
-  state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), policy._state)
+  state = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), policy.model_state)
   model = nnx.merge(model_parts(policy.config.model).graphdef, state)
   return model, policy
 

@@ -54,6 +54,12 @@ class CheckpointPolicy:
 
     self._state, self._sample = state, sample
 
+  @property
+  def model_state(self) -> nnx.State:
+    """The restored model's state (parameters and the rest) that act() samples with, to build
+    another policy on the same weights (ejax.rl.vla fine-tunes it with RL)."""
+    return self._state
+
   def _samples(self, obs: dict[str, np.ndarray], instructions: list[str]) -> list[dict[str, Any]]:
     image_size = self.data.get("image_size")
     cameras = self.data.get("cameras")
