@@ -36,8 +36,9 @@ On CPU the packed arm's attention uses the op's CPU tiles (tiles.CPU_BLOCK_SIZES
 64x64 backward, measured fastest for these rows; 128x128 cost ~1.5x as much). The model's norms
 write their input's gradient out once (ejax.models.layers.materialize_cotangent); before that, XLA
 recomputed the residual gradient of every later layer inside each weight-gradient consumer, ~19 %
-of a packed step. Where an epoch goes now (2026-11-21, 2 devices, load 1.3-3.2): packed 4.5-5.5 s,
-padded 13.3-18.1 s (8.7-12.5 s and 3.0-3.8 s when the machine is otherwise idle); the headline measured 3.04-3.48x over ten runs (BENCHMARKS.md).
+of a packed step. Epochs now (2026-11-21, 2 devices): packed 4.5-5.5 s and padded 13.3-18.1 s at
+load 1.3-3.2; packed 3.0-3.8 s and padded 8.7-12.5 s with the machine otherwise idle. The headline
+measured 3.04-3.48x over ten runs (BENCHMARKS.md).
 
   python benchmarks/packing.py            # headline: CPU, width 128, 3 layers, 48 samples
 """
