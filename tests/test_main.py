@@ -1,4 +1,4 @@
-"""`python -m ejax.main`: the README's main job, and bad input met with one clear line."""
+"""`python -m ejax.main` end to end on the tiny config, and bad input met with one clear line."""
 
 import json
 import os
