@@ -11,10 +11,10 @@ truncated at layer 12 0.92B, SigLIP2 0.4B), LLM and vision frozen as LeRobot fin
 flow-matching loss falls from ~1.5 to ~0.05 over a fine-tuning run.
 
 CPU-sized run of the same architecture (the README's quickstart): the first run records ejax.sim's
-scripted-expert demonstrations of all 15 tasks (10 episodes each, two 64x64 cameras; ~2 min on 2
-cores, kept in ~/.cache/ejax/sim_demos or $EJAX_CACHE_DIR), then trains 400 steps (~3 min); no
-download. The flow-matching loss falls from ~1.9 to ~1.0. Evaluate it in closed loop with
-configs/eval.py:
+scripted-expert demonstrations of all 15 tasks (10 episodes each, two 64x64 cameras; ~1 min on 2
+idle cores, kept in ~/.cache/ejax/sim_demos or $EJAX_CACHE_DIR), then trains 400 steps (~1.5 min,
+~180 samples/s); no download. The flow-matching loss falls from ~1.9 to ~1.0. Evaluate it in
+closed loop with configs/eval.py:
   python -m ejax.main --config=configs/groot.py:runlocal
 Arg string: `runlocal`, `steps=N`, `batch=N`, `dataset=PATH` (another LeRobot dataset, e.g. one
 recorded with configs/demos.py: both cameras, state up to 16 dims) or `dataset=synthetic` (the
