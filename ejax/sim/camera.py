@@ -82,7 +82,7 @@ def _hit_cylinder_side(p, v, radius, half_length):
 
 def _intersect(geom_type: int, p, v, size):
   """Distance along unit ray v from local point p to the geom (inf on a miss); p, v [..., 3]."""
-  sx, sy, sz = size[..., 0], size[..., 1], size[..., 2]
+  sx, sy = size[..., 0], size[..., 1]  # boxes read all three half-sizes from `size` below
   if geom_type == _PLANE:
     t = _positive(_safe_div(-p[..., 2], v[..., 2]))
     hit = p + t[..., None] * v
