@@ -22,6 +22,7 @@ import uuid
 import jax
 import numpy as np
 from absl import logging
+from ml_collections import ConfigDict
 
 from ejax.data.lerobot import LeRobotV3Writer
 from ejax.errors import UserError
@@ -165,7 +166,7 @@ def cached_dataset(settings, path: str | None = None) -> str:
   partial = f"{path}.recording-{os.getpid()}-{uuid.uuid4().hex[:6]}"
   logging.info("recording simulated demonstrations (once) to %s: %s", path, settings)
   try:
-    record(_Settings(settings), partial)
+    record(ConfigDict(settings), partial)
     if os.path.isdir(path) and not os.listdir(path):
       os.rmdir(path)
     os.rename(partial, path)
@@ -177,7 +178,3 @@ def cached_dataset(settings, path: str | None = None) -> str:
     shutil.rmtree(partial, ignore_errors=True)
   return path
 
-
-class _Settings(dict):
-  """A plain dict readable as cfg.key, like the config section record() is written against."""
-  __getattr__ = dict.__getitem__

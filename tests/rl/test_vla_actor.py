@@ -35,8 +35,6 @@ def sft_checkpoint(tmp_path_factory):
   config.demos.num_envs = 2
   demos.run_job(config, str(root / "demos"))
   config = groot_config.get_config(f"runlocal,dataset={root / 'demos' / 'dataset'},steps=2,batch=8")
-  # Two 2-camera samples with their prompts per row (configs/groot.py's dataset rows may be shorter).
-  config.model.packing.row_length = max(config.model.packing.row_length, 256)
   config.model.max_action_dim = MAX_ACTION_DIM
   config.metrics.update(tensorboard=False, progress_bar=False)
   config.checkpoint.update(async_save=False, every_steps=2)
