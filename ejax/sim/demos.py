@@ -177,4 +177,3 @@ def cached_dataset(settings, path: str | None = None) -> str:
   finally:
     shutil.rmtree(partial, ignore_errors=True)
   return path
-
