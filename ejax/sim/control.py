@@ -6,16 +6,20 @@ Action (4 floats in [-1, 1]): [dx, dy, dz, gripper].
   - gripper > 0 closes, <= 0 opens (LIBERO's sign convention).
 The hand keeps a fixed downward orientation. Each step runs IK_ITERATIONS damped-least-squares IK
 updates (kinematics.ik_step) from the previous joint target; the joints then move towards it at most
-MAX_JOINT_STEP per control step (a rate-limited kinematic servo, interpolated over the physics
-substeps).
+MAX_JOINT_STEP per control step (a rate-limited joint servo). The forward kinematics of that joint
+path, sampled at every physics substep, is the set point of the hand's position servos (scene.py),
+with a velocity feed-forward so the hand tracks it without lag. The finger command moves at most
+MAX_FINGER_STEP per control step towards open or fully closed. Like a non-backdrivable gripper
+that stops where it meets resistance, each finger's set point stays at most SQUEEZE inside where
+the finger is, re-read every physics substep (`substep_ctrl`): a finger on an object squeezes it
+with kp * SQUEEZE (8 N) and stays stiff against sideways loads, instead of saturating its force
+limit and yielding.
 Cartesian deltas suit both the scripted experts (waypoints) and learned policies (small, bounded,
 embodiment-agnostic), and the IK lives inside the env so policies never see joint-space quirks.
 
-Grasping: when the gripper closes with the tool centre point within GRASP_RADIUS_XY / GRASP_RADIUS_Z
-of a graspable (an object's centre or the drawer handle), that graspable is attached to the hand
-(the held object follows the tcp rigidly every physics substep; the drawer follows the tcp's motion
-along its slide axis). Opening the gripper releases it. This replaces frictional grasping, which
-would need finger collisions and make MJX several times slower and the experts fragile.
+Holding is physical: an object is held only by finger friction. `grasped_slot` reports which
+graspable (object or drawer handle) is between closed, settled fingers, for rewards, success ("let
+go of it") and the experts.
 """
 
 from __future__ import annotations
@@ -28,14 +32,19 @@ from ejax.sim import kinematics, scene
 
 ACTION_SIZE = 4
 MAX_DELTA = 0.04                       # metres per control step per axis at |action| = 1
-WORKSPACE_LOW = np.array([0.25, -0.38, 0.0], np.float32)
+WORKSPACE_LOW = np.array([0.25, -0.38, scene.FINGER_PAD_RADIUS + scene.FINGER_PAD_HALF_LENGTH], np.float32)
 WORKSPACE_HIGH = np.array([0.75, 0.45, 0.45], np.float32)
 IK_ITERATIONS = 2
 MAX_JOINT_STEP = 0.25                  # rad per control step (2.5 rad/s, about a Panda's joint speed)
-MAX_FINGER_STEP = 0.02                 # metres per control step per finger
-GRASP_RADIUS_XY = 0.02
-GRASP_RADIUS_Z = 0.02
+MAX_FINGER_STEP = 0.02                 # metres per control step per finger (0.2 m/s)
+SQUEEZE = 0.004                        # a closing finger's set point stays this far inside its position
 NO_GRASP = -1
+# A graspable is held when its centre is inside this box around the tcp (hand frame: along the pads,
+# across them, along the gripper) while the gripper is closed, the fingers have stopped
+# (|velocity| < FINGER_SETTLED) and something keeps them apart (gap > MIN_HOLD_GAP).
+HOLD_BOX = np.array([0.03, 0.02, 0.025], np.float32)
+FINGER_SETTLED = 0.05                  # m/s
+MIN_HOLD_GAP = 0.006                   # m between the pads
 _TCP_ROTATION = kinematics.home_tcp_rotation()
 
 
@@ -49,48 +58,6 @@ def update_targets(ee_target: Any, q_target: Any, action: Any, xp: Any = np) -> 
   return ee_target, q_target
 
 
-def update_grasp(grip: dict, close: Any, tcp: Any, graspables: Any, object_quats: Any, drawer_q: Any,
-                 xp: Any = np) -> dict:
-  """New grasp state after the gripper command. `grip` holds:
-    grasped [] int32 (slot or NO_GRASP), offset [3] (held object - tcp), quat [4] (held object's
-    orientation), tcp_at_grasp [3], drawer_at_grasp [].
-  """
-  xy_distance = xp.sqrt(xp.sum((graspables[:, :2] - tcp[None, :2]) ** 2, axis=-1))
-  z_distance = xp.abs(graspables[:, 2] - tcp[2])
-  in_reach = (xy_distance < GRASP_RADIUS_XY) & (z_distance < GRASP_RADIUS_Z)
-  nearest = xp.argmin(xp.where(in_reach, xy_distance + z_distance, xp.inf)).astype(xp.int32)
-  new_grasp = close & (grip["grasped"] == NO_GRASP) & xp.any(in_reach)
-  grasped = xp.where(close, xp.where(new_grasp, nearest, grip["grasped"]), NO_GRASP).astype(xp.int32)
-  quats = xp.concatenate([object_quats, xp.asarray(np.array([[1.0, 0, 0, 0]], np.float32))], axis=0)
-  return {
-      "grasped": grasped,
-      "offset": xp.where(new_grasp, graspables[nearest] - tcp, grip["offset"]),
-      "quat": xp.where(new_grasp, quats[nearest], grip["quat"]),
-      "tcp_at_grasp": xp.where(new_grasp, tcp, grip["tcp_at_grasp"]),
-      "drawer_at_grasp": xp.where(new_grasp, drawer_q, grip["drawer_at_grasp"]),
-  }
-
-
-def initial_grip(xp: Any = np) -> dict:
-  return {"grasped": xp.asarray(NO_GRASP, dtype=xp.int32), "offset": xp.zeros(3, xp.float32),
-          "quat": xp.asarray(np.array([1.0, 0, 0, 0], np.float32)), "tcp_at_grasp": xp.zeros(3, xp.float32),
-          "drawer_at_grasp": xp.zeros((), xp.float32)}
-
-
-def finger_target(close: Any, grip: dict, object_half_widths: Any, xp: Any = np) -> Any:
-  """Per-finger opening: wide open, or closed onto the held object's half width (visual only)."""
-  held = xp.clip(grip["grasped"], 0, object_half_widths.shape[0] - 1)
-  holding_object = (grip["grasped"] >= 0) & (grip["grasped"] < object_half_widths.shape[0])
-  closed = xp.where(holding_object, object_half_widths[held], 0.0)
-  return xp.where(close, closed, scene.FINGER_OPEN).astype(xp.float32)
-
-
-def drawer_follow(grip: dict, tcp: Any, xp: Any = np) -> Any:
-  """Drawer opening while its handle is held: the tcp's displacement along the slide axis."""
-  moved = xp.sum((tcp - grip["tcp_at_grasp"]) * xp.asarray(scene.DRAWER_AXIS))
-  return xp.clip(grip["drawer_at_grasp"] + moved, 0.0, scene.DRAWER_TRAVEL)
-
-
 def graspable_positions(qpos: Any, xp: Any = np) -> Any:
   """Positions [5, 3] of the four objects' centres and the drawer handle."""
   index = scene.scene_index()
@@ -98,36 +65,75 @@ def graspable_positions(qpos: Any, xp: Any = np) -> Any:
   return xp.concatenate([objects, scene.handle_position(qpos[index.drawer_qpos], xp)[None]], axis=0)
 
 
-def plan_step(info: dict, qpos: Any, action: Any, xp: Any = np) -> tuple[dict, Any]:
-  """Everything a control step decides before physics, shared by both backends.
+def tcp_position(qpos: Any) -> Any:
+  """The hand's actual tool centre point [3] (its slide joints are world coordinates)."""
+  return qpos[scene.scene_index().hand_qpos]
 
-  -> (info with the new grasp state, targets, joint angles "arm_q" and finger opening "finger";
-      tcp position at the end of each physics substep [SUBSTEPS, 3], for holding the grasped object).
+
+def gripper_gap(qpos: Any, xp: Any = np) -> Any:
+  """Distance between the finger pads [] (metres; 2 * FINGER_OPEN when fully open)."""
+  return xp.sum(qpos[scene.scene_index().finger_qpos])
+
+
+def grasped_slot(qpos: Any, qvel: Any, close: Any, half_widths: Any, xp: Any = np) -> Any:
+  """Which graspable the closed fingers hold ([] int32: slot, or NO_GRASP), from the physical state.
+
+  Held: inside HOLD_BOX around the tcp, the gripper commanded closed, the fingers settled and kept
+  apart by at most the graspable's widest horizontal extent (a rotated cube's diagonal) plus 4 mm.
   """
   index = scene.scene_index()
+  relative = (graspable_positions(qpos, xp) - tcp_position(qpos)[None]) @ xp.asarray(scene.HAND_ROTATION)  # hand frame
+  in_box = xp.all(xp.abs(relative) < xp.asarray(HOLD_BOX)[None], axis=-1)
+  gap = gripper_gap(qpos, xp)
+  settled = xp.max(xp.abs(qvel[index.finger_dof])) < FINGER_SETTLED
+  apart = (gap > MIN_HOLD_GAP) & (gap < 2 * np.sqrt(2) * half_widths + 0.004)
+  candidates = in_box & apart & settled & close
+  distance = xp.sum(relative ** 2, axis=-1)
+  nearest = xp.argmin(xp.where(candidates, distance, xp.inf)).astype(xp.int32)
+  return xp.where(xp.any(candidates), nearest, NO_GRASP).astype(xp.int32)
+
+
+def plan_step(info: dict, action: Any, xp: Any = np) -> tuple[dict, Any]:
+  """Everything a control step decides before physics, shared by both backends.
+
+  -> (info with the new targets, joint angles "arm_q", finger set point "finger" and gripper command
+      "close"; the actuator set points for each physics substep [SUBSTEPS, nu], before substep_ctrl).
+  """
   action = xp.clip(xp.asarray(action, dtype=xp.float32), -1.0, 1.0)
   close = action[3] > 0
   q_now = info["arm_q"]
-  tcp_now, _, _, _ = kinematics.forward_kinematics(q_now, xp)
-  grip = update_grasp(info["grip"], close, tcp_now, graspable_positions(qpos, xp),
-                      qpos[index.object_qpos[:, 3:]], qpos[index.drawer_qpos], xp)
   ee_target, q_target = update_targets(info["ee_target"], info["q_target"], action, xp)
   q_next = q_now + xp.clip(q_target - q_now, -MAX_JOINT_STEP, MAX_JOINT_STEP)
-  finger_goal = finger_target(close, grip, info["half_widths"], xp)
+  finger_goal = xp.where(close, 0.0, scene.FINGER_OPEN)
   finger_next = info["finger"] + xp.clip(finger_goal - info["finger"], -MAX_FINGER_STEP, MAX_FINGER_STEP)
-  fractions = xp.asarray(np.arange(1, scene.SUBSTEPS + 1, dtype=np.float32) / scene.SUBSTEPS)
-  q_path = q_now[None] + fractions[:, None] * (q_next - q_now)[None]
+  fractions = xp.asarray(np.arange(0, scene.SUBSTEPS + 1, dtype=np.float32) / scene.SUBSTEPS)
+  q_path = q_now[None] + fractions[:, None] * (q_next - q_now)[None]                  # [SUBSTEPS + 1, 7]
   tcp_path, _, _, _ = kinematics.forward_kinematics(q_path, xp)
-  info = dict(info, grip=grip, ee_target=ee_target, q_target=q_target, arm_q=q_next,
-              finger=finger_next.astype(xp.float32))
-  return info, tcp_path
+  # Position servo with kv: force = kp (ctrl - x) - kv v. Offsetting the set point by (kv / kp) v*
+  # turns it into kp (x* - x) + kv (v* - v): the hand tracks the moving set point without lag.
+  velocity = (tcp_path[1:] - tcp_path[:-1]) / scene.TIMESTEP
+  hand_ctrl = tcp_path[1:] + (scene.HAND_KV / scene.HAND_KP) * velocity
+  finger_path = info["finger"] + fractions[1:] * (finger_next - info["finger"])        # [SUBSTEPS]
+  ctrl = xp.concatenate([hand_ctrl, finger_path[:, None], finger_path[:, None]], axis=-1).astype(xp.float32)
+  info = dict(info, ee_target=ee_target, q_target=q_target, arm_q=q_next, finger=finger_next.astype(xp.float32),
+              close=close)
+  return info, ctrl
 
 
-def arm_mocap_pose(q: Any, finger: Any, xp: Any = np) -> tuple[Any, Any]:
-  """Mocap poses of links 1..7, hand, left and right finger: positions [10, 3], quaternions [10, 4]."""
+def substep_ctrl(ctrl: Any, qpos: Any, xp: Any = np) -> Any:
+  """The set points [nu] to apply for one physics substep: the planned ones, with each finger's kept
+  at most SQUEEZE inside the finger's current position."""
+  fingers = xp.maximum(ctrl[3:], qpos[scene.scene_index().finger_qpos] - SQUEEZE)
+  return xp.concatenate([ctrl[:3], fingers]).astype(ctrl.dtype)
+
+
+def initial_ctrl(arm_q: Any, xp: Any = np) -> Any:
+  """Actuator set points [nu] holding the hand at forward_kinematics(arm_q) with the gripper open."""
+  tcp, _, _, _ = kinematics.forward_kinematics(arm_q, xp)
+  return xp.concatenate([tcp, xp.full(2, scene.FINGER_OPEN)]).astype(xp.float32)
+
+
+def arm_mocap_pose(q: Any, xp: Any = np) -> tuple[Any, Any]:
+  """Mocap poses of links 1..7: positions [7, 3], quaternions [7, 4]."""
   positions, rotations = kinematics.link_frames(q, xp)
-  hand_pos, hand_rot = positions[7], rotations[7]
-  finger_pos = hand_pos[None] + scene.finger_offsets(finger, xp) @ hand_rot.T
-  all_pos = xp.concatenate([positions, finger_pos], axis=0)
-  all_rot = xp.concatenate([rotations, xp.stack([hand_rot, hand_rot])], axis=0)
-  return all_pos.astype(xp.float32), kinematics.matrix_to_quat(all_rot, xp).astype(xp.float32)
+  return positions[:7].astype(xp.float32), kinematics.matrix_to_quat(rotations[:7], xp).astype(xp.float32)

@@ -136,8 +136,9 @@ def run_job(config, workdir: str) -> None:
     json.dump(summary, f, indent=2)
 
 
-# Bump when what a recording holds changes (features, tasks, expert), so stale caches are not reused.
-RECORDING_FORMAT = 1
+# Bump when what a recording holds changes (features, tasks, expert, physics), so stale caches are not
+# reused. 2: the dynamic hand with contact grasps replaced the kinematic hand with attachment grasps.
+RECORDING_FORMAT = 2
 
 
 def cached_dataset(settings, path: str | None = None) -> str:

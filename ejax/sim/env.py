@@ -3,7 +3,7 @@
 One `Env` is one task on one environment; batch with `jax.vmap` (or use `batched.make_batched`, which
 also mixes tasks in one compiled program). Observations:
   "observation.state"            [11] f32: arm joint angles (7), gripper opening (1, metres between
-                                 the fingers), tool-centre-point position (3)
+                                 the finger pads), the hand's tool-centre-point position (3)
   "task_index"                   [] int32: the task's position in registry.list_tasks()
   "observation.environment_state" [7] f32: the task's object state (robosuite's "object-state"
                                  analogue, for state-based policies): the target object's position
@@ -15,7 +15,7 @@ also mixes tasks in one compiled program). Observations:
 Actions: [dx, dy, dz, gripper] in [-1, 1] (see control.py). Control at 10 Hz, physics at 100 Hz.
 `done` and `success` are sticky: once set they stay set; the physics keeps stepping.
 `info` holds the step count, the episode's task parameters (resolved target, goal, tolerances),
-per-episode geom sizes and colours, the controller targets, the grasp state, and "privileged"
+per-episode geom sizes and colours, the controller targets and gripper command, and "privileged"
 (tcp, target position, goal, holding) for scripted experts.
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 from flax import struct
 from mujoco import mjx
 
-from ejax.sim import camera, control, kinematics, layout, scene, tasks
+from ejax.sim import camera, control, layout, scene, tasks
 
 STATE_SIZE = 11
 ENVIRONMENT_STATE_SIZE = 7
@@ -68,35 +68,38 @@ def fixture_positions(mocap_pos: Any) -> Any:
   return mocap_pos[np.array([index.bowl_mocap, index.plate_mocap])]
 
 
-def privileged(qpos: Any, mocap_pos: Any, info: dict, xp: Any = jnp) -> dict:
+def privileged(qpos: Any, mocap_pos: Any, info: dict, grasped: Any, xp: Any = jnp) -> dict:
   """What a scripted expert needs: tcp, the target's position, its goal, and grasp flags."""
-  tcp, _, _, _ = kinematics.forward_kinematics(info["arm_q"], xp)
   positions = control.graspable_positions(qpos, xp)
-  grasped = info["grip"]["grasped"]
-  return {"tcp": tcp, "target_pos": positions[info["target"]],
+  return {"tcp": control.tcp_position(qpos), "target_pos": positions[info["target"]],
           "goal": tasks.goal_position(info, positions, fixture_positions(mocap_pos), xp),
           "holding": grasped == info["target"], "holding_other": (grasped >= 0) & (grasped != info["target"]),
           "is_drawer": info["is_drawer"], "is_lift": info["is_lift"], "require_release": info["require_release"],
           "target_half_height": info["half_heights"][info["target"]], "ee_target": info["ee_target"]}
 
 
-def state_vector(info: dict, xp: Any = jnp) -> Any:
-  q = info["arm_q"]
-  tcp, _, _, _ = kinematics.forward_kinematics(q, xp)
-  return xp.concatenate([q, 2 * info["finger"][None], tcp]).astype(xp.float32)
+def state_vector(qpos: Any, info: dict, xp: Any = jnp) -> Any:
+  return xp.concatenate([info["arm_q"], control.gripper_gap(qpos, xp)[None], control.tcp_position(qpos)]).astype(xp.float32)
 
 
-def evaluate_state(qpos: Any, mocap_pos: Any, info: dict, xp: Any = jnp):
-  tcp, _, _, _ = kinematics.forward_kinematics(info["arm_q"], xp)
-  return tasks.evaluate(info, tcp, control.graspable_positions(qpos, xp), fixture_positions(mocap_pos),
-                        info["grip"]["grasped"], xp)
+def assess(qpos: Any, qvel: Any, mocap_pos: Any, info: dict, prev_success: Any, prev_done: Any, xp: Any = jnp):
+  """The task's verdict on a physics state, shared by both backends.
+
+  -> (success, done, reward, metrics, info with "privileged"); success and done are sticky.
+  """
+  grasped = control.grasped_slot(qpos, qvel, info["close"], info["half_widths"], xp)
+  success_now, reward, metrics = tasks.evaluate(info, control.tcp_position(qpos), control.graspable_positions(qpos, xp),
+                                                fixture_positions(mocap_pos), grasped, xp)
+  success = prev_success | success_now
+  done = prev_done | success | (info["step"] >= info["episode_length"])
+  info = dict(info, privileged=privileged(qpos, mocap_pos, info, grasped, xp))
+  return success, done, reward, metrics, info
 
 
 def with_arm_pose(mocap_pos: Any, mocap_quat: Any, info: dict, xp: Any = jnp) -> tuple[Any, Any]:
-  """Mocap arrays with the arm, hand and fingers posed from info["arm_q"] / info["finger"]."""
-  index = scene.scene_index()
-  bodies = np.concatenate([index.arm_mocap, index.finger_mocap])
-  pos, quat = control.arm_mocap_pose(info["arm_q"], info["finger"], xp)
+  """Mocap arrays with links 1..7 posed from info["arm_q"]."""
+  bodies = scene.scene_index().arm_mocap
+  pos, quat = control.arm_mocap_pose(info["arm_q"], xp)
   if xp is np:
     mocap_pos, mocap_quat = mocap_pos.copy(), mocap_quat.copy()
     mocap_pos[bodies], mocap_quat[bodies] = pos, quat
@@ -125,13 +128,13 @@ def environment_state(info: dict, xp: Any = jnp) -> Any:
   return xp.concatenate([p["target_pos"], p["goal"], xp.asarray(p["holding"], xp.float32)[None]]).astype(xp.float32)
 
 
-def base_observations(info: dict, xp: Any = jnp) -> dict:
-  return {"observation.state": state_vector(info, xp), "observation.environment_state": environment_state(info, xp),
+def base_observations(qpos: Any, info: dict, xp: Any = jnp) -> dict:
+  return {"observation.state": state_vector(qpos, info, xp), "observation.environment_state": environment_state(info, xp),
           "task_index": info["task_index"]}
 
 
 def _observe(model: mjx.Model, data: mjx.Data, info: dict, cameras: CameraConfig | None) -> dict:
-  obs = base_observations(info)
+  obs = base_observations(data.qpos, info)
   if cameras is not None:
     data = mjx.kinematics(model, data)  # geom poses for the final qpos / mocap of this step
     obs.update(render_cameras(cameras, info["geom_size"], info["geom_rgba"], data.geom_xpos, data.geom_xmat,
@@ -139,19 +142,11 @@ def _observe(model: mjx.Model, data: mjx.Data, info: dict, cameras: CameraConfig
   return obs
 
 
-def _attach(data: mjx.Data, grip: dict, tcp: jax.Array) -> mjx.Data:
-  """Hold the grasped object rigidly at the tcp (zero velocity), or drag the drawer with the tcp."""
-  index = scene.scene_index()
-  held = grip["grasped"] == jnp.arange(scene.NUM_OBJECTS)                     # [4]
-  object_qpos = data.qpos[index.object_qpos]                                  # [4, 7]
-  pose = jnp.concatenate([tcp + grip["offset"], grip["quat"]])
-  qpos = data.qpos.at[index.object_qpos].set(jnp.where(held[:, None], pose[None], object_qpos))
-  qvel = data.qvel.at[index.object_dof].set(jnp.where(held[:, None], 0.0, data.qvel[index.object_dof]))
-  on_handle = grip["grasped"] == tasks.HANDLE_SLOT
-  qpos = qpos.at[index.drawer_qpos].set(jnp.where(on_handle, control.drawer_follow(grip, tcp, jnp),
-                                                  qpos[index.drawer_qpos]))
-  qvel = qvel.at[index.drawer_dof].set(jnp.where(on_handle, 0.0, qvel[index.drawer_dof]))
-  return data.replace(qpos=qpos, qvel=qvel)
+def _finish(model: mjx.Model, data: mjx.Data, info: dict, prev_success: jax.Array, prev_done: jax.Array,
+            cameras: CameraConfig | None) -> EnvState:
+  success, done, reward, metrics, info = assess(data.qpos, data.qvel, data.mocap_pos, info, prev_success, prev_done)
+  return EnvState(data=data, obs=_observe(model, data, info, cameras), reward=reward, done=done,
+                  success=success, metrics=metrics, info=info)
 
 
 def mjx_reset(rng: jax.Array, task_row: dict, cameras: CameraConfig | None) -> EnvState:
@@ -162,33 +157,26 @@ def mjx_reset(rng: jax.Array, task_row: dict, cameras: CameraConfig | None) -> E
   model = mjx_model().replace(geom_size=info["geom_size"])
   data = mjx.make_data(mjx_model())
   mocap_pos, mocap_quat = with_arm_pose(episode["mocap_pos"], data.mocap_quat, info)
-  # No mjx.forward here: observations come from our own kinematics, the cameras run mjx.kinematics,
-  # and the first mjx.step computes the rest. It keeps reset cheap to compile.
-  data = data.replace(qpos=episode["qpos"], mocap_pos=mocap_pos, mocap_quat=mocap_quat)
-  success, reward, metrics = evaluate_state(data.qpos, data.mocap_pos, info)
-  info["privileged"] = privileged(data.qpos, data.mocap_pos, info)
-  return EnvState(data=data, obs=_observe(model, data, info, cameras), reward=reward, done=success,
-                  success=success, metrics=metrics, info=info)
+  # No mjx.forward here: observations come from qpos and our own kinematics, the cameras run
+  # mjx.kinematics, and the first mjx.step computes the rest. It keeps reset cheap to compile.
+  data = data.replace(qpos=episode["qpos"], mocap_pos=mocap_pos, mocap_quat=mocap_quat,
+                      ctrl=control.initial_ctrl(info["arm_q"], jnp))
+  never = jnp.zeros((), bool)
+  return _finish(model, data, info, never, never, cameras)
 
 
 def mjx_step(state: EnvState, action: jax.Array, cameras: CameraConfig | None) -> EnvState:
   model = mjx_model().replace(geom_size=state.info["geom_size"])
-  info, tcp_path = control.plan_step(state.info, state.data.qpos, action, jnp)
-  grip = info["grip"]
+  info, ctrl_path = control.plan_step(state.info, action, jnp)
 
-  def substep(data, tcp):
-    return _attach(mjx.step(model, data), grip, tcp), None
+  def substep(data, ctrl):
+    return mjx.step(model, data.replace(ctrl=control.substep_ctrl(ctrl, data.qpos, jnp))), None
 
-  data, _ = jax.lax.scan(substep, state.data, tcp_path)
+  data, _ = jax.lax.scan(substep, state.data, ctrl_path)
   mocap_pos, mocap_quat = with_arm_pose(data.mocap_pos, data.mocap_quat, info)
   data = data.replace(mocap_pos=mocap_pos, mocap_quat=mocap_quat)
   info["step"] = info["step"] + 1
-  success_now, reward, metrics = evaluate_state(data.qpos, data.mocap_pos, info)
-  success = state.success | success_now
-  done = state.done | success | (info["step"] >= info["episode_length"])
-  info["privileged"] = privileged(data.qpos, data.mocap_pos, info)
-  return EnvState(data=data, obs=_observe(model, data, info, cameras), reward=reward, done=done,
-                  success=success, metrics=metrics, info=info)
+  return _finish(model, data, info, state.success, state.done, cameras)
 
 
 def global_task_index(name: str) -> int:

@@ -2,7 +2,9 @@
 
 One stateless expert solves every task: the waypoint is a pure function of the privileged state
 (tcp, the target's position, its goal, grasp flags; env.privileged), so it batches with vmap,
-retries a failed grasp by itself, and runs unchanged on numpy for the native backend.
+retries a failed or slipped grasp by itself, and runs unchanged on numpy for the native backend.
+"Holding" is physical (control.grasped_slot: the object between closed, settled fingers), so the
+expert waits with the fingers closing until they have stopped on the object before it lifts.
 
   not holding the target: rise, hover above it, descend onto its centre, close;
   holding it:             rise to a carrying height, move above the goal, descend until the object

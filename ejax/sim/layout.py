@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejax.sim import control, kinematics, scene, tasks
+from ejax.sim import kinematics, scene, tasks
 
 GRID_X = np.array([0.36, 0.50, 0.64], np.float32)          # rows: distance from the robot
 GRID_Y = np.array([-0.27, -0.135, 0.0, 0.135], np.float32)  # columns: right to left
 CELL_JITTER = 0.015
 ARM_START_NOISE = 0.05
 COLOUR_JITTER = 0.06
+MAX_YAW = 0.35             # rad (20 degrees)
 
 
 def _effective_rgba(model) -> np.ndarray:
@@ -72,7 +73,7 @@ def sample_episode(rng: jax.Array, task: dict[str, jax.Array]) -> dict:
     geom_size = geom_size.at[index.object_geom[k]].set(jnp.full(3, block_half[k]))
   geom_size = geom_size.at[index.object_geom[3]].set(jnp.stack([cylinder_radius, cylinder_half_height, 0.0]))
   half_heights = jnp.concatenate([block_half, cylinder_half_height[None], jnp.zeros(1)])  # [5] incl. handle
-  half_widths = jnp.concatenate([block_half, cylinder_radius[None]])                     # [4]
+  half_widths = jnp.concatenate([block_half, cylinder_radius[None], jnp.full(1, scene.HANDLE_HALF_WIDTH)])  # [5]
 
   # Colours: named colours with a little jitter, or one shared random colour for identical blocks.
   base = jnp.asarray(np.array([*tasks.BLOCK_COLOURS.values(), tasks.CYLINDER_COLOUR], np.float32))
@@ -86,8 +87,10 @@ def sample_episode(rng: jax.Array, task: dict[str, jax.Array]) -> dict:
   geom_rgba = geom_rgba.at[index.bowl_geoms, :3].set(bowl_plate[0])
   geom_rgba = geom_rgba.at[index.plate_geoms, :3].set(bowl_plate[1])
 
-  # Objects rest on the table with a random yaw; bowl and plate are mocap bodies.
-  yaw = jax.random.uniform(keys[8], (4,), minval=-np.pi, maxval=np.pi)
+  # Objects rest on the table with a random yaw within +-MAX_YAW of the gripper's closing axis (the
+  # action space has no wrist rotation, and a cube squeezed across its diagonal slips); bowl and
+  # plate are static bodies.
+  yaw = jax.random.uniform(keys[8], (4,), minval=-MAX_YAW, maxval=MAX_YAW)
   quats = jnp.stack([jnp.cos(yaw / 2), jnp.zeros(4), jnp.zeros(4), jnp.sin(yaw / 2)], -1)
   object_pos = jnp.concatenate([xy[:4], half_heights[:4, None]], -1)
   qpos = jnp.asarray(model.qpos0, jnp.float32)
@@ -102,14 +105,19 @@ def sample_episode(rng: jax.Array, task: dict[str, jax.Array]) -> dict:
       arm_keys[1], (7,), minval=-ARM_START_NOISE, maxval=ARM_START_NOISE)
   qpos = qpos.at[index.drawer_qpos].set(drawer_q)
   tcp, _, _, _ = kinematics.forward_kinematics(arm_q, jnp)
+  qpos = qpos.at[index.hand_qpos].set(tcp).at[index.finger_qpos].set(scene.FINGER_OPEN)
 
   # Resolve the task against this layout.
   target = tasks.resolve_relation(task["target_relation"], task["target_slot"], xy[:3], jnp)
   target = jnp.where(task["is_drawer"], tasks.HANDLE_SLOT, target)
   anchor = tasks.resolve_relation(task["anchor_relation"], task["anchor"], xy[:3], jnp)
   stacked = anchor < 4
+  # The target's centre rests half its height above the anchor's top: another object's top, the
+  # plate's surface, or the table inside the bowl's rim.
+  anchor_top = jnp.where(stacked, half_heights[jnp.clip(anchor, 0, 3)],
+                         jnp.where(anchor == tasks.ANCHOR_PLATE, scene.PLATE_HEIGHT, 0.0))
   goal_offset = jnp.stack([0.0, 0.0, jnp.where(task["is_lift"] | task["is_drawer"], 0.0,
-                                               half_heights[target] + jnp.where(stacked, half_heights[jnp.clip(anchor, 0, 3)], 0.0))])
+                                               half_heights[target] + anchor_top)])
   fixed_goal = jnp.where(task["is_drawer"], scene.handle_position(task["drawer_goal"], jnp),
                          jnp.concatenate([object_pos[jnp.clip(target, 0, 3), :2], jnp.full(1, tasks.LIFT_HEIGHT)]))
   info = {
@@ -120,6 +128,6 @@ def sample_episode(rng: jax.Array, task: dict[str, jax.Array]) -> dict:
       "geom_size": geom_size.astype(jnp.float32), "geom_rgba": geom_rgba.astype(jnp.float32),
       "ee_target": tcp.astype(jnp.float32), "q_target": arm_q.astype(jnp.float32),
       "arm_q": arm_q.astype(jnp.float32), "finger": jnp.asarray(scene.FINGER_OPEN, jnp.float32),
-      "grip": control.initial_grip(jnp),
+      "close": jnp.zeros((), bool),
   }
   return {"qpos": qpos, "mocap_pos": mocap_pos.astype(jnp.float32), "info": info}

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejax.sim import registry
+from ejax.sim import registry, scene
 from ejax.sim.batched import make_batched
 
 TASKS = registry.list_tasks()
@@ -56,8 +56,10 @@ def test_500_random_action_steps_stay_finite_and_in_workspace(batch):
   assert np.all(tcp[:, 2] > -0.01) and np.all(tcp[:, 2] < 0.5)
   rewards = np.asarray(state.reward)
   assert np.all((rewards >= 0) & (rewards <= 1))
-  # Objects stay on or above the table.
-  assert np.all(np.asarray(state.data.qpos)[:, [2, 9, 16, 23]] > 0.0)
+  # Objects stay on or above the table, and the hand's fingers do not sink into it.
+  index = scene.scene_index()
+  assert np.all(np.asarray(state.data.qpos)[:, index.object_qpos[:, 2]] > 0.0)
+  assert np.all(tcp[:, 2] > scene.FINGER_PAD_RADIUS - 0.005)
 
 
 @pytest.mark.timeout(300)
