@@ -20,8 +20,8 @@ import numpy as np
 
 from ejax.sim import control
 
-HOVER = 0.1            # hover this far above a target before descending [m]
-CARRY_CLEARANCE = 0.08  # carried objects travel this far above the higher of goal and 6 cm
+HOVER = 0.07           # hover this far above a target before descending [m]
+CARRY_CLEARANCE = 0.06  # carried objects travel this far above the higher of goal and 6 cm
 RELEASE_GAP = 0.004    # open when the object's centre is this far above its goal
 ALIGN_TOLERANCE = 0.008
 GRASP_TOLERANCE = 0.012
