@@ -15,7 +15,7 @@ from ejax.sim.batched import make_batched
 TASKS = registry.list_tasks()
 NUM_ENVS = 2 * len(TASKS)
 EXPERT_SEEDS = 100
-CI_EXPERT_SEEDS = 30
+CI_EXPERT_SEEDS = 20
 
 
 @jax.jit
@@ -105,7 +105,7 @@ def _expert_success(batch, seeds_per_task: int) -> np.ndarray:
 
 
 @pytest.mark.timeout(900)
-def test_scripted_experts_succeed_on_95_percent_of_30_seeds(batch):
+def test_scripted_experts_succeed_on_95_percent_of_20_seeds(batch):
   """The CI-sized check; the acceptance figure (100 seeds) is the slow test below."""
   success = _expert_success(batch, CI_EXPERT_SEEDS)
   assert success.shape == (CI_EXPERT_SEEDS, len(TASKS))
