@@ -106,7 +106,6 @@ MJX_MAX_GEOM_PAIRS, MJX_MAX_CONTACT_POINTS = 4, 24
 
 def _flange_to_hand_frame(position: np.ndarray, rotation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """A pose given in the home flange frame -> the same world pose in the hand frame (origin: tcp)."""
-  from ejax.sim import kinematics  # local: kinematics imports nothing from here, but keep the scene light
   flange_rotation = kinematics.home_tcp_rotation()
   world_offset = flange_rotation @ (position - np.array([0.0, 0.0, kinematics.TCP_OFFSET]))
   return HAND_ROTATION.T @ world_offset, HAND_ROTATION.T @ flange_rotation @ rotation
