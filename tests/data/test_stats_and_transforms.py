@@ -44,7 +44,9 @@ def test_normalizer_round_trips_and_guards_flat_dimensions():
   mean_std = transforms.Normalizer(stats, "mean_std", ["action"])
   np.testing.assert_allclose(mean_std.normalize("action", values), [[1.0, 5.0], [-1.0, 5.0]])
   quantile = transforms.Normalizer(stats, "quantile", ["action"])
-  np.testing.assert_allclose(quantile.normalize("action", values), [[1.0, 1.0], [-1.0, 1.0]])
+  np.testing.assert_allclose(quantile.normalize("action", values), [[1.0, 5.0], [-1.0, 5.0]])
+  beyond = np.array([[7.0, 5.0]], np.float32)  # past q99: linear, not clipped (openpi's convention)
+  np.testing.assert_allclose(quantile.normalize("action", beyond), [[3.0, 5.0]])
   for normalizer in (mean_std, quantile):
     np.testing.assert_allclose(
         normalizer.unnormalize("action", normalizer.normalize("action", values))[:, 0],
