@@ -73,8 +73,16 @@ def collect_batched_expert_demos(batched_env, *, horizon: int, action_noise: flo
 
 def behaviour_clone(policy, params: Any, demos: dict, *, steps: int, batch_size: int, learning_rate: float,
                     rng: jax.Array) -> Any:
-  """Flow-matching SFT of the actor on the demos (the critic is untouched); returns new params."""
-  optimizer = optax.adam(learning_rate)
+  """Flow-matching SFT of the actor on the demos; returns new params. The state normalisers of actor
+  and critic (ejax.rl.policy.StateNormalizer) take the demos' statistics first; the critic's weights
+  are untouched."""
+  from ejax.rl.policy import policy_state, set_state_normalization
+  model = nnx.merge(policy.graphdef, params)
+  set_state_normalization(model, policy_state(demos["observation"]))
+  params = nnx.state(model)
+  # Cosine decay to 0: the last steps refine the fit at a small rate (a constant rate left the
+  # closed-loop policy well short of its expert on the same step budget).
+  optimizer = optax.adam(optax.cosine_decay_schedule(learning_rate, max(steps, 1)))
   convention = policy.convention
 
   def loss_fn(params, batch, key):
