@@ -26,12 +26,13 @@ def get_config(arg: str | None = None):
       checkpoint="",         # checkpoint directory: the train job's (policy=checkpoint, ejax.train.policy)
                              # or an rl job's rl_checkpoints (policy=rl, ejax.rl.runner.load_rl_policy)
       version=-1,            # policy=rl: which saved policy version (-1: the newest)
-      tasks="all",           # "all", a suite ("spatial" | "object" | "goal"), or "name+name"
+      tasks="",              # "all", a suite ("spatial" | "object" | "goal"), "name+name", or "": the
+                             # tasks the checkpoint was trained on (its saved data config), else all
       episodes_per_task=50,
       num_envs=60,           # envs stepped together (split evenly over the tasks)
       backend="native",      # native (faster on CPU) | mjx (GPU)
-      image_height=128,      # must match the images the policy was trained on
-      image_width=128,
+      image_height=0,        # camera size; 0: the size the checkpoint's demonstrations were recorded
+      image_width=0,         # at (its saved data config), else 128
       replan_every=8,        # execute this many actions of each chunk open-loop
       episode_length=0,      # 0: each task's own limit
       videos_per_task=2,
@@ -39,7 +40,7 @@ def get_config(arg: str | None = None):
       seed=1234,             # different from configs/demos.py's seed: evaluation layouts are unseen
   ))
   if args.runlocal:
-    config.eval.update(episodes_per_task=4, num_envs=60, image_height=64, image_width=64, videos_per_task=1)
+    config.eval.update(episodes_per_task=20, num_envs=60, videos_per_task=1)
   if args.policy:
     config.eval.policy = args.policy
   if args.episodes:

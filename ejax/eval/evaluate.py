@@ -55,15 +55,19 @@ def policy_observations(state, uses_privileged_state: bool) -> dict[str, np.ndar
 
 
 def rollout(env, policy, rng: jax.Array, replan_every: int, video_envs: list[int]) -> tuple[np.ndarray, np.ndarray, dict]:
-  """One batch of episodes. -> (success [N] bool, episode length [N], {env index: frames [T, H, 2W, 3]})."""
-  state = env.reset(jax.random.fold_in(rng, 0))
+  """One batch of episodes. -> (success [N] bool, episode length [N], {env index: frames [T, H, 2W, 3]}).
+
+  The layouts come from env.reset(rng), exactly as ejax.sim.demos records a round: with the same
+  seed, tasks and number of envs, evaluation replays the recorded layouts (the oracle and overfit
+  diagnostics rely on it; the default eval seed differs from the demos' so layouts are unseen)."""
+  state = env.reset(rng)
   frames = {i: [] for i in video_envs}
   lengths = np.full(env.num_envs, env.episode_length)
   chunk, position = None, 0
   for t in range(env.episode_length):
     if chunk is None or position >= min(replan_every, chunk.shape[1]):
       obs = policy_observations(state, getattr(policy, "uses_privileged_state", False))
-      chunk = np.asarray(policy.act(obs, env.instructions, jax.random.fold_in(rng, t + 1)), np.float32)
+      chunk = np.asarray(policy.act(obs, env.instructions, jax.random.fold_in(rng, t + 1_000_003)), np.float32)
       if chunk.ndim != 3 or chunk.shape[0] != env.num_envs or chunk.shape[2] != env.action_size:
         raise ValueError(f"policy.act returned {chunk.shape}; expected [num_envs={env.num_envs}, horizon, "
                          f"action_dim={env.action_size}]")
@@ -152,7 +156,23 @@ def evaluate_policy(policy, cfg, output_dir: str, label: str) -> dict:
   return dict(summary, table=table)
 
 
+def resolve_defaults(cfg, policy):
+  """cfg with its "from the checkpoint" settings filled in: tasks "" -> the tasks the policy was
+  trained on (a train-job checkpoint's saved data config; all tasks otherwise), image size 0 -> the
+  camera size it was trained at (128 otherwise)."""
+  cfg = cfg.copy_and_resolve_references()
+  if not cfg.tasks:
+    trained = getattr(policy, "trained_tasks", None)
+    cfg.tasks = "+".join(trained) if trained else "all"
+  size = getattr(policy, "camera_size", None) or (128, 128)
+  if not cfg.image_height:
+    cfg.image_height = size[0]
+  if not cfg.image_width:
+    cfg.image_width = size[1]
+  return cfg
+
+
 def run_job(config, workdir: str) -> None:
-  cfg = config.eval
   policy = make_policy(config, BatchedEnv.action_size)
+  cfg = resolve_defaults(config.eval, policy)
   print(evaluate_policy(policy, cfg, cfg.output_dir or os.path.join(workdir, "eval"), cfg.policy)["table"])

@@ -40,8 +40,7 @@ class CheckpointPolicy:
     self.horizon = int(model_config.get("action_horizon", model_config.get("horizon", 16)))
     self.action_dim = int(model_config.get("action_dim", 0)) or None
     self.state_key = self.data.get("state_key", "observation.state")
-    mode = self.data.get("normalization", "none") if norm_stats else "none"
-    self.normalizer = transforms.Normalizer(norm_stats or {}, mode, [self.state_key, "action"])
+    self.normalizer = policy_normalizer(self.data, norm_stats)
     if self.action_dim is None and "action" in self.normalizer.params:
       self.action_dim = int(self.normalizer.params["action"][0].shape[0])
     spec = get_model_spec(model_config.name)
@@ -53,6 +52,34 @@ class CheckpointPolicy:
       return nnx.merge(graphdef, state).sample_actions(batch, rng)
 
     self._state, self._sample = state, sample
+
+  @property
+  def trained_tasks(self) -> list[str] | None:
+    """The ejax.sim tasks this checkpoint was trained on, from its saved data config (recorded
+    simulator demonstrations, or a LeRobot dataset whose instructions are ejax.sim's); None when the
+    data were something else. The eval job evaluates these by default."""
+    from ejax.sim import registry
+    if self.data.get("name") == "sim_demos":
+      from ejax.sim.demos import resolve_tasks
+      return resolve_tasks(self.data.sim_demos.tasks)
+    path = self.data.get("path")
+    if self.data.get("name") != "lerobot" or not path or not os.path.isdir(path):
+      return None
+    from ejax.data.lerobot_meta import read_meta
+    try:
+      instructions = set(read_meta(path).tasks.values())
+    except Exception:  # a dataset moved or changed since training: fall back to the caller's default
+      return None
+    names = [name for name in registry.list_tasks() if registry.get_spec(name).instruction in instructions]
+    return names or None
+
+  @property
+  def camera_size(self) -> tuple[int, int] | None:
+    """[height, width] of the camera images it was trained on (before the model's own resize), when
+    the checkpoint's data config says: the simulator must render at this size."""
+    if self.data.get("name") == "sim_demos":
+      return int(self.data.sim_demos.image_height), int(self.data.sim_demos.image_width)
+    return None
 
   @property
   def model_state(self) -> nnx.State:
@@ -88,10 +115,27 @@ class CheckpointPolicy:
   def act(self, obs: dict[str, np.ndarray], instructions: list[str], rng: jax.Array) -> np.ndarray:
     batch = self.collate(self._samples(obs, instructions))
     batch = {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object}
-    actions = np.asarray(self._sample(self._state, batch, rng), np.float32)
-    if self.action_dim:
-      actions = actions[..., :self.action_dim]
-    return self.normalizer.unnormalize("action", actions)
+    return self.env_actions(np.asarray(self._sample(self._state, batch, rng), np.float32))
+
+  def env_actions(self, model_actions: np.ndarray) -> np.ndarray:
+    """The model's sampled chunks [N, horizon, model action dim] (normalised, padded to the model's
+    max_action_dim) -> what the env executes: the dataset's action dims, in its units."""
+    return env_actions(model_actions, self.normalizer, self.action_dim)
+
+
+def policy_normalizer(data_config: ConfigDict, norm_stats: dict | None) -> transforms.Normalizer:
+  """The state / action normaliser a checkpoint's policy uses: the training pipeline's, from the
+  statistics saved with the checkpoint."""
+  mode = data_config.get("normalization", "none") if norm_stats else "none"
+  return transforms.Normalizer(norm_stats or {}, mode, [data_config.get("state_key", "observation.state"), "action"])
+
+
+def env_actions(model_actions: np.ndarray, normalizer: transforms.Normalizer, action_dim: int | None) -> np.ndarray:
+  """A model's normalised chunks [N, horizon, model action dim] -> env actions [N, horizon, action_dim]."""
+  actions = np.asarray(model_actions, np.float32)
+  if action_dim:
+    actions = actions[..., :action_dim]
+  return normalizer.unnormalize("action", actions)
 
 
 def _stack(samples):
