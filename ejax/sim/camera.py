@@ -7,6 +7,8 @@ pixels x geoms: find the nearest hit per pixel, then recompute that one geom's n
 
 Inputs are plain arrays (geom poses, sizes, colours, camera pose), so MJX states and native MjData
 render through the same jitted function; vmap it over environments to render a whole batch at once.
+`render_from_hits` finishes an image whose non-plane hits were cast elsewhere (the native backend casts
+them in C, raycast_native.py): planes and shading are this module's, so both paths shade alike.
 Conventions follow MuJoCo: a camera looks along its -z axis with +y up; `fovy` is vertical, degrees.
 Depth is distance along the camera axis in metres, 0 where a ray hits nothing.
 """
@@ -159,6 +161,44 @@ def render(geom_types: tuple[int, ...], geom_size: jax.Array, geom_xpos: jax.Arr
   point = cam_pos[None] + t[:, None] * directions
   local = jnp.einsum("pji,pj->pi", geom_xmat[geom], point - geom_xpos[geom])
   normal = jnp.einsum("pij,pj->pi", geom_xmat[geom], _normal(jnp.asarray(types)[geom], local, geom_size[geom]))
+  return _shade(hit, geom, t, normal, directions, directions_cam, geom_rgba, height, width)
+
+
+@functools.partial(jax.jit, static_argnames=("geom_types", "height", "width", "fovy"))
+def render_from_hits(geom_types: tuple[int, ...], geom_size: jax.Array, geom_xpos: jax.Array, geom_xmat: jax.Array,
+                     geom_rgba: jax.Array, cam_pos: jax.Array, cam_mat: jax.Array, hit_geom: jax.Array,
+                     hit_distance: jax.Array, hit_normal: jax.Array, *, height: int, width: int,
+                     fovy: float) -> tuple[jax.Array, jax.Array]:
+  """`render`'s image from the nearest non-plane geom on every pixel's ray, found by another caster.
+
+  hit_geom [P] int32, hit_distance [P] (metres along the unit ray; negative: no non-plane geom on the
+  ray, as mj_multiRay reports it) and hit_normal [P, 3] (the surface's outward unit normal in camera
+  axes: x right, y up, z backwards); P = height * width, rays as `pixel_directions`. Planes (the table)
+  are intersected here for every pixel and the nearer surface kept; shading is `render`'s.
+  """
+  types = np.asarray(geom_types)
+  directions_cam = jnp.asarray(pixel_directions(height, width, fovy))
+  directions = directions_cam @ cam_mat.T
+  cast = hit_distance >= 0
+  geom = jnp.where(cast, hit_geom, 0)
+  t = jnp.where(cast, hit_distance, jnp.inf)
+  normal = hit_normal @ cam_mat.T
+  for plane in np.flatnonzero(types == _PLANE):
+    rot = geom_xmat[plane]
+    p = rot.T @ (cam_pos - geom_xpos[plane])
+    v = directions @ rot                                                   # local ray directions [P, 3]
+    t_plane = _intersect(_PLANE, jnp.broadcast_to(p, v.shape), v, geom_size[plane][None])
+    nearer = jnp.where(geom_rgba[plane, 3] > 0, t_plane, jnp.inf) < t
+    geom = jnp.where(nearer, plane, geom)
+    t = jnp.where(nearer, t_plane, t)
+    normal = jnp.where(nearer[:, None], rot[:, 2][None], normal)
+  hit = jnp.isfinite(t)
+  return _shade(hit, geom, jnp.where(hit, t, 0.0), normal, directions, directions_cam, geom_rgba, height, width)
+
+
+def _shade(hit, geom, t, normal, directions, directions_cam, geom_rgba, height: int, width: int):
+  """Per-pixel hit flags, geoms, distances (0 on misses) and world normals -> (rgb uint8 [H, W, 3],
+  depth float32 [H, W])."""
   diffuse = jnp.maximum(normal @ jnp.asarray(LIGHT_DIRECTION), 0.0)
   facing = jnp.maximum(-jnp.sum(normal * directions, -1), 0.0)
   shade = 0.3 + 0.5 * diffuse + 0.2 * facing

@@ -107,16 +107,26 @@ def with_arm_pose(mocap_pos: Any, mocap_quat: Any, info: dict, xp: Any = jnp) ->
   return mocap_pos.at[bodies].set(pos), mocap_quat.at[bodies].set(quat)
 
 
-def render_cameras(config: CameraConfig, geom_size, geom_rgba, geom_xpos, geom_xmat, body_xpos, body_xmat) -> dict:
-  """Both cameras for one env from its kinematics (any backend): the observation image entries."""
+def render_cameras(config: CameraConfig, geom_size, geom_rgba, geom_xpos, geom_xmat, body_xpos, body_xmat,
+                   hits: dict | None = None) -> dict:
+  """Both cameras for one env from its kinematics (any backend): the observation image entries.
+
+  hits: None ray casts every geom here (camera.render); or, per camera name, the nearest non-plane geom
+  on each pixel's ray as a backend cast it itself: (geom ids [P], distances [P], normals [P, 3] in camera
+  axes), see camera.render_from_hits.
+  """
   model = scene.mj_model()
+  geom_types = tuple(int(t) for t in model.geom_type)
   obs = {}
   for name in CAMERA_NAMES:
     cam = model.camera(name)
     cam_pos, cam_mat = camera.camera_pose(int(cam.bodyid[0]), cam.pos, cam.quat, body_xpos, body_xmat)
-    rgb, depth = camera.render(tuple(int(t) for t in model.geom_type), geom_size, geom_xpos, geom_xmat, geom_rgba,
-                               cam_pos, cam_mat, height=config.height, width=config.width,
-                               fovy=float(cam.fovy[0]))
+    size = dict(height=config.height, width=config.width, fovy=float(cam.fovy[0]))
+    if hits is None:
+      rgb, depth = camera.render(geom_types, geom_size, geom_xpos, geom_xmat, geom_rgba, cam_pos, cam_mat, **size)
+    else:
+      rgb, depth = camera.render_from_hits(geom_types, geom_size, geom_xpos, geom_xmat, geom_rgba, cam_pos, cam_mat,
+                                           *hits[name], **size)
     obs[f"observation.images.{name}"] = rgb
     obs[f"observation.depth.{name}"] = depth
   return obs
