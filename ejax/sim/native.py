@@ -7,6 +7,9 @@ Split per control step:
      SUBSTEPS x (control.substep_ctrl, mj_step);
   3. finish (jitted vmap): success, reward, privileged state, observations and camera images.
 So the two backends differ only in the physics engine, which is what the agreement test measures.
+Cameras: by default MuJoCo casts the rays in C from the same thread pool (raycast_native.py) and the
+finish only shades them; camera_renderer="jax" ray casts in JAX as the MJX backend does (several times
+slower on a CPU, kept for comparison: benchmarks/sim.py).
 Resets go through the same JAX initial-state sampler, then load into MjData.
 State arrays are numpy; `state.data` is {"qpos","qvel","qacc_warmstart","mocap_pos","mocap_quat"}.
 """
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 import mujoco
 import numpy as np
 
-from ejax.sim import control, scene
+from ejax.sim import control, raycast_native, scene
 from ejax.sim import env as env_lib
 from ejax.sim.batched import BatchedEnv, _mjx_functions
 
@@ -33,6 +36,7 @@ _PHYSICS_FIELDS = ("qpos", "qvel", "qacc_warmstart", "mocap_pos", "mocap_quat", 
 # falls through the table. Integration noise produces such tilts; snapping tilts below
 # _NEGLIGIBLE_TILT to exactly upright after each step avoids it (tests/sim/test_backends.py).
 _NEGLIGIBLE_TILT = 1e-12
+CAMERA_RENDERERS = ("mujoco", "jax")
 
 
 def _snap_upright(qpos: np.ndarray, tilt_address: np.ndarray) -> None:
@@ -51,22 +55,25 @@ def _plan(info: dict, actions: jax.Array):
 
 
 @functools.partial(jax.jit, static_argnames=("cameras", "advance"))
-def _finish(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, *, cameras, advance):
-  def finish_one(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics):
+def _finish(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits, *, cameras, advance):
+  def finish_one(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits):
     info = dict(info, step=info["step"] + advance)
     success, done, reward, metrics, info = env_lib.assess(qpos, qvel, mocap_pos, info, prev_success, prev_done)
     obs = env_lib.base_observations(qpos, info)
     if cameras is not None:
-      obs.update(env_lib.render_cameras(cameras, info["geom_size"], info["geom_rgba"], *kinematics))
+      obs.update(env_lib.render_cameras(cameras, info["geom_size"], info["geom_rgba"], *kinematics, hits=hits))
     return obs, reward, done, success, metrics, info
-  return jax.vmap(finish_one)(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics)
+  return jax.vmap(finish_one)(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits)
 
 
 class NativeBatchedEnv(BatchedEnv):
   backend = "native"
 
-  def __init__(self, *args, num_threads: int | None = None, **kwargs):
+  def __init__(self, *args, num_threads: int | None = None, camera_renderer: str = "mujoco", **kwargs):
     super().__init__(*args, **kwargs)
+    if camera_renderer not in CAMERA_RENDERERS:
+      raise ValueError(f"unknown camera_renderer {camera_renderer!r}: use one of {CAMERA_RENDERERS}")
+    self.camera_renderer = camera_renderer
     base = scene.mj_model()
     self._models = [copy.copy(base) for _ in range(self.num_envs)]
     self._datas = [mujoco.MjData(model) for model in self._models]
@@ -74,21 +81,28 @@ class NativeBatchedEnv(BatchedEnv):
     self._pool = ThreadPoolExecutor(threads) if threads > 1 and self.num_envs > 1 else None
     self._arm_bodies = scene.scene_index().arm_mocap
     self._cylinder_tilt = scene.scene_index().object_qpos[scene.OBJECT_NAMES.index("cylinder"), 4:6]  # quat x, y
+    self._caster = (raycast_native.NativeRayCaster(self.cameras, self.num_envs)
+                    if self.cameras is not None and camera_renderer == "mujoco" else None)
 
   def _map(self, fn):
     if self._pool is None:
       return [fn(i) for i in range(self.num_envs)]
     return list(self._pool.map(fn, range(self.num_envs)))
 
-  def _gather(self) -> tuple[dict, tuple]:
+  def _gather(self) -> tuple[dict, tuple, dict | None]:
+    """Physics state, the cameras' kinematics (float32, for the jitted finish) and the C-cast hits."""
     data = {field: np.stack([getattr(d, field) for d in self._datas]).astype(np.float32) for field in _PHYSICS_FIELDS}
-    kinematics = ()
-    if self.cameras is not None:
-      kinematics = tuple(np.stack([getattr(d, field) for d in self._datas]).astype(np.float32)
-                         for field in ("geom_xpos", "geom_xmat", "xpos", "xmat"))
-      kinematics = (kinematics[0], kinematics[1].reshape(self.num_envs, -1, 3, 3), kinematics[2],
-                    kinematics[3].reshape(self.num_envs, -1, 3, 3))
-    return data, kinematics
+    if self.cameras is None:
+      return data, (), None
+    geom_xpos, geom_xmat, xpos, xmat, xipos = (np.stack([getattr(d, field) for d in self._datas])
+                                               for field in ("geom_xpos", "geom_xmat", "xpos", "xmat", "xipos"))
+    geom_xmat, xmat = geom_xmat.reshape(self.num_envs, -1, 3, 3), xmat.reshape(self.num_envs, -1, 3, 3)
+    kinematics = tuple(array.astype(np.float32) for array in (geom_xpos, geom_xmat, xpos, xmat))
+    if self._caster is None:
+      return data, kinematics, None
+    plan = self._caster.plan(geom_xpos, geom_xmat, xpos, xmat, xipos)
+    self._map(lambda i: self._caster.cast(i, plan))
+    return data, kinematics, self._caster.hits()
 
   def reset(self, rng: jax.Array) -> env_lib.EnvState:
     reset, _ = _mjx_functions(None)
@@ -106,11 +120,13 @@ class NativeBatchedEnv(BatchedEnv):
       data.mocap_quat[:] = initial.data.mocap_quat[i]
       data.ctrl[:] = initial.data.ctrl[i]
       mujoco.mj_forward(model, data)
+      if self._caster is not None:
+        self._caster.load_episode(i, geom_size[i], geom_rgba[i])
 
     self._map(load)
-    data, kinematics = self._gather()
+    data, kinematics, hits = self._gather()
     obs, reward, done, success, metrics, info = jax.device_get(_finish(
-        initial.success, initial.done, initial.info, data["qpos"], data["qvel"], data["mocap_pos"], kinematics,
+        initial.success, initial.done, initial.info, data["qpos"], data["qvel"], data["mocap_pos"], kinematics, hits,
         cameras=self.cameras, advance=0))
     return env_lib.EnvState(data=data, obs=obs, reward=reward, done=done, success=success, metrics=metrics, info=info)
 
@@ -131,9 +147,9 @@ class NativeBatchedEnv(BatchedEnv):
         mujoco.mj_kinematics(model, data)
 
     self._map(physics)
-    data, kinematics = self._gather()
+    data, kinematics, hits = self._gather()
     obs, reward, done, success, metrics, info = jax.device_get(_finish(
-        state.success, state.done, info, data["qpos"], data["qvel"], data["mocap_pos"], kinematics,
+        state.success, state.done, info, data["qpos"], data["qvel"], data["mocap_pos"], kinematics, hits,
         cameras=self.cameras, advance=1))
     return env_lib.EnvState(data=data, obs=obs, reward=reward, done=done, success=success, metrics=metrics, info=info)
 
