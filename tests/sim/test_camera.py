@@ -1,5 +1,7 @@
-"""The ray-cast cameras against the scene: object colours at projected positions, depth vs mj_ray."""
+"""The ray-cast cameras against the scene: object colours at projected positions, depth vs mj_ray, and
+the native backend's C caster (raycast_native.py) against the JAX caster, pixel by pixel."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -9,8 +11,9 @@ import mujoco
 import numpy as np
 import pytest
 
-from ejax.sim import camera, registry, scene
+from ejax.sim import camera, raycast_native, registry, scene
 from ejax.sim.batched import make_batched
+from ejax.sim.native import NativeBatchedEnv
 
 SIZE = 64
 TASKS = registry.list_tasks()
@@ -152,3 +155,81 @@ def test_mjx_renders_the_same_images_as_native(rendered):
     ours = state.obs[f"observation.images.{name}"].astype(int)
     theirs = rendered.obs[f"observation.images.{name}"].astype(int)
     assert np.mean(np.abs(ours - theirs) > 8) < 0.01, name  # float32 vs float64 poses move few edge pixels
+
+
+@pytest.mark.timeout(900)
+def test_native_c_caster_matches_the_jax_caster():
+  """Same envs, seed and expert actions: the native backend's default cameras (mj_multiRay on candidate
+  pixels) against camera.render on the reset and three later states. Measured here: 99.95 % of
+  agentview and 99.97-99.98 % of wrist pixels identical; at most one pixel in 122,880 per camera and
+  state more than 3 levels or 1 mm of depth apart (float32 JAX poses against float64 MuJoCo ones put a
+  few edge pixels on the other geom)."""
+  c_env = NativeBatchedEnv(TASKS, NUM_ENVS, cameras=True, image_size=(SIZE, SIZE))
+  jax_env = NativeBatchedEnv(TASKS, NUM_ENVS, cameras=True, image_size=(SIZE, SIZE), camera_renderer="jax")
+  c_state, jax_state = c_env.reset(jax.random.key(3)), jax_env.reset(jax.random.key(3))
+  for step in range(4):
+    if step:
+      actions = c_env.expert_actions(c_state)
+      c_state, jax_state = c_env.step(c_state, actions), jax_env.step(jax_state, actions)
+    np.testing.assert_array_equal(c_state.data["qpos"], jax_state.data["qpos"])
+    for name in ("agentview", "wrist"):
+      ours = c_state.obs[f"observation.images.{name}"].astype(int)
+      theirs = jax_state.obs[f"observation.images.{name}"].astype(int)
+      difference = np.abs(ours - theirs).max(-1)
+      depth_difference = np.abs(c_state.obs[f"observation.depth.{name}"] - jax_state.obs[f"observation.depth.{name}"])
+      identical, close = np.mean(difference == 0), np.mean(difference <= 3)
+      depth_close = np.mean(depth_difference <= 1e-3)
+      print(f"step {step} {name}: identical {identical:.4%}, within 3 levels {close:.4%}, depth within 1 mm "
+            f"{depth_close:.4%}")
+      assert identical > 0.99 and close > 0.999 and depth_close > 0.999, (step, name, identical, close, depth_close)
+
+
+@pytest.mark.timeout(600)
+def test_culling_keeps_every_hit(native):
+  """Casting only the candidate pixels against the geoms in view finds what casting everything finds."""
+  env, state = native
+  caster = raycast_native.NativeRayCaster(env.cameras, NUM_ENVS)
+  for i in range(NUM_ENVS):
+    caster.load_episode(i, np.asarray(state.info["geom_size"][i], np.float64), state.info["geom_rgba"][i])
+  datas = [env.mj_data(i)[1] for i in range(NUM_ENVS)]
+  kinematics = {field: np.stack([getattr(d, field) for d in datas]) for field in ("geom_xpos", "geom_xmat", "xpos",
+                                                                                   "xmat", "xipos")}
+  plan = caster.plan(kinematics["geom_xpos"], kinematics["geom_xmat"].reshape(NUM_ENVS, -1, 3, 3), kinematics["xpos"],
+                     kinematics["xmat"].reshape(NUM_ENVS, -1, 3, 3), kinematics["xipos"])
+  everything = dataclasses.replace(plan, candidates=np.ones_like(plan.candidates),
+                                   geom_group=np.zeros_like(plan.geom_group),
+                                   body_bvhadr=np.broadcast_to(raycast_native.ray_model().body_bvhadr,
+                                                               plan.body_bvhadr.shape).copy())
+  results = []
+  for cast_plan in (plan, everything):
+    for i in range(NUM_ENVS):
+      caster.cast(i, cast_plan)
+    results.append(caster.hits())
+  for name in ("agentview", "wrist"):
+    (geom, distance, normal), (all_geom, all_distance, all_normal) = results[0][name], results[1][name]
+    hit = all_distance >= 0
+    np.testing.assert_array_equal(distance >= 0, hit, err_msg=name)
+    np.testing.assert_array_equal(geom[hit], all_geom[hit], err_msg=name)
+    np.testing.assert_allclose(distance[hit], all_distance[hit], rtol=1e-6, err_msg=name)
+    np.testing.assert_allclose(normal[hit], all_normal[hit], atol=1e-6, err_msg=name)
+    assert 0.02 < hit.mean() < plan.candidates.mean() < 0.5, name  # culling leaves well under half the rays
+
+
+def test_candidate_pixels_cover_every_box_pixel():
+  """Random boxes around a camera, many partly behind it or within centimetres of it: every pixel whose
+  ray meets a box (slab test) is a candidate, and boxes wholly out of view leave none."""
+  rng = np.random.default_rng(0)
+  num_boxes, height, width, fovy = 3000, 48, 64, 60.0
+  centres = rng.uniform(-0.3, 0.3, (num_boxes, 1, 3)) * np.array([1.0, 1.0, 2.0])
+  rotations = np.stack([np.linalg.qr(rng.normal(size=(3, 3)))[0] for _ in range(num_boxes)])[:, None]
+  half_extents = rng.uniform(0.003, 0.12, (num_boxes, 1, 3))
+  corners = raycast_native.box_corners(centres, rotations, half_extents)
+  candidates, in_view = raycast_native.candidate_pixels(
+      corners, centres, rotations, half_extents, np.ones((num_boxes, 1), bool), np.zeros((num_boxes, 3)),
+      np.broadcast_to(np.eye(3), (num_boxes, 3, 3)), height, width, fovy)
+  directions = camera.pixel_directions(height, width, fovy).astype(np.float64)
+  seen = np.stack([raycast_native.box_pixels(directions, centres[k, 0], rotations[k, 0], half_extents[k, 0])
+                   for k in range(num_boxes)])
+  assert not np.any(seen & ~candidates), np.flatnonzero((seen & ~candidates).any(-1))
+  assert not np.any(candidates[~in_view[:, 0]])
+  assert 0.1 < seen.any(-1).mean() and candidates.mean() < 2 * seen.mean() + 0.1  # tight enough to be useful
