@@ -3,8 +3,11 @@
 Launch (CPU):
   python -m ejax.main --config=configs/eval.py:runlocal --workdir=runs/eval_local \
       --config.eval.checkpoint=runs/groot_local/checkpoints
-    4 episodes x 15 tasks at 64x64, one video per task; a few minutes on 2 cores, mostly compiling.
-    Writes runs/eval_local/eval/{summary.json, summary.txt, success.png, videos/*.mp4}.
+    20 episodes of each task the checkpoint was trained on (its saved data config names them; other
+    checkpoints: all 15), cameras at the size its demonstrations were recorded at, one video per
+    task, on layouts of seed 1234 (the demos job records seed 0's: the policy never saw these).
+    Writes runs/eval_local/eval/{summary.json, summary.txt, success.png, videos/*.mp4}; summary.json
+    holds overall.success_rate and one row per task with its 95 % Wilson interval.
   Baselines: --config.eval.policy=random (floor, ~0 %) or expert (scripted, >= 95 % per task).
   An RL run's policy: --config.eval.policy=rl --config.eval.checkpoint=runs/rl/rl_checkpoints
     (newest version; --config.eval.version=0 is its SFT starting point).
