@@ -178,15 +178,15 @@ def render_from_hits(geom_types: tuple[int, ...], geom_size: jax.Array, geom_xpo
   """
   types = np.asarray(geom_types)
   directions_cam = jnp.asarray(pixel_directions(height, width, fovy))
-  directions = directions_cam @ cam_mat.T
+  directions = _rotate(directions_cam, cam_mat)
   cast = hit_distance >= 0
   geom = jnp.where(cast, hit_geom, 0)
   t = jnp.where(cast, hit_distance, jnp.inf)
-  normal = hit_normal @ cam_mat.T
+  normal = _rotate(hit_normal, cam_mat)
   for plane in np.flatnonzero(types == _PLANE):
     rot = geom_xmat[plane]
     p = rot.T @ (cam_pos - geom_xpos[plane])
-    v = directions @ rot                                                   # local ray directions [P, 3]
+    v = _rotate(directions, rot.T)                                         # local ray directions [P, 3]
     t_plane = _intersect(_PLANE, jnp.broadcast_to(p, v.shape), v, geom_size[plane][None])
     nearer = jnp.where(geom_rgba[plane, 3] > 0, t_plane, jnp.inf) < t
     geom = jnp.where(nearer, plane, geom)
@@ -194,6 +194,11 @@ def render_from_hits(geom_types: tuple[int, ...], geom_size: jax.Array, geom_xpo
     normal = jnp.where(nearer[:, None], rot[:, 2][None], normal)
   hit = jnp.isfinite(t)
   return _shade(hit, geom, jnp.where(hit, t, 0.0), normal, directions, directions_cam, geom_rgba, height, width)
+
+
+def _rotate(vectors, rotation):
+  """vectors [P, 3] @ rotation.T, spelled out: a [P, 3] x [3, 3] dot is ~25 % slower on XLA's CPU backend."""
+  return vectors[:, 0:1] * rotation[:, 0] + vectors[:, 1:2] * rotation[:, 1] + vectors[:, 2:3] * rotation[:, 2]
 
 
 def _shade(hit, geom, t, normal, directions, directions_cam, geom_rgba, height: int, width: int):
