@@ -85,8 +85,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gpu", action="store_true", help="add MJX batch sizes that only make sense on a GPU")
   parser.add_argument("--camera-envs", type=int, default=64, help="batch of the native camera comparison")
-  parser.add_argument("--camera-steps", type=int, default=4, help="steps per round of the camera comparison")
-  parser.add_argument("--camera-rounds", type=int, default=3, help="alternating rounds of the camera comparison")
+  parser.add_argument("--camera-steps", type=int, default=2, help="steps per round of the camera comparison")
+  parser.add_argument("--camera-rounds", type=int, default=8, help="alternating rounds of the camera comparison")
   args = parser.parse_args()
   device = jax.devices()[0]
   print(f"# ejax.sim throughput, {device.platform} ({device.device_kind}), {platform.node()}, "
