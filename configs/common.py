@@ -91,6 +91,21 @@ def demo_settings() -> dict:
   )
 
 
+# The CPU quickstart's tasks (configs/groot.py:runlocal, configs/pi05.py:runlocal,dataset=sim): five
+# tasks in one scene whose instructions pick the object or the goal (two lifts of different objects,
+# both drawer directions, a pick-and-place), so the policy must read the instruction.
+QUICKSTART_TASKS = "goal_lift_green_block+object_lift_cylinder+goal_open_drawer+goal_close_drawer+goal_red_block_to_plate"
+QUICKSTART_DEMOS_PER_TASK = 60
+
+
+def quickstart_demos(config: ConfigDict) -> None:
+  """data: ejax.sim's scripted-expert demonstrations of the quickstart tasks (recorded on first use
+  into ~/.cache/ejax/sim_demos, native MuJoCo, two 64x64 cameras; see configs/demos.py)."""
+  config.data.name = "sim_demos"
+  config.data.sim_demos.update(tasks=QUICKSTART_TASKS, episodes_per_task=QUICKSTART_DEMOS_PER_TASK,
+                               image_height=64, image_width=64)
+
+
 def data_defaults() -> ConfigDict:
   """Every field the input pipeline reads (ejax/data/pipeline.py), so each can be overridden."""
   return ConfigDict(dict(

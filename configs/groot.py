@@ -27,9 +27,6 @@ from configs import common
 from ejax.config.validate import ConfigError
 from ejax.models import groot
 
-DEMOS_PER_TASK = 10  # runlocal's recorded demonstrations per task
-
-
 def get_config(arg: str | None = None):
   args = common.parse_arg(arg, runlocal=False, steps=0, batch=0, dataset="")
   config = common.base_config()
@@ -45,8 +42,10 @@ def get_config(arg: str | None = None):
   if args.runlocal:
     # The README's default data: ejax.sim's scripted-expert demonstrations of all 15 tasks, recorded
     # once into ~/.cache/ejax/sim_demos (native MuJoCo, 64x64 cameras; see configs/demos.py).
-    config.data.name = "sim_demos"
-    config.data.sim_demos.update(episodes_per_task=DEMOS_PER_TASK, image_height=64, image_width=64)
+    common.quickstart_demos(config)
+    # From random initialisation nothing is pre-trained: the vision tower and the LLM must learn too
+    # (frozen at random weights, the policy saw cameras and instruction only through noise features).
+    config.model.update(tune_visual=True, tune_llm=True)
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
     config.train.update(steps=400, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
                         remat="none")

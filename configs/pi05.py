@@ -23,15 +23,21 @@ Measured on a 2-core CPU shared with other jobs, on a 16-episode LeRobot v3 data
 video cameras, 3-dim state and action, 4 tasks): compile ~70 s, then 200 steps in ~15 s; the
 flow-matching loss fell from 1.93 (step 20) to 0.56 (step 200). tests/models/test_pi05_inputs.py
 trains the runlocal model on pipeline-schema samples and checks the loss falls below half.
-Arg string: `runlocal`, `steps=N`, `batch=N`, `horizon=N`, e.g. configs/pi05.py:runlocal,steps=50.
+Arg string: `runlocal`, `steps=N`, `batch=N`, `horizon=N`, `dataset=PATH|sim`, e.g.
+configs/pi05.py:runlocal,steps=50. `runlocal,dataset=sim` trains on the GR00T quickstart's recorded
+ejax.sim demonstrations with a tokenizer built locally from the suites' instructions (nothing to
+download), and the eval job judges it like any checkpoint:
+  python -m ejax.main --config=configs/pi05.py:runlocal,dataset=sim --workdir=runs/pi05_sim
+  python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/pi05_sim/checkpoints
 """
 
 from configs import common
+from ejax.config.validate import ConfigError
 from ejax.models import pi05
 
 
 def get_config(arg: str | None = None):
-  args = common.parse_arg(arg, runlocal=False, steps=0, batch=0, horizon=0)
+  args = common.parse_arg(arg, runlocal=False, steps=0, batch=0, horizon=0, dataset="")
   config = common.base_config()
   config.model = pi05.model_config("runlocal" if args.runlocal else "full")
   # pi05_libero: 10-step chunks; the model's horizon and the pipeline's are one number.
@@ -51,4 +57,16 @@ def get_config(arg: str | None = None):
                         weight_decay=0.0, ema_decay=0.0, compute_dtype="float32", remat="none")
     config.checkpoint.every_steps = 100
     config.metrics.log_every_steps = 20
+  if args.dataset == "sim":
+    # The GR00T quickstart's data (configs/groot.py:runlocal): recorded ejax.sim demonstrations of its
+    # five tasks, two cameras, the 11-d state; the tokenizer is built locally from the suites'
+    # instructions when none is given (ejax.models.paligemma_tokenizer.sim_suites_tokenizer).
+    if not args.runlocal:
+      raise ConfigError("pi05 dataset=sim is the CPU-sized simulator recipe: use it as runlocal,dataset=sim")
+    common.quickstart_demos(config)
+    config.model.update(num_cameras=2, max_state_dim=16)
+    config.train.update(steps=1500, global_batch_size=32)
+    config.checkpoint.every_steps = 500
+  elif args.dataset:
+    config.data.path = args.dataset
   return common.apply_run_args(config, args)

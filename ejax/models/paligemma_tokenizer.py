@@ -33,6 +33,49 @@ def pi05_prompt(task: str, state: np.ndarray | None) -> str:
   return f"Task: {cleaned}, State: {state_text};\nAction: "
 
 
+def build_tokenizer(path: str, tasks: list[str], *, vocab_size: int = 400, state_dim: int = 8,
+                    samples_per_task: int = 50, seed: int = 0) -> str:
+  """Trains a small sentencepiece model on pi0.5 prompts of `tasks` and writes it to `path`.
+
+  For CPU-sized runs on ejax.sim's suites, where the released paligemma_tokenizer.model is not
+  available (nothing is downloaded): same format (BPE, BOS 2, EOS 1, PAD 0, UNK 3), every state bin
+  "0".."255" a symbol of its own, so prompts of any state tokenise. Written atomically; -> path.
+  """
+  import io
+
+  import sentencepiece
+
+  rng = np.random.default_rng(seed)
+  corpus = [pi05_prompt(task, rng.uniform(-1, 1, state_dim)) for task in tasks for _ in range(samples_per_task)]
+  model = io.BytesIO()
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(corpus), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+      user_defined_symbols=[str(i) for i in range(STATE_BINS)], bos_id=2, eos_id=1, pad_id=0, unk_id=3,
+      minloglevel=2)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  partial = f"{path}.partial-{os.getpid()}"
+  with open(partial, "wb") as f:
+    f.write(model.getvalue())
+  os.replace(partial, path)
+  return path
+
+
+SIM_TOKENIZER_VERSION = 1  # bump when build_tokenizer's settings or the suites' instructions change
+
+
+def sim_suites_tokenizer() -> str:
+  """A local tokenizer for ejax.sim's suites (every task instruction), built once into
+  $EJAX_CACHE_DIR (default ~/.cache/ejax)/tokenizers/ and reused: what a pi0.5 run on the recorded
+  simulator demonstrations tokenises with when no tokenizer_path is given. -> its path."""
+  from ejax.sim import registry
+  instructions = [registry.get_spec(name).instruction for name in registry.list_tasks()]
+  cache = os.path.expanduser(os.environ.get("EJAX_CACHE_DIR", "~/.cache/ejax"))
+  path = os.path.join(cache, "tokenizers", f"sim_suites-v{SIM_TOKENIZER_VERSION}-{len(instructions)}tasks.model")
+  if not os.path.exists(path):
+    build_tokenizer(path, instructions, state_dim=16)
+  return path
+
+
 class PaligemmaTokenizer:
   """Sentencepiece tokenizer loaded from a local `.model` file."""
 

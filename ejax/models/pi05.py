@@ -259,8 +259,13 @@ def example_batch(model_config, batch_size: int, seed: int = 0):
 
 
 def make_collate(model_config, data_config=None):
-  """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path."""
-  del data_config
+  """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path
+  (on ejax.sim's recorded demonstrations without one: a tokenizer built locally from the suites'
+  instructions, ejax.models.paligemma_tokenizer.sim_suites_tokenizer)."""
+  if not model_config.tokenizer_path and data_config is not None and data_config.get("name") == "sim_demos":
+    from ejax.models.paligemma_tokenizer import PaligemmaTokenizer, sim_suites_tokenizer
+    return pi05_inputs.make_collate(model_config, PaligemmaTokenizer(sim_suites_tokenizer(),
+                                                                     max_len=model_config.max_token_len))
   return pi05_inputs.make_collate(model_config)
 
 

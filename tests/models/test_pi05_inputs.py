@@ -1,6 +1,5 @@
 """pi0.5 input assembly (tokenizer, prompt, collate) and the runlocal model learning on a small dataset."""
 
-import io
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +9,7 @@ import pytest
 from flax import nnx
 
 from ejax.models import layers, pi05, pi05_inputs
-from ejax.models.paligemma_tokenizer import PaligemmaTokenizer, discretize_state, pi05_prompt
+from ejax.models.paligemma_tokenizer import PaligemmaTokenizer, build_tokenizer, discretize_state, pi05_prompt
 
 TASKS = ["pick up the red block", "open the top drawer", "put the bowl on the plate", "push the cylinder left"]
 STATE_DIM, ACTION_DIM, NUM_CAMERAS = 3, 3, 2
@@ -26,17 +25,8 @@ def config():
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
   """A small sentencepiece model trained on pi0.5 prompts (the released one is not downloadable here)."""
-  import sentencepiece
-
-  rng = np.random.default_rng(0)
-  corpus = [pi05_prompt(task, rng.uniform(-1, 1, 4)) for task in TASKS for _ in range(50)]
-  model = io.BytesIO()
-  sentencepiece.SentencePieceTrainer.train(
-      sentence_iterator=iter(corpus), model_writer=model, vocab_size=400, model_type="bpe",
-      user_defined_symbols=[str(i) for i in range(256)], bos_id=2, eos_id=1, pad_id=0, unk_id=3,
-      minloglevel=2)
   path = tmp_path_factory.mktemp("tokenizer") / "paligemma_tokenizer.model"
-  path.write_bytes(model.getvalue())
+  build_tokenizer(str(path), TASKS, state_dim=4)
   return PaligemmaTokenizer(str(path), max_len=64)
 
 
