@@ -11,7 +11,8 @@ compares the images pixel by pixel) in three steps:
      GIL): the candidate pixels' rays against the non-plane geoms in view -> geom id, distance, normal.
   3. Shading (JAX, camera.render_from_hits in the backend's jitted finish): planes are intersected for
      every pixel, the nearer surface kept, and shaded exactly as camera.render shades.
-On 64 envs with both 64x64 cameras this is 5-8x faster than camera.render (BENCHMARKS.md).
+At 64 envs with both 64x64 cameras a native step then costs 90-110 ms of CPU time against ~760 ms with
+camera.render and 26 ms without cameras (2-core CPU; BENCHMARKS.md has the env-steps/s side by side).
 
 mj_multiRay culls geoms with each body's bounding volume, which the compiler builds from colliding geoms
 only and which mj_multiRay centres without rotating it into the world; with the scene's model it misses
