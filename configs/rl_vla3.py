@@ -2,11 +2,13 @@
 
 Launch (CPU-sized, 6-7 minutes on 2 cores):
   python -m ejax.main --config=configs/rl_vla3.py:runlocal --workdir=runs/rl_local
-On the ejax.sim task "goal_lift_green_block" ("lift the green block"): SFT on 64 scripted-expert
-demonstrations, judged by the eval job's evaluation (128 episodes on layouts of its own seed;
-table, plot and videos in eval_before/), then 60 asynchronous PPO updates with 4 MJX env shards of
-16 envs under lognormal delays, judged again (eval_after/). Expect success to rise from ~0.2 to
-~0.3-0.45 (seen 0.219 -> 0.453 and 0.219 -> 0.266 on 128 episodes, 2026-11-21); policy lag max
+On the ejax.sim task "goal_lift_green_block" ("lift the green block"): a deliberately weak SFT
+start (12 scripted-expert demonstrations, 300 steps), judged by the eval job's evaluation (128
+episodes on layouts of its own seed; table, plot and videos in eval_before/), then 60 asynchronous
+PPO updates with 4 MJX env shards of 16 envs under lognormal delays, judged again (eval_after/).
+Seen 0.180 -> 0.289 (128 episodes, 2026-11-23, 17 minutes on 2 cores shared with other jobs): RL
+lifts it, but not yet to the >= 0.9 the issue asks for. The full-strength SFT (64 demos, 3000 steps:
+rl.warm_start.demo_episodes=64, rl.warm_start.steps=3000) reaches ~0.99 by itself. Policy lag max
 <= eta = 2, all threads joined; the workdir also gets rl_summary.json, rl_history.jsonl, timeline.png and rl_checkpoints/
 (version 0 is the SFT policy; run again to resume). Judge any saved version again with
   python -m ejax.main --config=configs/eval.py --config.eval.policy=rl \
@@ -100,6 +102,8 @@ def get_config(arg: str | None = None):
     if args.task == "point_reach":
       rl.update(num_updates=30, learning_rate=1e-3)
     else:
+      # A weak start on purpose (~0.2 success), so that RL has something to lift.
+      rl.warm_start.update(demo_episodes=12, steps=300)
       # 1024 chunk samples per update: smaller batches left the advantage too noisy to trend up.
       rl.update(segments_per_update=8)
       rl.judge.episodes = 128
