@@ -198,11 +198,11 @@ def overfit_groot(tmp_path, *, task: str, episodes: int, steps: int, replan_ever
 
 
 def test_groot_overfit_on_a_handful_of_demos_succeeds_on_their_layouts(tmp_path):
-  """Seen: loss 0.8 -> 0.1 over 640 steps on 5 demos, and 5 of 5 recorded layouts solved."""
-  result = overfit_groot(tmp_path, task="goal_lift_green_block", episodes=4, steps=600, replan_every=4)
+  """Seen: loss 0.9 -> 0.08 over 600 steps (3 of 4 layouts solved); 5 of 5 after 640 steps on 5 demos."""
+  result = overfit_groot(tmp_path, task="goal_lift_green_block", episodes=4, steps=1000, replan_every=4)
   judged = result["judged"]
   assert judged["tasks"][0]["task"] == "goal_lift_green_block" and judged["overall"]["episodes"] == 4
-  assert result["final_loss"] < 0.25
+  assert result["final_loss"] < 0.1
   assert judged["overall"]["success_rate"] >= 0.9, judged
 
 
