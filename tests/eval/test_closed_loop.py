@@ -173,27 +173,31 @@ def test_recorded_actions_reproduce_the_expert_on_every_task_at_scale(tmp_path):
 
 def overfit_groot(tmp_path, *, task: str, episodes: int, steps: int, replan_every: int) -> dict:
   """GR00T runlocal (the quickstart's model) trained on `episodes` recorded demos of one task, then
-  judged by the eval job on exactly the recorded layouts (the demos' seed, tasks and env count)."""
-  from configs import eval as eval_config
-  from configs import groot
-  from ejax.eval import evaluate
-  from ejax.train.loop import run_job as train
+  judged by the eval job on exactly the recorded layouts (the demos' seed, tasks and env count).
+  Both run as a user runs them, `python -m ejax.main` in a process of their own."""
+  import os
+  import subprocess
+  import sys
 
-  nnx.use_eager_sharding(False)
-  config = groot.get_config("runlocal")
-  config.data.sim_demos.update(tasks=task, episodes_per_task=episodes, num_envs=episodes)
-  config.data.path = str(tmp_path / "demos")
-  config.train.update(steps=steps, warmup_fraction=0.05)
-  config.checkpoint.every_steps = steps
-  config.metrics.update(progress_bar=False, log_every_steps=max(steps // 10, 1))
-  train(config, str(tmp_path / "train"))
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+
+  def main(*args):
+    result = subprocess.run([sys.executable, "-m", "ejax.main", *args], cwd=repo, env=env, capture_output=True,
+                            text=True, timeout=1500)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+  main("--config=configs/groot.py:runlocal", f"--workdir={tmp_path / 'train'}",
+       f"--config.data.path={tmp_path / 'demos'}", f"--config.data.sim_demos.tasks={task}",
+       f"--config.data.sim_demos.episodes_per_task={episodes}", f"--config.data.sim_demos.num_envs={episodes}",
+       f"--config.train.steps={steps}", f"--config.checkpoint.every_steps={steps}",
+       "--config.metrics.progress_bar=False", f"--config.metrics.log_every_steps={max(steps // 10, 1)}")
   losses = [json.loads(line)["loss"] for line in open(tmp_path / "train" / "metrics.jsonl")]
   final_loss = float(np.mean(losses[-3:]))  # one batch's loss is noisy: the last three logged
-  judge = eval_config.get_config("runlocal")
-  judge.eval.update(checkpoint=str(tmp_path / "train" / "checkpoints"), episodes_per_task=episodes, num_envs=episodes,
-                    replan_every=replan_every, videos_per_task=0, seed=int(config.data.sim_demos.seed),
-                    output_dir=str(tmp_path / "eval"))
-  evaluate.run_job(judge, str(tmp_path))
+  main("--config=configs/eval.py:runlocal", f"--workdir={tmp_path}",
+       f"--config.eval.checkpoint={tmp_path / 'train' / 'checkpoints'}", f"--config.eval.episodes_per_task={episodes}",
+       f"--config.eval.num_envs={episodes}", f"--config.eval.replan_every={replan_every}",
+       "--config.eval.videos_per_task=0", "--config.eval.seed=0", f"--config.eval.output_dir={tmp_path / 'eval'}")
   return {"final_loss": final_loss, "judged": json.load(open(tmp_path / "eval" / "summary.json"))}
 
 
