@@ -48,8 +48,8 @@ def get_config(arg: str | None = None):
                       weight_decay=1e-5, warmup_fraction=0.05, remat=config.model.remat)
   config.checkpoint.every_steps = 1000
   if args.runlocal:
-    # The README's default data: ejax.sim's scripted-expert demonstrations of all 15 tasks, recorded
-    # once into ~/.cache/ejax/sim_demos (native MuJoCo, 64x64 cameras; see configs/demos.py).
+    # The README's default data: ejax.sim's scripted-expert demonstrations of the quickstart's five
+    # tasks, recorded once into ~/.cache/ejax/sim_demos (native MuJoCo, 64x64 cameras; configs/demos.py).
     common.quickstart_demos(config)
     # From random initialisation nothing is pre-trained: the vision tower and the LLM must learn too
     # (frozen at random weights, the policy saw cameras and instruction only through noise features).
@@ -60,9 +60,9 @@ def get_config(arg: str | None = None):
     config.model.vision.update(patch_size=4, width=64, mlp_dim=128)
     config.model.connector.use_pixel_shuffle = True
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
-    config.train.update(steps=400, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
+    config.train.update(steps=1500, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
                         remat="none")
-    config.checkpoint.every_steps = 100
+    config.checkpoint.every_steps = 500
     config.metrics.log_every_steps = 20
   if args.dataset == "synthetic":
     # ejax/data/synthetic.py: no cameras, no simulator, the shapes model_config("runlocal") sets.
