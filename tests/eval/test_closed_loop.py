@@ -29,6 +29,7 @@ from ejax.data.pipeline import make_source
 from ejax.data import transforms
 from ejax.eval.evaluate import evaluate_policy
 from ejax.sim import demos as demos_lib
+from ejax.sim.batched import BatchedEnv
 from ejax.train.policy import env_actions, policy_normalizer
 
 pytestmark = pytest.mark.timeout(900)
@@ -41,54 +42,47 @@ def demo_settings(tasks: str, episodes: int, num_envs: int, seed: int) -> Config
   return settings
 
 
-def eval_settings(settings: ConfigDict, replan_every: int, **overrides) -> ConfigDict:
+def eval_settings(settings: ConfigDict, replan_every: int) -> ConfigDict:
   """The eval job's settings that replay the recorded layouts: same tasks, envs and seed."""
-  cfg = ConfigDict(dict(tasks=settings.tasks, episodes_per_task=settings.episodes_per_task,
-                        num_envs=settings.num_envs, backend=settings.backend, image_height=64, image_width=64,
-                        replan_every=replan_every, episode_length=0, videos_per_task=0, seed=settings.seed,
-                        checkpoint=""))
-  cfg.update(overrides)
-  return cfg
+  return ConfigDict(dict(tasks=settings.tasks, episodes_per_task=settings.episodes_per_task,
+                         num_envs=settings.num_envs, backend=settings.backend, image_height=64, image_width=64,
+                         replan_every=replan_every, episode_length=0, videos_per_task=0, seed=settings.seed,
+                         checkpoint=""))
 
 
 class ReplayPolicy:
   """Plays back recorded episodes through the training data path and a checkpoint's output path.
 
-  Env i of round r replays the dataset's episode of the same position (the demos job writes one
-  round's envs in order, failures kept). At step t each env gets the pipeline's sample of frame t:
+  Env i replays the dataset's episode i (the demos job writes one round's envs in order, failures
+  kept; the tests record a single round). At step t each env gets the pipeline's sample of frame t:
   its action chunk, normalised as training sees it, padded to the model's action width, then
   turned back into env actions by ejax.train.policy.env_actions, as a trained checkpoint's are.
   """
 
   uses_privileged_state = False
 
-  def __init__(self, data_config: ConfigDict, *, num_envs: int, replan_every: int, model_action_dim: int):
+  def __init__(self, data_config: ConfigDict, *, replan_every: int, model_action_dim: int):
     self.source = make_source(data_config)
-    norm_stats = stats_lib.load_or_compute_stats(data_config, self.source)
-    self.transform = transforms.make_sample_transform(
-        data_config, transforms.Normalizer(norm_stats, data_config.normalization, ["observation.state", "action"]),
-        image_keys=[])
-    self.output_normalizer = policy_normalizer(data_config, norm_stats)
-    self.num_envs, self.replan_every, self.model_action_dim = num_envs, replan_every, model_action_dim
-    self.calls, self.round = 0, -1
+    # The pipeline's normaliser and a checkpoint's are one (ejax.train.policy.policy_normalizer).
+    self.normalizer = policy_normalizer(data_config, stats_lib.load_or_compute_stats(data_config, self.source))
+    self.transform = transforms.make_sample_transform(data_config, self.normalizer, image_keys=[])
+    self.replan_every, self.model_action_dim = replan_every, model_action_dim
+    self.calls = 0
     episodes = self.source.meta.episodes
     self.starts, self.lengths = episodes.dataset_from, episodes.length
-
-  def start_round(self, round_index: int) -> None:
-    self.round, self.calls = round_index, 0
 
   def act(self, obs: dict, instructions: list[str], rng: jax.Array) -> np.ndarray:
     t = self.calls * self.replan_every
     self.calls += 1
     chunks = []
     for i in range(len(instructions)):
-      episode = self.round * self.num_envs + i
+      episode = i
       frame = min(t, int(self.lengths[episode]) - 1)  # past the end the env is done: any action will do
       sample = self.transform(self.source[int(self.starts[episode]) + frame], np.random.default_rng(0))
       assert sample["task"] == instructions[i], "replayed episode and env disagree on the task"
       action = sample["action"]
       chunks.append(np.pad(action, ((0, 0), (0, self.model_action_dim - action.shape[-1]))))
-    return env_actions(np.stack(chunks), self.output_normalizer, action_dim=4)
+    return env_actions(np.stack(chunks), self.normalizer, action_dim=BatchedEnv.action_size)
 
 
 def replay_success(tmp_path, settings: ConfigDict, replan_every: int, horizon: int, normalization: str,
@@ -99,9 +93,7 @@ def replay_success(tmp_path, settings: ConfigDict, replan_every: int, horizon: i
   data_config.update(name="lerobot", path=root, horizon=horizon, cameras=[], normalization=normalization)
   rounds = -(-settings.episodes_per_task // (settings.num_envs // len(demos_lib.resolve_tasks(settings.tasks))))
   assert rounds == 1, "the replay maps env i to episode i of one recorded round"
-  policy = ReplayPolicy(data_config, num_envs=settings.num_envs, replan_every=replan_every,
-                        model_action_dim=model_action_dim)
-  policy.start_round(0)
+  policy = ReplayPolicy(data_config, replan_every=replan_every, model_action_dim=model_action_dim)
   judged = evaluate_policy(policy, eval_settings(settings, replan_every), str(tmp_path / "eval"), "replay")
   return {"expert": summary["expert_success_rate"], "replay": judged}
 
