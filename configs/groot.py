@@ -20,8 +20,9 @@ configs/eval.py (by default on the tasks it was trained on, 20 unseen layouts ea
   python -m ejax.main --config=configs/groot.py:runlocal
   python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/groot_runlocal/checkpoints
 What to expect (2026-11-23, 2 cores shared with other jobs): the flow-matching loss falls from ~1.9
-to ~0.4 and plateaus there; the eval command above (replanning every 2 steps) measures 41 % [32, 51]
-over the five tasks (both drawers 100 %, the lifts 0-5 %, the pick-and-place 0 %): the policy has
+to ~0.4 and plateaus there; the eval command above (replanning every 2 steps) measures 38-41 %
+(95 % intervals [29, 48] / [32, 51]) over the five tasks (drawers 90-100 %, the lifts 0-5 %, the
+pick-and-place 0 %): the policy has
 not yet learnt to find small objects in its 32 px images. Issue 14 asks for >= 50 %; see the README's
 closed-loop section for what has been tried.
 Arg string: `runlocal`, `steps=N`, `batch=N`, `dataset=PATH` (another LeRobot dataset, e.g. one

@@ -67,7 +67,7 @@ def rollout(env, policy, rng: jax.Array, replan_every: int, video_envs: list[int
   for t in range(env.episode_length):
     if chunk is None or position >= min(replan_every, chunk.shape[1]):
       obs = policy_observations(state, getattr(policy, "uses_privileged_state", False))
-      chunk = np.asarray(policy.act(obs, env.instructions, jax.random.fold_in(rng, t + 1_000_003)), np.float32)
+      chunk = np.asarray(policy.act(obs, env.instructions, jax.random.fold_in(rng, t + 1)), np.float32)
       if chunk.ndim != 3 or chunk.shape[0] != env.num_envs or chunk.shape[2] != env.action_size:
         raise ValueError(f"policy.act returned {chunk.shape}; expected [num_envs={env.num_envs}, horizon, "
                          f"action_dim={env.action_size}]")
