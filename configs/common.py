@@ -123,6 +123,7 @@ def data_defaults() -> ConfigDict:
       image_size=placeholder(list),   # [height, width] after resizing; None keeps the dataset's
       state_key="observation.state",
       action_key="action",
+      aux_state_key=placeholder(str),  # a per-frame vector for a model's training-only auxiliary target
       embodiment_id=0,                # an int, or {robot_type: id}
       tolerance_s=1e-4,               # video frame timestamp tolerance
       shuffle=True,

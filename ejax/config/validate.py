@@ -35,6 +35,12 @@ def validate(config: ConfigDict) -> None:
     raise ConfigError(
         f"data.name={data.name!r} needs --config.data.path=<dataset directory> "
         f"(record one with --config.job=demos, or use the built-in --config.data.name=synthetic)")
+  model = config.get("model")
+  if (data is not None and model is not None and model.get("aux_state_dim", 0) and not data.get("aux_state_key")
+      and config.job == "train"):
+    raise ConfigError(f"model.aux_state_dim={model.aux_state_dim} trains an auxiliary target but data.aux_state_key "
+                      "is unset: name the dataset feature (e.g. observation.environment_state) or set "
+                      "model.aux_state_dim=0")
   if data is not None and data.get("path") and data.get("name") != "sim_demos":  # sim_demos records there
     if not os.path.exists(data.path):
       raise ConfigError(

@@ -41,7 +41,7 @@ class LeRobotSource(SampleSource):
   def __init__(self, root: str, *, horizon: int = 16, observation_offsets: Sequence[int] = (0,),
                cameras: Sequence[str] | None = None, image_size: tuple[int, int] | None = None,
                state_key: str = "observation.state", action_key: str = "action",
-               embodiment_id: int | Mapping[str, int] = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
+               aux_keys: Sequence[str] = (), embodiment_id: int | Mapping[str, int] = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
                on_bad_sample: str = "error", max_open_videos: int = 32):
     self._set_bad_sample_policy(on_bad_sample)
     self.meta: LeRobotMeta = read_meta(root)
@@ -50,15 +50,19 @@ class LeRobotSource(SampleSource):
     self.observation_offsets = np.asarray(observation_offsets, np.int64)
     self.image_size = tuple(image_size) if image_size else None
     self.state_key, self.action_key = state_key, action_key
+    self.aux_keys = tuple(aux_keys)  # per-frame vectors passed through as they are (e.g. training targets)
+    if set(self.aux_keys) & {state_key, action_key}:
+      raise DataError(f"data.aux_state_key={self.aux_keys[0]!r} is the state or action key: name another feature",
+                      path=root)
     self.tolerance_s = tolerance_s
     self.max_open_videos = max_open_videos
     self.cameras = self._resolve_cameras(cameras)
     info_path = f"{self.meta.root}/meta/info.json"
-    for key in (state_key, action_key):
+    for key in (state_key, action_key, *self.aux_keys):
       if key not in self.meta.features:
+        setting = "data.aux_state_key" if key in self.aux_keys else "data.state_key / data.action_key"
         raise DataError(f"feature {key!r} is not declared in info.json (features: "
-                        f"{sorted(self.meta.features)}); set data.state_key / data.action_key",
-                        path=info_path)
+                        f"{sorted(self.meta.features)}); set {setting}", path=info_path)
     self.state_dim = int(np.prod(self.meta.features[state_key]["shape"]))
     self.action_dim = int(np.prod(self.meta.features[action_key]["shape"]))
     self._columns: dict[str, np.ndarray] | None = None
@@ -114,7 +118,7 @@ class LeRobotSource(SampleSource):
     return self._columns
 
   def _load_columns(self) -> dict[str, np.ndarray]:
-    wanted = [self.state_key, self.action_key, "timestamp", "frame_index", "episode_index",
+    wanted = [self.state_key, self.action_key, *self.aux_keys, "timestamp", "frame_index", "episode_index",
               "index", "task_index"] + [k for k in self.cameras if k in self.meta.image_keys]
     episodes = self.meta.episodes
 
@@ -176,6 +180,8 @@ class LeRobotSource(SampleSource):
         "index": np.int64(index),
         "timestamp": np.float32(columns["timestamp"][index]),
     }
+    for key in self.aux_keys:
+      sample[key] = columns[key][index].astype(np.float32).reshape(-1)
     if not single:
       sample[f"{self.state_key}_is_pad"] = obs_pad
     for key in self.cameras:

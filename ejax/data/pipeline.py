@@ -21,6 +21,8 @@ config.data fields read here (and by `make_source`, `transforms.make_sample_tran
   cameras             camera keys (None: every video feature / every image in the RLDS steps)
   image_size          [height, width] the images come out at (None: as stored)
   state_key, action_key  "observation.state", "action"
+  aux_state_key       a per-frame vector read and normalised beside the state (None), for a model's
+                      training-only auxiliary target (GR00T's model.aux_state_dim)
   embodiment_id       integer id written into every sample (0), or a table robot_type -> id
                       looked up with info.json's robot_type (LeRobot)
   tolerance_s         video frame timestamp tolerance in seconds (1e-4)
@@ -87,6 +89,7 @@ def make_source(data_config):
         path, observation_offsets=tuple(data_config.get("observation_offsets", (0,))),
         state_key=data_config.get("state_key", "observation.state"),
         action_key=data_config.get("action_key", "action"),
+        aux_keys=[data_config.aux_state_key] if data_config.get("aux_state_key", None) else [],
         tolerance_s=float(data_config.get("tolerance_s", DEFAULT_TOLERANCE_S)),
         max_open_videos=int(data_config.get("max_open_videos", 32)), **common)
   if name == "rlds":
@@ -267,7 +270,7 @@ def build_pipeline(data_config, *, batch_size: int, seed: int, process_index: in
   _register_exit_hook()
   source = make_source(data_config)
   mode = data_config.get("normalization", "mean_std")
-  keys = [getattr(source, "state_key", "observation.state"), "action"]
+  keys = stats_lib.normalized_keys(source)
   norm_stats = stats_lib.load_or_compute_stats(data_config, source) if mode != "none" else {}
   normalizer = transforms.Normalizer(norm_stats, mode, keys) if mode != "none" else None
   sample_transform = transforms.make_sample_transform(

@@ -21,16 +21,17 @@ from ejax.data import lerobot_format as fmt
 from ejax.data import stats_math
 
 
-def _keys(source) -> list[str]:
-  return [getattr(source, "state_key", "observation.state"), getattr(source, "action_key",
-                                                                      "action")]
+def normalized_keys(source) -> list[str]:
+  """The columns the pipeline normalises: state, action and any auxiliary vectors the source reads."""
+  return [getattr(source, "state_key", "observation.state"), getattr(source, "action_key", "action"),
+          *getattr(source, "aux_keys", ())]
 
 
 def compute_stats(source) -> dict[str, dict[str, np.ndarray]]:
   """Exact statistics of the state and action columns over every step of `source`."""
   columns = source.columns()
   return {key: stats_math.vector_stats(columns[key].reshape(len(columns[key]), -1))
-          for key in _keys(source)}
+          for key in normalized_keys(source)}
 
 
 def load_stats(path: str) -> dict[str, dict[str, np.ndarray]]:
@@ -53,12 +54,12 @@ def load_or_compute_stats(data_config, source) -> dict[str, dict[str, np.ndarray
   needed = ("q01", "q99") if data_config.get("normalization", "mean_std") == "quantile" else (
       "mean", "std")
   stored = getattr(getattr(source, "meta", None), "stats", {}) or {}
-  if all(key in stored and all(n in stored[key] for n in needed) for key in _keys(source)):
-    return {key: stored[key] for key in _keys(source)}
+  if all(key in stored and all(n in stored[key] for n in needed) for key in normalized_keys(source)):
+    return {key: stored[key] for key in normalized_keys(source)}
   start = time.perf_counter()
   stats = compute_stats(source)
   logging.info("computed normalisation statistics over %d steps in %.2fs",
-               int(stats[_keys(source)[0]]["count"][0]), time.perf_counter() - start)
+               int(stats[normalized_keys(source)[0]]["count"][0]), time.perf_counter() - start)
   return stats
 
 
@@ -74,7 +75,7 @@ def run_job(config, workdir: str) -> dict[str, Any]:
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, "stats.json")
   save_stats(path, stats)
-  steps = int(stats[_keys(source)[0]]["count"][0])
+  steps = int(stats[normalized_keys(source)[0]]["count"][0])
   logging.info("stats over %d steps in %.2fs -> %s (set data.stats_path to use them)", steps,
                seconds, path)
   print(f"normalisation statistics over {steps} steps in {seconds:.2f}s written to {path}")

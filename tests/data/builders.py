@@ -40,8 +40,8 @@ FEATURES = {
 }
 
 
-def write_dataset(root, writer_class, episodes, **kwargs):
-  writer = writer_class(str(root), fps=FPS, features=FEATURES, robot_type="test_arm", **kwargs)
+def write_dataset(root, writer_class, episodes, *, features=None, **kwargs):
+  writer = writer_class(str(root), fps=FPS, features=features or FEATURES, robot_type="test_arm", **kwargs)
   for episode, task in zip(episodes, TASKS):
     writer.add_episode(episode, task=task)
   return writer.finalize()

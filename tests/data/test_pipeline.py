@@ -95,6 +95,26 @@ def test_modality_slices_are_taken_from_the_normalised_vectors(tmp_path, v3_root
   np.testing.assert_array_equal(batch["action.grip"], batch["action"][..., 3:4])
 
 
+def test_an_auxiliary_vector_is_read_per_frame_and_normalised(tmp_path, episodes):
+  from ejax.data.lerobot_meta import read_meta
+  from ejax.data.lerobot_writer import LeRobotV3Writer
+  from tests.data.builders import FEATURES, write_dataset
+  rng = np.random.default_rng(1)
+  with_aux = [dict(e, **{"observation.environment_state": rng.normal(size=(len(e["action"]), 3)).astype(np.float32)})
+              for e in episodes]
+  features = dict(FEATURES, **{"observation.environment_state": {"dtype": "float32", "shape": [3], "names": None}})
+  root = write_dataset(tmp_path / "dataset", LeRobotV3Writer, with_aux, features=features)
+  stats = read_meta(root).stats["observation.environment_state"]
+  config = _config(root, shuffle=False, cameras=[], aux_state_key="observation.environment_state")
+  with build_pipeline(config, batch_size=4, seed=0) as pipeline:
+    batch = next(pipeline)
+  raw = with_aux[0]["observation.environment_state"][:4]  # this frame's vector, not a chunk
+  np.testing.assert_allclose(batch["observation.environment_state"], (raw - stats["mean"]) / stats["std"],
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(Exception, match="set data.aux_state_key"):
+    build_pipeline(_config(root, aux_state_key="observation.missing"), batch_size=4, seed=0)
+
+
 def test_skipped_samples_never_reach_a_batch(tmp_path, v3_root):
   import shutil
   root = tmp_path / "dataset"
