@@ -4,6 +4,11 @@ Patchify (a stride-`patch` convolution, written as one Dense over flattened patc
 position embeddings, pre-LN encoder blocks with GELU(tanh) MLPs, and a final LayerNorm. The
 attention-pooling head of the CLIP-style model is not built: both VLAs use the patch tokens.
 Sizes: So400m/14 (width 1152, depth 27, MLP 4304, 16 heads) in GR00T-N1.5 and pi0.5.
+
+`conv_stem` (off in the released models) puts stride-2 3x3 convolutions before the patchify, as in
+"Early convolutions help transformers see better" (Xiao et al. 2021): each halves the resolution, so
+the patch grid, and everything after it, is unchanged. Trained from scratch on a few hundred
+demonstrations it lends the tower a convolution's locality where a linear patchify has none.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ class SiglipConfig:
   image_size: int = 224
   norm_eps: float = 1e-6
   act: str = "gelu_tanh"
+  conv_stem: tuple[int, ...] = ()   # output channels of stride-2 3x3 convolutions before the patchify
+
+  def __post_init__(self):
+    object.__setattr__(self, "conv_stem", tuple(int(c) for c in self.conv_stem))  # configs give lists
 
   @property
   def num_patches(self) -> int:
@@ -65,6 +74,21 @@ class SiglipBlock(nnx.Module):
     return constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
 
 
+class _Conv(nnx.Module):
+  """A stride-2 3x3 convolution with bias, NHWC."""
+
+  def __init__(self, in_channels: int, out_channels: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.dtype = dtype
+    self.kernel = layers.make_param(rngs, nnx.initializers.lecun_normal(), (3, 3, in_channels, out_channels),
+                                    (None, None, None, EMBED), param_dtype)
+    self.bias = layers.make_param(rngs, nnx.initializers.zeros, (out_channels,), (EMBED,), param_dtype)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jax.lax.conv_general_dilated(x.astype(self.dtype), self.kernel[...].astype(self.dtype), (2, 2),
+                                     ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return y + self.bias[...].astype(self.dtype)
+
+
 class SiglipVisionTransformer(nnx.Module):
   """images [n, H, W, 3] in [-1, 1] -> patch tokens [n, num_patches, width]."""
 
@@ -73,7 +97,15 @@ class SiglipVisionTransformer(nnx.Module):
     self.config = config
     self.remat = remat
     self.dtype = dtype
-    patch_dim = config.patch_size * config.patch_size * 3
+    stem = tuple(config.conv_stem)
+    if config.patch_size % (2 ** len(stem)):
+      raise ValueError(f"vision.conv_stem has {len(stem)} stride-2 layers; patch_size={config.patch_size} must be a "
+                       f"multiple of {2 ** len(stem)}")
+    self.stem_patch = config.patch_size // (2 ** len(stem))
+    self.conv_stem = nnx.List([
+        _Conv(c_in, c_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        for c_in, c_out in zip((3,) + stem[:-1], stem)])
+    patch_dim = self.stem_patch * self.stem_patch * (stem[-1] if stem else 3)
     self.patch_embedding = layers.Dense(patch_dim, config.width, axes=(IN_FEATURES, EMBED), dtype=dtype,
                                         param_dtype=param_dtype, rngs=rngs)
     self.position_embedding = layers.make_param(
@@ -84,7 +116,10 @@ class SiglipVisionTransformer(nnx.Module):
                                            param_dtype=param_dtype, rngs=rngs)
 
   def __call__(self, images: jax.Array) -> jax.Array:
-    patches = patchify(images.astype(self.dtype), self.config.patch_size)
+    x = images.astype(self.dtype)
+    for conv in self.conv_stem:
+      x = jax.nn.gelu(conv(x))
+    patches = patchify(x, self.stem_patch)
     if patches.shape[1] != self.config.num_patches:
       raise ValueError(f"SigLIP expects {self.config.image_size}px images ({self.config.num_patches} patches), "
                        f"got {images.shape[1]}x{images.shape[2]}")
