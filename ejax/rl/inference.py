@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ejax.rl.coordination import ParamStore, RequestBoard, Stopped
@@ -27,6 +28,54 @@ def batch_buckets(envs_per_shard: int, num_shards: int) -> list[int]:
     buckets.append(shards * envs_per_shard)
     shards *= 2
   return buckets + [num_shards * envs_per_shard]
+
+
+def concat_rows(parts: list[dict[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int]]:
+  """Requests' batches {key: [n_i, ...]} -> one batch {key: [sum n_i, ...]} and the sizes n_i."""
+  sizes = [len(next(iter(part.values()))) for part in parts]
+  return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}, sizes
+
+
+def pad_rows(batch: dict[str, np.ndarray], buckets: list[int]) -> dict[str, np.ndarray]:
+  """batch {key: [n, ...]} padded up to the smallest bucket >= n, so that only the buckets' shapes
+  are ever compiled. Repeating the last row keeps the padding a valid input (no NaNs from zeros in
+  norms); object arrays (instructions) pad the same way."""
+  size = len(next(iter(batch.values())))
+  bucket = next((b for b in buckets if b >= size), None)
+  if bucket is None:
+    raise ValueError(f"a batch of {size} exceeds the largest bucket {buckets[-1]}")
+  if bucket == size:
+    return batch
+  return {key: np.concatenate([value, np.repeat(value[-1:], bucket - size, axis=0)]) for key, value in batch.items()}
+
+
+def split_rows(result: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str, np.ndarray]]:
+  """The inverse of concat_rows on a (padded) result: each request's rows, padding dropped."""
+  parts, offset = [], 0
+  for size in sizes:
+    parts.append({key: value[offset:offset + size] for key, value in result.items()})
+    offset += size
+  return parts
+
+
+def inference_weights(kind: str, device: jax.Device | None = None, *,
+                      setting: str = "inference_weights") -> Callable[[Any], Any] | None:
+  """What parameters go through on their way to an inference server (None: nothing): "same", or
+  "fp8_block", where weight matrices take the values block-FP8 storage can hold (vectors: biases,
+  norms, stay), then everything moves to `device` when one is given."""
+  if kind not in ("same", "fp8_block"):
+    raise ValueError(f"{setting}={kind!r}: use 'same' or 'fp8_block'")
+  place = (lambda tree: jax.device_put(tree, device)) if device is not None else (lambda tree: tree)
+  if kind == "same":
+    return place if device is not None else None
+  from ejax.kernels.fp8.quantize import dequantize, quantize_blockwise
+
+  @jax.jit
+  def block_fp8(tree):
+    return jax.tree.map(lambda x: dequantize(quantize_blockwise(x), x.dtype)
+                        if x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  return lambda tree: place(block_fp8(tree))
 
 
 class InferenceServer:
@@ -48,13 +97,6 @@ class InferenceServer:
   def start(self) -> None:
     self.thread.start()
 
-  def _padded(self, observation: dict[str, np.ndarray], size: int) -> dict[str, np.ndarray]:
-    bucket = next(b for b in self.buckets if b >= size)
-    if bucket == size:
-      return observation
-    # Repeating the last row keeps the padding a valid observation (no NaNs from zeros in norms).
-    return {key: np.concatenate([value, np.repeat(value[-1:], bucket - size, axis=0)]) for key, value in observation.items()}
-
   def _run(self) -> None:
     try:
       while True:
@@ -62,20 +104,16 @@ class InferenceServer:
         self.activity.wait("inference_requests", waited)
         start = self.activity.now()
         version, params = self.param_store.latest()
-        sizes = [len(next(iter(request.observation.values()))) for request in requests]
-        observation = {key: np.concatenate([request.observation[key] for request in requests])
-                       for key in requests[0].observation}
-        observation = self._padded(observation, sum(sizes))
+        observation, sizes = concat_rows([request.observation for request in requests])
+        observation = pad_rows(observation, self.buckets)
         if self.device is not None:
           observation = jax.device_put(observation, self.device)
         self._rng, rng = jax.random.split(self._rng)
         # One host copy of the whole result, then numpy slices: cheaper than one device slice per leaf and shard.
         result = jax.device_get(self._sample(params, observation, rng))
         self.activity.busy("inference", start, self.activity.now())
-        offset = 0
-        for request, size in zip(requests, sizes):
-          request.reply.put((version, {key: value[offset:offset + size] for key, value in result.items()}))
-          offset += size
+        for request, rows in zip(requests, split_rows(result, sizes)):
+          request.reply.put((version, rows))
         self.batches += 1
         self.samples += sum(sizes)
         self.batch_shards.append(len(requests))

@@ -30,7 +30,7 @@ from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.coordination import ParamStore, RequestBoard, SegmentTickets
 from ejax.rl.delays import DelaySampler, DelaySpec, delay_spec_from_config
 from ejax.rl.env_shard import EnvShard, env_functions
-from ejax.rl.inference import InferenceServer
+from ejax.rl.inference import InferenceServer, inference_weights
 from ejax.rl.learner import Learner, make_update_fn
 from ejax.rl.timeline import ActivityLog, plot_timeline
 
@@ -202,23 +202,10 @@ class RLPipeline:
 
   @staticmethod
   def _inference_weights(config: ConfigDict, device) -> Callable[[Any], Any] | None:
-    """What publishing does to the learner's parameters on their way to the server."""
-    if config.inference_weights not in ("same", "fp8_block"):
-      raise ValueError(f"rl.inference_weights {config.inference_weights!r}: use 'same' or 'fp8_block'")
-    place = (lambda tree: jax.device_put(tree, device)) if device is not None else (lambda tree: tree)
-    if config.inference_weights == "same":
-      return place if device is not None else None
-    from ejax.kernels.fp8.quantize import dequantize, quantize_blockwise
-
-    @jax.jit
-    def block_fp8(tree):
-      # Weight matrices take the values block-FP8 storage can hold; vectors (biases, norms) stay.
-      # The behaviour log-probs come from these weights, and the decoupled objective's behaviour
-      # weight corrects for the gap to the learner's full-precision policy.
-      return jax.tree.map(lambda x: dequantize(quantize_blockwise(x), x.dtype)
-                          if x.ndim == 2 and jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-    return lambda tree: place(block_fp8(tree))
+    """What publishing does to the learner's parameters on their way to the server. With block-FP8
+    weights the behaviour log-probs come from those weights, and the decoupled objective's
+    behaviour weight corrects for the gap to the learner's full-precision policy."""
+    return inference_weights(config.inference_weights, device, setting="rl.inference_weights")
 
   @staticmethod
   def _place_learner(params, opt_state, devices, placement: ConfigDict, sharding_rules):
