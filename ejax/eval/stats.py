@@ -17,4 +17,8 @@ def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float
   denominator = 1 + z * z / trials
   centre = (p + z * z / (2 * trials)) / denominator
   half_width = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
-  return max(0.0, centre - half_width), min(1.0, centre + half_width)
+  # Exact at the ends: rounding left 0 successes of 3 a low bound of 5.6e-17 (above the rate: a
+  # negative error bar that matplotlib refuses).
+  low = 0.0 if successes == 0 else max(0.0, centre - half_width)
+  high = 1.0 if successes == trials else min(1.0, centre + half_width)
+  return low, high
