@@ -48,8 +48,8 @@ class CheckpointPolicy:
     graphdef, state = nnx.split(model)
 
     @jax.jit
-    def sample(state, batch, rng):
-      return nnx.merge(graphdef, state).sample_actions(batch, rng)
+    def sample(state, batch, rng, noise):
+      return nnx.merge(graphdef, state).sample_actions(batch, rng, noise=noise)
 
     self._state, self._sample = state, sample
 
@@ -112,10 +112,26 @@ class CheckpointPolicy:
       samples.append(sample)
     return samples
 
-  def act(self, obs: dict[str, np.ndarray], instructions: list[str], rng: jax.Array) -> np.ndarray:
+  @property
+  def noise_shape(self) -> tuple[int, int]:
+    """[horizon, model action dim] of one sample's initial flow noise (act's `noise` rows): the
+    model's padded action width (GR00T's max_action_dim), not the env's."""
+    model_config = self.config.model
+    width = model_config.get("max_action_dim") or model_config.get("action_dim") or self.action_dim
+    return self.horizon, int(width)
+
+  def act(self, obs: dict[str, np.ndarray], instructions: list[str], rng: jax.Array,
+          noise: np.ndarray | None = None) -> np.ndarray:
+    """noise [N, *noise_shape]: the flow's initial noise, when the caller fixes it (a policy server
+    whose clients reproduce in-process sampling); None draws it from rng as the model does."""
     batch = self.collate(self._samples(obs, instructions))
     batch = {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object}
-    return self.env_actions(np.asarray(self._sample(self._state, batch, rng), np.float32))
+    return self.env_actions(np.asarray(self._sample(self._state, batch, rng, noise), np.float32))
+
+  def map_weights(self, transform) -> None:
+    """Replaces the weights act() samples with by transform(weights), e.g. block-FP8 values for
+    inference (ejax.rl.inference.inference_weights)."""
+    self._state = transform(self._state)
 
   def env_actions(self, model_actions: np.ndarray) -> np.ndarray:
     """The model's sampled chunks [N, horizon, model action dim] (normalised, padded to the model's
