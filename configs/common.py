@@ -71,7 +71,25 @@ def base_config() -> ConfigDict:
   config.metrics = ConfigDict(dict(
       log_every_steps=10, tensorboard=True, progress_bar=True,
       peak_flops_per_device=placeholder(float)))  # else from ejax/train/metrics.py's table
+  config.serve = serve_defaults()
   return config
+
+
+def serve_defaults() -> ConfigDict:
+  """Job `serve` (ejax/serve/server.py, README "Deploy"): a train-job checkpoint behind openpi's
+  websocket protocol, concurrent clients batched on the device."""
+  return ConfigDict(dict(
+      checkpoint="",              # a train job's checkpoint directory; "": <workdir>/checkpoints
+      host="127.0.0.1",           # any other address (0.0.0.0: every interface) needs api_key
+      port=8000,                  # openpi's default; 0 picks a free port
+      api_key="",                 # clients send "Authorization: Api-Key <key>"; others are refused
+      max_batch=16,               # requests batched in one call (compiled sizes 1, 2, 4, ... max_batch)
+      max_wait_ms=5.0,            # how long a batch waits for other active clients' requests
+      max_message_bytes=16 * 2**20,  # larger messages close their connection (code 1009)
+      weights="same",             # same | fp8_block (weight matrices at block-FP8 values)
+      warmup=True,                # compile every batch size before accepting clients
+      seed=0,                     # the flow noise of requests that bring none
+  ))
 
 
 def demo_settings() -> dict:

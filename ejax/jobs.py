@@ -18,6 +18,7 @@ JOBS: dict[str, str] = {
     "demos": "ejax.sim.demos:run_job",
     "eval": "ejax.eval.evaluate:run_job",
     "rl": "ejax.rl.runner:run_job",
+    "serve": "ejax.serve.server:run_job",
 }
 
 
