@@ -12,8 +12,10 @@ Launch (CPU):
   Baselines: --config.eval.policy=random (floor, ~0 %) or expert (scripted, >= 95 % per task).
   An RL run's policy: --config.eval.policy=rl --config.eval.checkpoint=runs/rl/rl_checkpoints
     (newest version; --config.eval.version=0 is its SFT starting point).
+  A served policy (job `serve`, README "Deploy"): --config.eval.policy=remote --config.eval.address=127.0.0.1:8000
+    (the same success rates and actions as evaluating its checkpoint in-process, same seeds).
   python -m ejax.main --config=configs/eval.py --workdir=runs/eval   (50 episodes per task, LIBERO's count)
-Arg string: `runlocal`, `policy=random|expert|checkpoint|rl`, `episodes=N`, `tasks=all|suite|name+name`.
+Arg string: `runlocal`, `policy=random|expert|checkpoint|rl|remote`, `episodes=N`, `tasks=all|suite|name+name`.
 """
 
 from ml_collections import ConfigDict
@@ -26,10 +28,13 @@ def get_config(arg: str | None = None):
   config = common.base_config()
   config.job = "eval"
   config.eval = ConfigDict(dict(
-      policy="checkpoint",   # random | expert | checkpoint | rl
+      policy="checkpoint",   # random | expert | checkpoint | rl | remote
       checkpoint="",         # checkpoint directory: the train job's (policy=checkpoint, ejax.train.policy)
                              # or an rl job's rl_checkpoints (policy=rl, ejax.rl.runner.load_rl_policy)
       version=-1,            # policy=rl: which saved policy version (-1: the newest)
+      address="",            # policy=remote: host:port (or ws://...) of a serve job (ejax/serve)
+      api_key="",            # policy=remote: the server's serve.api_key, when it has one
+      remote_connections=16,  # policy=remote: envs' requests in flight at once (the server batches them)
       tasks="",              # "all", a suite ("spatial" | "object" | "goal"), "name+name", or "": the
                              # tasks the checkpoint was trained on (its saved data config), else all
       episodes_per_task=50,

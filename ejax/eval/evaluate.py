@@ -3,6 +3,9 @@
     python -m ejax.main --config=configs/eval.py:runlocal --workdir=runs/eval_local \
         --config.eval.policy=checkpoint --config.eval.checkpoint=runs/groot_local/checkpoints
 
+A policy served by job `serve` (ejax/serve) evaluates the same way with
+--config.eval.policy=remote --config.eval.address=HOST:PORT: same episodes, same actions.
+
 Writes into <workdir>/eval (or config.eval.output_dir):
   summary.json  per-task episodes, successes, success rate, 95 % Wilson interval; per suite; overall
   summary.txt   the same as a text table
@@ -43,7 +46,11 @@ def make_policy(config, action_size: int):
       raise ValueError("config.eval.policy='rl' needs --config.eval.checkpoint=<workdir of the rl job>/rl_checkpoints")
     from ejax.rl.runner import load_rl_policy
     return load_rl_policy(config.eval.checkpoint, version=config.eval.get("version", -1))
-  raise ValueError(f"unknown config.eval.policy {kind!r}: use random, expert, checkpoint or rl")
+  if kind == "remote":
+    from ejax.serve.client import RemotePolicy
+    return RemotePolicy(config.eval.address, api_key=config.eval.api_key,
+                        connections=int(config.eval.remote_connections))
+  raise ValueError(f"unknown config.eval.policy {kind!r}: use random, expert, checkpoint, rl or remote")
 
 
 def policy_observations(state, uses_privileged_state: bool) -> dict[str, np.ndarray]:
