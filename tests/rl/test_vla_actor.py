@@ -12,13 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import demos as demos_config
-from configs import groot as groot_config
 from configs import rl_vla3
 from ejax.models import groot as groot_lib
 from ejax.models import groot_inputs
 from ejax.rl import runner
 from ejax.sim import registry
+from tests.train.helpers import groot_sim_checkpoint
 
 TASK = "goal_lift_green_block"
 IMAGE_SIZE = 32  # runlocal GR00T's vision image size: the demos need no resize
@@ -28,19 +27,8 @@ ACTION_DIM = 4
 
 @pytest.fixture(scope="module")
 def sft_checkpoint(tmp_path_factory):
-  from ejax.sim import demos
-  from ejax.train.loop import train
-  root = tmp_path_factory.mktemp("vla")
-  config = demos_config.get_config(f"runlocal,tasks={TASK},episodes=2,size={IMAGE_SIZE}")
-  config.demos.num_envs = 2
-  demos.run_job(config, str(root / "demos"))
-  config = groot_config.get_config(f"runlocal,dataset={root / 'demos' / 'dataset'},steps=2,batch=8")
-  config.model.max_action_dim = MAX_ACTION_DIM
-  config.metrics.update(tensorboard=False, progress_bar=False)
-  config.checkpoint.update(async_save=False, every_steps=2)
-  config.compilation_cache_dir = ""  # keep the tests' own compilation cache (tests/conftest.py)
-  train(config, str(root / "sft"))
-  return str(root / "sft" / "checkpoints")
+  return groot_sim_checkpoint(tmp_path_factory.mktemp("vla"), task=TASK, image_size=IMAGE_SIZE,
+                              max_action_dim=MAX_ACTION_DIM)
 
 
 def rl_config(sft_checkpoint: str, arg: str = ""):

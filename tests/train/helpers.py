@@ -30,5 +30,25 @@ def tiny_config(steps: int = 4, batch: int = 16, mesh=(-1, 1, 1)):
   return config
 
 
+def groot_sim_checkpoint(root, *, task: str, image_size: int, episodes: int = 2, steps: int = 2,
+                         max_action_dim: int | None = None) -> str:
+  """A small GR00T checkpoint of the train job: scripted demos of one ejax.sim task recorded at
+  image_size (runlocal's vision size, 32, needs no resize), then configs/groot.py:runlocal trained on
+  them for `steps` steps. -> its checkpoint directory (root/sft/checkpoints)."""
+  from ejax.sim import demos
+  from ejax.train.loop import train
+  config = load_config("configs/demos.py", f"runlocal,tasks={task},episodes={episodes},size={image_size}")
+  config.demos.num_envs = episodes
+  demos.run_job(config, os.path.join(root, "demos"))
+  config = load_config("configs/groot.py", f"runlocal,dataset={os.path.join(root, 'demos', 'dataset')},steps={steps},batch=8")
+  if max_action_dim is not None:
+    config.model.max_action_dim = max_action_dim
+  config.metrics.update(tensorboard=False, progress_bar=False)
+  config.checkpoint.update(async_save=False, every_steps=steps)
+  config.compilation_cache_dir = ""  # keep the tests' own compilation cache (tests/conftest.py)
+  train(config, os.path.join(root, "sft"))
+  return os.path.join(root, "sft", "checkpoints")
+
+
 def losses(result) -> list[float]:
   return [entry["loss"] for entry in result["history"]]
