@@ -41,7 +41,7 @@ def eval_settings(policy: str, checkpoint: str, address: str = ""):
 @pytest.mark.timeout(900)
 def test_remote_evaluation_equals_in_process_evaluation(groot_checkpoint, tmp_path):
   in_process = Recording(evaluate.make_policy(eval_settings("checkpoint", groot_checkpoint), 4))
-  server = PolicyServer(load_policy(groot_checkpoint), port=0, max_batch=2).start()
+  server = PolicyServer(load_policy(groot_checkpoint), port=0, max_batch=2, max_wait_ms=100).start()
   try:
     config = eval_settings("remote", "", address=f"127.0.0.1:{server.port}")
     remote = Recording(evaluate.make_policy(config, 4))

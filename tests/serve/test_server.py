@@ -36,7 +36,10 @@ def policy(groot_checkpoint):
 
 @pytest.fixture(scope="module")
 def server(policy):
-  server = PolicyServer(policy, port=0, api_key=API_KEY, max_batch=2, max_message_bytes=MAX_MESSAGE_BYTES).start()
+  # A generous wait for the other client's request: on a loaded CI machine 5 ms can pass between two
+  # lock-stepped clients' sends, and the concurrency test must see them batched.
+  server = PolicyServer(policy, port=0, api_key=API_KEY, max_batch=2, max_wait_ms=100,
+                        max_message_bytes=MAX_MESSAGE_BYTES).start()
   yield server
   server.stop()
 
