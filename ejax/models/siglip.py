@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ejax.models import layers
@@ -35,13 +36,27 @@ class SiglipConfig:
   norm_eps: float = 1e-6
   act: str = "gelu_tanh"
   conv_stem: tuple[int, ...] = ()   # output channels of stride-2 3x3 convolutions before the patchify
+  posemb_init: str = "normal"       # "normal" (N(0, 0.02), as released) or "sincos2d" (trained from scratch)
 
   def __post_init__(self):
     object.__setattr__(self, "conv_stem", tuple(int(c) for c in self.conv_stem))  # configs give lists
+    if self.posemb_init not in ("normal", "sincos2d"):
+      raise ValueError(f"vision.posemb_init={self.posemb_init!r}: use 'normal' or 'sincos2d'")
 
   @property
   def num_patches(self) -> int:
     return (self.image_size // self.patch_size) ** 2
+
+
+def sincos_2d(grid: int, width: int) -> np.ndarray:
+  """Fixed 2-D sine-cosine position codes [grid * grid, width] (row-major patches), as MAE and ViT
+  trained from scratch use: a quarter of the channels each for sin / cos of the row and the column."""
+  if width % 4:
+    raise ValueError(f"vision.posemb_init='sincos2d' needs a width divisible by 4, got {width}")
+  omega = 1.0 / 10_000 ** (np.arange(width // 4) / (width // 4))
+  rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+  codes = [f(axis.reshape(-1, 1) * omega) for axis in (rows, cols) for f in (np.sin, np.cos)]
+  return np.concatenate(codes, axis=1).astype(np.float32)
 
 
 def normalize_images(images_uint8: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -108,8 +123,12 @@ class SiglipVisionTransformer(nnx.Module):
     patch_dim = self.stem_patch * self.stem_patch * (stem[-1] if stem else 3)
     self.patch_embedding = layers.Dense(patch_dim, config.width, axes=(IN_FEATURES, EMBED), dtype=dtype,
                                         param_dtype=param_dtype, rngs=rngs)
-    self.position_embedding = layers.make_param(
-        rngs, nnx.initializers.normal(0.02), (config.num_patches, config.width), (None, EMBED), param_dtype)
+    init = nnx.initializers.normal(0.02)
+    if config.posemb_init == "sincos2d":
+      table = sincos_2d(config.image_size // config.patch_size, config.width)
+      init = lambda key, shape, dtype: jnp.asarray(table, dtype)  # noqa: E731
+    self.position_embedding = layers.make_param(rngs, init, (config.num_patches, config.width), (None, EMBED),
+                                                param_dtype)
     self.blocks = nnx.List([SiglipBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                             for _ in range(config.depth)])
     self.post_layernorm = layers.LayerNorm(config.width, eps=config.norm_eps, dtype=dtype,

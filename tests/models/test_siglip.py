@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, _Conv
+from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, _Conv, sincos_2d
 
 
 def _reference_conv(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -49,3 +49,17 @@ def test_stem_deeper_than_the_patch_is_refused():
   with pytest.raises(ValueError, match="conv_stem has 3 stride-2 layers; patch_size=4"):
     SiglipVisionTransformer(SiglipConfig(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=4, image_size=16,
                                          conv_stem=(4, 4, 4)), rngs=nnx.Rngs(0))
+
+
+def test_sincos_position_codes_tell_every_patch_apart_and_initialise_the_table():
+  codes = sincos_2d(4, 16)
+  assert codes.shape == (16, 16) and np.abs(codes).max() <= 1
+  distances = np.linalg.norm(codes[:, None] - codes[None], axis=-1)
+  assert distances[~np.eye(16, dtype=bool)].min() > 0.1
+  # Neighbours are closer than far patches: the code is smooth in both directions.
+  assert distances[0, 1] < distances[0, 3] and distances[0, 4] < distances[0, 12]
+  tower = SiglipVisionTransformer(SiglipConfig(width=16, depth=1, mlp_dim=32, num_heads=2, patch_size=4,
+                                               image_size=16, posemb_init="sincos2d"), rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(tower.position_embedding[...], codes)
+  with pytest.raises(ValueError, match="posemb_init='sincos2d' needs a width divisible by 4"):
+    sincos_2d(4, 18)
