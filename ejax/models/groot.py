@@ -59,7 +59,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.param_dtype = "float32"
   c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8
   c.remat = "full"                   # per-block rematerialisation (ejax.parallel.remat)
-  c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224)
+  c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224, conv_stem=(),
+                  posemb_init="normal")
   c.connector = dict(num_layers=1, use_pixel_shuffle=False)   # released: mlp1.0 = Linear(1152, 2048)
   c.llm = dict(vocab_size=151680, width=2048, mlp_dim=6144, num_heads=16, num_kv_heads=8, head_dim=128,
                num_layers=12, rope_theta=1_000_000.0)          # Qwen3-1.7B, select_layer = 12
@@ -78,6 +79,16 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.image_token_id = 151669          # <IMG_CONTEXT> in Eagle 2.5's Qwen3 vocabulary
   c.tokenizer_path = ""              # a local tokenizer.json (ejax.models.qwen_tokenizer)
   c.packing = dict(row_length=1024, samples_per_row=2)
+  # Training-only auxiliary target (0: off): a head on the mean of each sample's VL tokens (what the DiT
+  # cross-attends to) regresses the sample's normalised privileged state (data.aux_state_key, e.g.
+  # ejax.sim's target and goal positions), which teaches the vision and language path to say where the
+  # instructed object is. Not part of the released recipe; inference ignores it.
+  c.aux_state_dim = 0
+  c.aux_loss_weight = 1.0
+  # With the target on, also hand the estimate to the action head, in the state vector's last
+  # aux_state_dim slots (which must be padding): a state estimator read from the images, trained by
+  # the auxiliary target, that the policy acts on at inference too.
+  c.aux_state_input = False
   # Freezing (LeRobot's fine-tuning defaults; the released pre-training config had tune_visual=True).
   c.tune_llm = False
   c.tune_visual = False
@@ -86,7 +97,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   if variant == "runlocal":
     c.dtype = "float32"
     c.remat = "none"
-    c.vision = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=8, image_size=32)
+    c.vision = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=8, image_size=32, conv_stem=(),
+                    posemb_init="normal")
     c.llm = dict(vocab_size=512, width=64, mlp_dim=128, num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2,
                  rope_theta=10_000.0)
     c.vl_transformer = dict(num_layers=1, num_heads=4, head_dim=16, dropout=0.0)
@@ -118,11 +130,16 @@ class GrootBackbone(nnx.Module):
     self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, **common)
     self.image_token_id = config.image_token_id
 
+  def encode_images(self, batch) -> jax.Array | None:
+    """The connector's image tokens [num_images, tokens_per_image, llm width]; None without cameras."""
+    if not batch["images"].shape[0]:
+      return None
+    return self.connector(self.vision(normalize_images(batch["images"], self.llm.dtype)))
+
   def __call__(self, batch) -> jax.Array:
     embeddings = self.llm.embed(batch["vl_tokens"])
-    if batch["images"].shape[0]:  # datasets without cameras have text-only prompts
-      images = normalize_images(batch["images"], self.llm.dtype)
-      image_tokens = self.connector(self.vision(images))                  # [num_images, P, d]
+    image_tokens = self.encode_images(batch)
+    if image_tokens is not None:  # datasets without cameras have text-only prompts
       flat = image_tokens.reshape(-1, image_tokens.shape[-1])
       index = image_token_indices(batch, image_tokens.shape[1], xp=jnp)
       is_image = batch["vl_tokens"] == self.image_token_id
@@ -153,10 +170,22 @@ class GrootActionHead(nnx.Module):
     normal = nnx.initializers.normal(0.02)
     self.future_tokens = layers.make_param(rngs, normal, (config.num_future_tokens, width), (None, EMBED), param_dtype)
     self.position_embedding = layers.make_param(rngs, normal, (config.max_seq_len, width), (None, EMBED), param_dtype)
+    self.aux_state_head = self.aux_state_out = nnx.data(None)
+    if config.get("aux_state_dim", 0):
+      self.aux_state_head = layers.Dense(vl_width, config.hidden_size, axes=(EMBED, MLP), **common)
+      self.aux_state_out = layers.Dense(config.hidden_size, config.aux_state_dim, axes=(MLP, None), **common)
     self.dtype = dtype
 
   def encode_vl(self, features: jax.Array, segment_ids: jax.Array, rng=None) -> jax.Array:
     return self.vl_self_attention(self.vlln(features), segment_ids, rng)
+
+  def aux_state(self, vl: jax.Array, batch) -> jax.Array:
+    """The auxiliary state prediction [n, aux_state_dim] from the mean of each sample's VL tokens: a
+    pooled readout, so the tokens the DiT attends to must carry where things are in their content."""
+    rows = sample_rows(batch, xp=jnp)
+    mask = (batch["vl_segment_ids"][rows] == batch["sample_segment"][:, None]).astype(vl.dtype)   # [n, L]
+    pooled = jnp.einsum("nl,nld->nd", mask, vl[rows]) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+    return self.aux_state_out(jax.nn.gelu(self.aux_state_head(pooled))).astype(jnp.float32)
 
   def velocity(self, noisy_actions, timestep_buckets, state_tokens, vl, batch, rng=None) -> jax.Array:
     """Predicted velocity (action - noise) [n, horizon, max_action_dim]."""
@@ -187,8 +216,11 @@ class Groot(nnx.Module):
     if not (self.config.tune_llm or self.config.tune_visual):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
     vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
-    state = batch["state"][:, None, :]
-    state_tokens = self.action_head.state_encoder(state, batch["embodiment_id"])
+    state = jnp.asarray(batch["state"])
+    if self.config.get("aux_state_input", False):
+      # The estimate rides in the state's last aux_state_dim slots (zero padding; the collate checks).
+      state = state.at[:, -self.config.aux_state_dim:].add(self.action_head.aux_state(vl, batch).astype(state.dtype))
+    state_tokens = self.action_head.state_encoder(state[:, None, :], batch["embodiment_id"])
     return vl, state_tokens
 
   def velocity_fn(self, batch, *, vl=None, state_tokens=None):
@@ -220,7 +252,13 @@ class Groot(nnx.Module):
     per_sample_loss = jnp.sum(squared, axis=(1, 2)) / jnp.maximum(per_sample_mask, 1.0)
     # Like GR00T: the mean over every real action entry of the batch.
     loss = jnp.sum(squared) / jnp.maximum(jnp.sum(per_sample_mask), 1.0)
-    return loss, {"per_sample_loss": per_sample_loss, "flow_loss": loss}
+    metrics = {"per_sample_loss": per_sample_loss, "flow_loss": loss}
+    if self.action_head.aux_state_head is not None:
+      aux_error = jnp.mean(jnp.square(self.action_head.aux_state(vl, batch) - batch["aux_state"]), axis=-1)
+      aux_mask = batch["aux_mask"].astype(jnp.float32)
+      metrics["aux_state_loss"] = jnp.sum(aux_error * aux_mask) / jnp.maximum(jnp.sum(aux_mask), 1.0)
+      loss = loss + self.config.aux_loss_weight * metrics["aux_state_loss"]
+    return loss, metrics
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
     n = batch["state"].shape[0]
@@ -261,8 +299,8 @@ def example_batch(model_config, batch_size: int, seed: int = 0):
 
 def make_collate(model_config, data_config=None):
   """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path."""
-  del data_config
-  return groot_inputs.make_collate(model_config)
+  aux_key = data_config.get("aux_state_key", None) if data_config is not None else None
+  return groot_inputs.make_collate(model_config, aux_key=aux_key)
 
 
 SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,

@@ -14,6 +14,8 @@ Batch keys:
   vl_tokens, vl_segment_ids, vl_positions, vl_image_slot [num_rows, row_length] int32
   sample_row_offset, sample_segment, embodiment_id [n] int32
   state [n, max_state_dim], actions / action_mask [n, horizon, max_action_dim] float32
+  aux_state [n, aux_state_dim] float32, aux_mask [n]   (only when model_config.aux_state_dim > 0:
+                                       the training-only target, zeros and mask 0 where a sample has none)
 
 Indices between the row arrays and the per-sample arrays are stored relative to each array's
 "home" position, so a global batch made by concatenating process-local batches (multi-host,
@@ -78,7 +80,8 @@ def _pad_to(x: np.ndarray, size: int, axis: int, what: str) -> np.ndarray:
 
 def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray, states: np.ndarray,
              actions: np.ndarray, action_masks: np.ndarray, embodiment_ids: np.ndarray, *,
-             num_rows: int | None = None, seed: int = 0, pack: bool = True) -> dict[str, np.ndarray]:
+             num_rows: int | None = None, seed: int = 0, pack: bool = True,
+             aux_states: Sequence[np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
   """Packs token prompts (image-context tokens marked by model_config.image_token_id) into rows;
   pack=False puts each sample alone in its own row (the padded, unpacked layout)."""
   n = len(prompts)
@@ -119,7 +122,7 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
       sample_row[sample], sample_segment[sample] = row, segment
       offset += length
   sample_row_offset = sample_row - (np.arange(n) * num_rows) // max(n, 1)
-  return {
+  batch = {
       "images": images.astype(np.uint8),
       "vl_tokens": tokens, "vl_segment_ids": segment_ids, "vl_positions": positions, "vl_image_slot": image_slot,
       "sample_row_offset": sample_row_offset.astype(np.int32), "sample_segment": sample_segment,
@@ -127,11 +130,24 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
       "state": states.astype(np.float32), "actions": actions.astype(np.float32),
       "action_mask": action_masks.astype(np.float32),
   }
+  aux_dim = model_config.get("aux_state_dim", 0)
+  if aux_dim:
+    aux_states = aux_states if aux_states is not None else [None] * n
+    batch["aux_state"] = np.zeros((n, aux_dim), np.float32)
+    batch["aux_mask"] = np.zeros((n,), np.float32)
+    for i, value in enumerate(aux_states):
+      if value is not None:
+        value = np.asarray(value, np.float32).reshape(-1)
+        if value.shape[0] != aux_dim:
+          raise ValueError(f"the auxiliary state has {value.shape[0]} dims, config.model.aux_state_dim is {aux_dim}")
+        batch["aux_state"][i], batch["aux_mask"][i] = value, 1.0
+  return batch
 
 
 def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_rows: int | None = None,
-            seed: int = 0) -> dict[str, np.ndarray]:
-  """Tokenises, pads and packs pipeline samples into one GR00T batch."""
+            seed: int = 0, aux_key: str | None = None) -> dict[str, np.ndarray]:
+  """Tokenises, pads and packs pipeline samples into one GR00T batch; `aux_key` names the samples'
+  auxiliary target (model_config.aux_state_dim > 0)."""
   c = model_config
   cameras = sorted(k for k in samples[0] if k.startswith(IMAGE_PREFIX))
   if len(cameras) != c.num_cameras:
@@ -141,7 +157,12 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     task = str(sample["task"]) if "task" in sample else f"task {int(sample['task_index'])}"
     prompts.append(eagle_prompt(tokenizer, task, len(cameras), tokens_per_image(c), image_token_id=c.image_token_id))
     images += [_resize(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras]
-    states.append(_pad_to(np.asarray(sample["observation.state"], np.float32), c.max_state_dim, 0, "state"))
+    state = np.asarray(sample["observation.state"], np.float32)
+    if c.get("aux_state_input", False) and state.shape[-1] > c.max_state_dim - c.aux_state_dim:
+      raise ValueError(f"model.aux_state_input puts the {c.aux_state_dim}-d estimate in the state's last slots: "
+                       f"the {state.shape[-1]}-d state leaves no room in max_state_dim={c.max_state_dim} (raise it "
+                       f"to {state.shape[-1] + c.aux_state_dim})")
+    states.append(_pad_to(state, c.max_state_dim, 0, "state"))
     action = np.asarray(sample["action"], np.float32)
     if action.shape[0] != c.action_horizon:
       raise ValueError(f"action chunk has {action.shape[0]} steps, the model's horizon is {c.action_horizon}")
@@ -153,14 +174,16 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     embodiments.append(int(sample.get("embodiment_id", 0)))
   size = c.vision.image_size
   images = np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8)
+  aux_states = [sample.get(aux_key) for sample in samples] if aux_key else None
   return assemble(c, prompts, images, np.stack(states), np.stack(actions), np.stack(masks),
-                  np.asarray(embodiments), num_rows=num_rows, seed=seed)
+                  np.asarray(embodiments), num_rows=num_rows, seed=seed, aux_states=aux_states)
 
 
-def make_collate(model_config, tokenizer: QwenTokenizer | None = None) -> Callable[[list[dict]], dict]:
+def make_collate(model_config, tokenizer: QwenTokenizer | None = None, *,
+                 aux_key: str | None = None) -> Callable[[list[dict]], dict]:
   """collate bound to a tokenizer: config.model.tokenizer_path's Qwen BPE, or bytes when it is empty."""
   tokenizer = tokenizer or load_tokenizer(model_config.tokenizer_path, model_config.llm.vocab_size)
-  return lambda samples: collate(samples, model_config, tokenizer)
+  return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key)
 
 
 def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:

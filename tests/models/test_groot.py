@@ -70,6 +70,43 @@ def test_packed_batch_equals_samples_one_by_one(model_and_config):
   assert not np.allclose(actions_o[1], actions_p[1])
 
 
+def test_auxiliary_state_target_adds_a_masked_regression_to_the_loss():
+  c = tiny_config()
+  c.update(aux_state_dim=3, aux_loss_weight=0.5, tune_visual=True, tune_llm=True)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 4, seed=3)
+  assert batch["aux_state"].shape == (4, 3) and not batch["aux_mask"].any()  # no target: nothing to learn
+  target = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+  labelled = dict(batch, aux_state=target, aux_mask=np.array([1, 1, 0, 1], np.float32))
+  time, noise = jnp.full((4,), 0.5), jnp.zeros(batch["actions"].shape)
+
+  def loss(m, b):
+    return m.compute_loss(b, jax.random.key(1), time=time, noise=noise, train=False)
+
+  total, metrics = loss(model, labelled)
+  vl, _ = model.context(labelled)
+  predicted = model.action_head.aux_state(vl, labelled)
+  expected = np.mean((np.asarray(predicted) - target) ** 2, axis=-1)[[0, 1, 3]].mean()
+  np.testing.assert_allclose(metrics["aux_state_loss"], expected, rtol=1e-5)
+  np.testing.assert_allclose(total, metrics["flow_loss"] + 0.5 * expected, rtol=1e-5)
+  unlabelled_total, unlabelled = loss(model, batch)
+  np.testing.assert_allclose(unlabelled_total, unlabelled["flow_loss"], rtol=1e-6)
+  # The target trains the head and the VL path (vision tower included), and not the DiT.
+  grads = nnx.grad(lambda m: loss(m, labelled)[1]["aux_state_loss"])(model)
+  assert float(jnp.abs(grads.action_head.aux_state_out.kernel[...]).sum()) > 0
+  assert float(jnp.abs(grads.backbone.vision.patch_embedding.kernel[...]).sum()) > 0
+  assert float(jnp.abs(grads.action_head.dit.proj_out_2.kernel[...]).sum()) == 0
+  # Each sample's readout is the mean over its own VL tokens only (packed rows hold two samples).
+  unpacked = _unpack(labelled, c)
+  assert unpacked["vl_tokens"].shape[0] == 4 and labelled["vl_tokens"].shape[0] == 2
+  np.testing.assert_allclose(model.action_head.aux_state(model.context(unpacked)[0], unpacked), predicted,
+                             rtol=1e-4, atol=1e-5)
+  # Sampling never looks at it.
+  sample = nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(2), noise=noise))
+  a, b = sample(model, batch), sample(model, labelled)
+  np.testing.assert_array_equal(a, b)
+
+
 def test_trainable_filter_freezes_llm_and_vision(model_and_config):
   model, c = model_and_config
   trainable = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, groot.trainable_filter(c)))}
@@ -166,3 +203,30 @@ def test_summary_job_prints_components_and_writes_json(tmp_path, capsys):
   saved = json.loads((tmp_path / "summary.json").read_text())
   assert saved["total_params"] == result["total_params"] == sum(result["param_counts"].values())
   assert saved["total_param_bytes_per_device"] < 4 * saved["total_params"]
+
+
+def test_auxiliary_estimate_feeds_the_state_token_when_asked():
+  c = tiny_config()
+  c.update(aux_state_dim=2, tune_visual=True, tune_llm=True)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 4, seed=3)
+  batch["state"][:, -2:] = 0.0
+  vl, plain = model.context(batch)
+  model.config.aux_state_input = True
+  vl_fed, fed = model.context(batch)
+  np.testing.assert_array_equal(vl, vl_fed)
+  estimate = np.asarray(model.action_head.aux_state(vl, batch))
+  manual = batch["state"].copy()
+  manual[:, -2:] = estimate
+  expected = model.action_head.state_encoder(jnp.asarray(manual)[:, None, :], batch["embodiment_id"])
+  np.testing.assert_allclose(fed, expected, rtol=1e-5, atol=1e-6)
+  assert not np.allclose(fed, plain)
+  # A state that reaches into the estimate's slots is refused at collate time with the fix.
+  from ejax.models import groot_inputs
+  collate = groot.make_collate(model.config)
+  size = c.vision.image_size
+  sample = {"observation.images.cam": np.zeros((size, size, 3), np.uint8), "task": "lift",
+            "action": np.zeros((c.action_horizon, 2), np.float32)}
+  assert collate([dict(sample, **{"observation.state": np.zeros(c.max_state_dim - 2, np.float32)})])["state"].shape
+  with pytest.raises(ValueError, match=f"raise it to {c.max_state_dim + 2}"):
+    collate([dict(sample, **{"observation.state": np.zeros(c.max_state_dim, np.float32)})])

@@ -83,6 +83,21 @@ def test_collate_pads_masks_and_packs(tokenizer):
   assert (batch["vl_tokens"][batch["vl_segment_ids"] == 0] == 0).all()
 
 
+def test_collate_carries_the_auxiliary_target_where_a_sample_has_one(tokenizer):
+  c = config_for(tokenizer)
+  c.aux_state_dim = 3
+  rng = np.random.default_rng(0)
+  samples = [sample(rng, "pick up the red cube", 5, 3, 2, 1), sample(rng, "open the drawer", 8, 4, 0, 0)]
+  samples[0]["observation.environment_state"] = np.array([0.1, 0.2, 0.3], np.float32)
+  batch = groot_inputs.collate(samples, c, tokenizer, aux_key="observation.environment_state")
+  np.testing.assert_array_equal(batch["aux_state"], np.array([[0.1, 0.2, 0.3], [0, 0, 0]], np.float32))
+  np.testing.assert_array_equal(batch["aux_mask"], [1, 0])
+  assert "aux_state" not in groot_inputs.collate(samples, config_for(tokenizer), tokenizer)  # off by default
+  samples[1]["observation.environment_state"] = np.zeros(4, np.float32)
+  with pytest.raises(ValueError, match="aux_state_dim is 3"):
+    groot_inputs.collate(samples, c, tokenizer, aux_key="observation.environment_state")
+
+
 def test_collate_errors_name_the_fix(tokenizer):
   c = config_for(tokenizer)
   rng = np.random.default_rng(1)
