@@ -138,7 +138,9 @@ def run_job(config, workdir: str) -> None:
 
 # Bump when what a recording holds changes (features, tasks, expert, physics), so stale caches are not
 # reused. 2: the dynamic hand with contact grasps replaced the kinematic hand with attachment grasps.
-RECORDING_FORMAT = 2
+# 3: the wrist camera re-aimed so that the object between the fingers sits mid-image (it was cut off
+# at the bottom edge).
+RECORDING_FORMAT = 3
 
 
 def cached_dataset(settings, path: str | None = None) -> str:

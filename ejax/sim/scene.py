@@ -66,6 +66,7 @@ HANDLE_CLOSED_POS = np.array([CABINET_POS[0], CABINET_POS[1] - CABINET_HALF[1] -
 AGENTVIEW_POS = np.array([1.25, 0.0, 0.75], np.float32)
 AGENTVIEW_TARGET = np.array([0.45, 0.05, 0.05], np.float32)
 CAMERA_FOVY = 45.0
+WRIST_CAMERA_AIM = 0.05   # the wrist camera looks at the tool axis this far below the tcp [m]
 
 
 def _vec(values) -> str:
@@ -129,11 +130,15 @@ def _arm_xml() -> str:
       link_geom = f'<geom class="arm" type="sphere" size="{radius}"/>'
     bodies.append(f'<body name="link{i + 1}" mocap="true">{link_geom}</body>')
   tcp = kinematics.TCP_OFFSET
-  # The wrist camera keeps its place on the hand: beside the palm, looking down the gripper towards a
-  # point below the fingertips (given in the flange frame, like a camera bolted to the flange).
-  camera_rotation = np.array([[0.0, 0.925, 0.381], [1.0, 0.0, 0.0], [0.0, 0.381, -0.925]]).T
-  camera_rotation /= np.linalg.norm(camera_rotation, axis=0, keepdims=True)
-  camera_pos, camera_rot = _flange_to_hand_frame(np.array([0.07, 0.0, 0.03]), camera_rotation)
+  # The wrist camera keeps its place on the hand: beside the palm, looking down the gripper at a point
+  # WRIST_CAMERA_AIM below the tool centre point (given in the flange frame, like a camera bolted to the
+  # flange), so whatever is between the fingers, or about to be, sits near the middle of its image.
+  camera_pos = np.array([0.07, 0.0, 0.055])
+  forward = np.array([0.0, 0.0, tcp + WRIST_CAMERA_AIM]) - camera_pos
+  forward /= np.linalg.norm(forward)
+  up = np.array([forward[2], 0.0, -forward[0]])  # in the flange's xz plane, away from the tool axis
+  camera_rotation = np.stack([np.cross(up, -forward), up, -forward], axis=1)  # columns: x right, y up, z back
+  camera_pos, camera_rot = _flange_to_hand_frame(camera_pos, camera_rotation)
   palm_z = -tcp  # the flange, in the hand frame (z points down)
   axes = {name: HAND_ROTATION.T @ axis for name, axis in zip("xyz", np.eye(3))}
   joints = "".join(f'<joint name="hand_{name}" type="slide" axis="{_vec(axis)}"/>' for name, axis in axes.items())
