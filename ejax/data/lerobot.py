@@ -66,6 +66,7 @@ class LeRobotSource(SampleSource):
     self.state_dim = int(np.prod(self.meta.features[state_key]["shape"]))
     self.action_dim = int(np.prod(self.meta.features[action_key]["shape"]))
     self._columns: dict[str, np.ndarray] | None = None
+    self._nonfinite: dict[int, str] = {}  # frame -> feature with NaN / inf there (set with the columns)
     self._lock = threading.Lock()
     # grain reads with several threads; a PyAV container must never be used by two at once.
     self._thread_local = threading.local()
@@ -147,7 +148,32 @@ class LeRobotSource(SampleSource):
       raise DataError(f"data files hold {len(index)} frames with indices that do not run "
                       f"0..{len(self) - 1} as the episode index says: the data is truncated",
                       path=self.meta.root)
+    self._nonfinite = self._nonfinite_frames(columns)
     return columns
+
+  def _nonfinite_frames(self, columns: dict[str, np.ndarray]) -> dict[int, str]:
+    """frame -> the first numeric feature holding NaN or inf there. Under on_bad_sample="error"
+    one such frame stops the run at once (it would turn the loss and the norm stats into NaN);
+    under "skip" the samples that read it are skipped."""
+    bad: dict[int, str] = {}
+    for key in (self.state_key, self.action_key, *self.aux_keys):
+      values = columns[key]
+      if not np.issubdtype(values.dtype, np.floating):
+        continue
+      for frame in np.nonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))[0]:
+        bad.setdefault(int(frame), key)
+    if bad and self.on_bad_sample == "error":
+      frame = min(bad)
+      raise DataError(f"{bad[frame]!r} holds NaN or inf at frame {frame} ({len(bad)} such frames): fix the "
+                      "dataset, or set data.on_bad_sample=skip to skip the samples that read them",
+                      path=self.meta.episodes.data_path[self.episode_of(frame)],
+                      episode_index=int(self.meta.episodes.episode_index[self.episode_of(frame)]))
+    return bad
+
+  def describe(self, index: int) -> str:
+    position = self.episode_of(index)
+    episode = int(self.meta.episodes.episode_index[position])
+    return f"frame {index} (episode {episode}, file {self.meta.episodes.data_path[position]})"
 
   def episode_of(self, index: int) -> int:
     """Position (into meta.episodes) of the episode holding global frame `index`."""
@@ -166,6 +192,10 @@ class LeRobotSource(SampleSource):
 
     obs_rows, obs_pad = clamp(self.observation_offsets)
     action_rows, action_pad = clamp(np.arange(self.horizon))
+    for row in (*obs_rows, *action_rows) if self._nonfinite else ():
+      if int(row) in self._nonfinite:
+        raise DataError(f"{self._nonfinite[int(row)]!r} holds NaN or inf at frame {int(row)}",
+                        path=episodes.data_path[position], episode_index=episode_index)
     single = len(self.observation_offsets) == 1 and self.observation_offsets[0] == 0
     state = columns[self.state_key][obs_rows].astype(np.float32).reshape(len(obs_rows), -1)
     sample: dict[str, Any] = {

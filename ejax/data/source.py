@@ -41,3 +41,7 @@ class SampleSource:
 
   def _sample(self, index: int) -> dict[str, Any]:
     raise NotImplementedError
+
+  def describe(self, index: int) -> str:
+    """Where sample `index` comes from, for messages ("frame 57 (episode 3, file ...)")."""
+    return f"{self.unit} {index}"

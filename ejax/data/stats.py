@@ -30,8 +30,17 @@ def normalized_keys(source) -> list[str]:
 def compute_stats(source) -> dict[str, dict[str, np.ndarray]]:
   """Exact statistics of the state and action columns over every step of `source`."""
   columns = source.columns()
-  return {key: stats_math.vector_stats(columns[key].reshape(len(columns[key]), -1))
-          for key in normalized_keys(source)}
+  stats = {}
+  for key in normalized_keys(source):
+    values = columns[key].reshape(len(columns[key]), -1)
+    # Frames holding NaN / inf are skipped by the reader (data.on_bad_sample=skip): leave them out.
+    finite = np.isfinite(values).all(axis=1) if np.issubdtype(values.dtype, np.floating) else slice(None)
+    stats[key] = stats_math.vector_stats(values[finite])
+  return stats
+
+
+def _all_finite(stats: dict[str, np.ndarray]) -> bool:
+  return all(np.isfinite(np.asarray(value, np.float64)).all() for value in stats.values())
 
 
 def load_stats(path: str) -> dict[str, dict[str, np.ndarray]]:
@@ -55,7 +64,10 @@ def load_or_compute_stats(data_config, source) -> dict[str, dict[str, np.ndarray
       "mean", "std")
   stored = getattr(getattr(source, "meta", None), "stats", {}) or {}
   if all(key in stored and all(n in stored[key] for n in needed) for key in normalized_keys(source)):
-    return {key: stored[key] for key in normalized_keys(source)}
+    if all(_all_finite(stored[key]) for key in normalized_keys(source)):
+      return {key: stored[key] for key in normalized_keys(source)}
+    logging.warning("meta/stats.json holds NaN or inf (the dataset has non-finite frames): "
+                    "computing the statistics over the finite frames instead")
   start = time.perf_counter()
   stats = compute_stats(source)
   logging.info("computed normalisation statistics over %d steps in %.2fs",

@@ -26,6 +26,7 @@ from ejax.errors import UserError
 from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
+from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input
 from ejax.train.optim import make_optimizer
 from ejax.train.state import abstract_train_state, count_params, make_init_fn, model_parts
@@ -159,6 +160,11 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
     history, log_every = [], config.metrics.log_every_steps
     interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
     pad_fractions = []
+    source = getattr(data_iter, "source", None)
+    hint = f"lower train.learning_rate (now {train_cfg.learning_rate:g})" + (
+        "" if train_cfg.grad_clip_norm else " or set train.grad_clip_norm")
+    guard = FiniteGuard(last_good_step=checkpointer.latest_step, hint=hint,
+                        describe_sample=getattr(source, "describe", None))
     step = start_step
     # stop_at ends this run early (to fit a scheduler's time slice); the next run resumes.
     end_step = min(train_cfg.steps, train_cfg.stop_at) if train_cfg.stop_at else train_cfg.steps
@@ -170,6 +176,7 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
         with jax.transfer_guard(train_cfg.transfer_guard):
           state, step_metrics = compiled(state, batch)
         step += 1
+        guard.push(step, step_metrics, local_batch)
         tokens, pad_fraction = _batch_tokens(local_batch)
         interval_steps += 1
         interval_samples += train_cfg.global_batch_size
@@ -178,6 +185,7 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
           pad_fractions.append(pad_fraction)
 
         if step % log_every == 0 or step == train_cfg.steps:
+          guard.check_now()
           scalars = _scalar_metrics(step_metrics)
           elapsed = max(time.time() - interval_start, 1e-9)
           scalars["samples_per_second"] = interval_samples / elapsed
@@ -194,10 +202,12 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
 
         stopping = stop.agreed() if (jax.process_count() == 1 or step % log_every == 0) else False
         if step % config.checkpoint.every_steps == 0 or stopping:
+          guard.check_now()
           checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=stopping)
         if stopping:
           logging.warning("stopped at step %d after a signal; checkpoint saved", step)
           break
+      guard.check_now()
       if step == end_step and checkpointer.latest_step() != step:
         checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=True)
     finally:

@@ -90,7 +90,9 @@ class MetricsWriter:
     if not self.active:
       return
     values = {k: float(v) for k, v in scalars.items()}
-    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+    # Strict JSON: NaN and infinities (which json.dumps writes as bare NaN / Infinity) become null.
+    strict = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
+    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **strict}, allow_nan=False) + "\n")
     self._jsonl.flush()
     if self._tb is not None:
       for name, value in values.items():

@@ -109,3 +109,23 @@ def test_skip_mode_counts_and_logs(copy, caplog):
   assert source.skipped == 5
   assert "skipping frame 4 (5 skipped so far" in caplog.text and "episode 0" in caplog.text
   assert LeRobotSource(str(copy), horizon=2, cameras=[])[4]["frame_index"] == 4
+
+
+def test_nan_action_row_is_named_at_first_read_or_skipped(tmp_path, episodes):
+  from ejax.data.lerobot import LeRobotV3Writer
+  from ejax.data.stats import load_or_compute_stats
+  from ml_collections import ConfigDict
+  from tests.data.builders import write_dataset
+  poisoned = [dict(e) for e in episodes]
+  poisoned[1] = dict(poisoned[1], action=poisoned[1]["action"].copy())
+  poisoned[1]["action"][4, 2] = np.nan  # global frame 9 + 4 = 13
+  root = write_dataset(tmp_path / "dataset", LeRobotV3Writer, poisoned)
+  with pytest.raises(DataError, match=r"'action' holds NaN or inf at frame 13 \(1 such frames\).*"
+                                      r"on_bad_sample=skip.*file-000\.parquet, episode 1\)"):
+    LeRobotSource(str(root), horizon=2, cameras=[])[0]
+
+  source = LeRobotSource(str(root), horizon=2, cameras=[], on_bad_sample="skip")
+  read = [source[i] for i in range(len(source))]
+  assert [i for i, sample in enumerate(read) if sample is None] == [12, 13]  # chunks that reach frame 13
+  stats = load_or_compute_stats(ConfigDict({"normalization": "mean_std"}), source)
+  assert np.isfinite(stats["action"]["mean"]).all() and stats["action"]["count"][0] == len(source) - 1
