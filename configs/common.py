@@ -67,7 +67,12 @@ def base_config() -> ConfigDict:
       stop_at=0,                 # >0: end this run after that step (to fit a time slice); resume later
   ))
   config.checkpoint = ConfigDict(dict(
-      every_steps=500, keep=3, async_save=True, resume=True))
+      every_steps=500, keep=3, async_save=True,
+      resume=True,          # False over existing checkpoints refuses to start, unless move_aside
+      move_aside=False,     # with resume=False: move the old run's outputs to <workdir>/previous-<time>/
+      step=placeholder(int),  # resume from this step (None: the newest); later steps are moved aside
+      allow_changes="",     # settings that may differ from the checkpoint's: "train.steps,..." or "all"
+  ))
   config.metrics = ConfigDict(dict(
       log_every_steps=10, tensorboard=True, progress_bar=True,
       peak_flops_per_device=placeholder(float)))  # else from ejax/train/metrics.py's table

@@ -84,15 +84,21 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, *, data_state: Any = None, meta: dict | None = None,
            force: bool = False) -> bool:
+    latest = self.latest_step()
+    if latest is not None and step <= latest:
+      # orbax declines (or, forced, writes beside newer steps that a resume would pick instead).
+      raise CheckpointError(f"cannot save step {step}: {self.directory} already holds step {latest} "
+                            "of another run; pass a new --workdir")
     data_states = gather_json(data_state)
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave({"process_states": data_states}),
         meta=ocp.args.JsonSave(meta or {}))
-    saved = self._manager.save(step, args=args, force=force)
-    if saved:
-      logging.info("checkpoint: saving step %d to %s", step, self.directory)
-    return saved
+    if not self._manager.save(step, args=args, force=force):
+      raise CheckpointError(f"orbax declined to save step {step} in {self.directory} (newest there: "
+                            f"{self.latest_step()}): the step was not saved")
+    logging.info("checkpoint: saving step %d to %s", step, self.directory)
+    return True
 
   def restore(self, step: int | None, target: Any) -> tuple[Any, Any, dict]:
     """Restores (state, this process's data state, meta). `target` is an abstract state whose

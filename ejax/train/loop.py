@@ -31,24 +31,7 @@ from ejax.train.inputs import make_input
 from ejax.train.optim import make_optimizer
 from ejax.train.state import abstract_train_state, count_params, make_init_fn, model_parts
 from ejax.train.step import jit_train_step, make_train_step
-
-
-class WorkdirError(UserError):
-  pass
-
-
-def prepare_workdir(workdir: str) -> str:
-  workdir = os.path.abspath(workdir)
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_probe_{jax.process_index()}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as error:
-    raise WorkdirError(f"workdir {workdir} is not writable ({error.strerror or error}): "
-                       f"pass --workdir=<a directory you can write>") from None
-  return workdir
+from ejax.train.workdir import prepare_workdir, refuse_or_move_old_run
 
 
 class StopSignal:
@@ -115,6 +98,9 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
   initialize_distributed(config.distributed)
   enable_compilation_cache(config.get("compilation_cache_dir"))
   workdir = prepare_workdir(workdir)
+  if not config.checkpoint.resume:
+    refuse_or_move_old_run(workdir, move_aside=config.checkpoint.get("move_aside", False))
+    barrier("ejax_workdir_ready")
   mesh = make_mesh(config.mesh.to_dict(), devices)
   rules = [tuple(rule) for rule in config.sharding_rules]
   train_cfg = config.train
