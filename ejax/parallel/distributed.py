@@ -62,3 +62,12 @@ def barrier(name: str, timeout_s: int = 1800) -> None:
     return
   import orbax.checkpoint as ocp  # its barrier waits on the jax.distributed client
   ocp.multihost.sync_global_processes(name, timeout=timeout_s)
+
+
+def broadcast_flag(value: bool) -> bool:
+  """Process 0's `value` on every process (e.g. whether it could take a lock all must respect)."""
+  if jax.process_count() == 1:
+    return bool(value)
+  from jax.experimental import multihost_utils
+  import numpy as np
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(bool(value))))

@@ -7,58 +7,31 @@ and FLOPs, then train, log and checkpoint until done or told to stop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import signal
-import threading
+import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 from ml_collections import ConfigDict
 
 from ejax.checkpoint import Checkpointer, abstract_target
 from ejax.config.runtime import enable_compilation_cache
-from ejax.errors import UserError
 from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
+from ejax.train import resume
 from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input
 from ejax.train.optim import make_optimizer
 from ejax.train.state import abstract_train_state, count_params, make_init_fn, model_parts
 from ejax.train.step import jit_train_step, make_train_step
-from ejax.train.workdir import prepare_workdir, refuse_or_move_old_run
-
-
-class StopSignal:
-  """Turns SIGTERM/SIGINT into a request to checkpoint and stop at the next step boundary."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = {}
-    if threading.current_thread() is threading.main_thread():
-      for sig in (signal.SIGTERM, signal.SIGINT):
-        self._previous[sig] = signal.signal(sig, self._handle)
-
-  def _handle(self, signum, frame):
-    del frame
-    logging.warning("received signal %d: saving a checkpoint and stopping", signum)
-    self.requested = True
-
-  def agreed(self) -> bool:
-    """All processes stop at the same step, or the last save would deadlock."""
-    if jax.process_count() == 1:
-      return self.requested
-    flags = multihost_utils.process_allgather(np.array([int(self.requested)]))
-    return bool(np.max(flags))
-
-  def restore(self):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
+from ejax.train.signals import StartupInterrupted, StopSignal, signal_name
+from ejax.train.workdir import WorkdirLock, prepare_workdir, refuse_or_move_old_run, saved_steps
 
 
 def to_jsonable(value: Any) -> Any:
@@ -93,11 +66,21 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
 
   `devices` restricts the mesh to some devices (tests compare against a one-device run).
   """
+  stop = StopSignal()  # first, so that a signal during start-up ends the run at once
+  try:
+    with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse order, however it ends
+      return _train(config, workdir, devices, stop, cleanup)
+  finally:
+    stop.restore()
+
+
+def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSignal,
+           cleanup: contextlib.ExitStack) -> dict[str, Any]:
   # --- Devices and workdir -------------------------------------------------------------------
-  stop = StopSignal()  # first, so that a SIGTERM during start-up still ends in a clean save
   initialize_distributed(config.distributed)
   enable_compilation_cache(config.get("compilation_cache_dir"))
   workdir = prepare_workdir(workdir)
+  cleanup.enter_context(WorkdirLock(workdir))  # before anything writes into the workdir
   if not config.checkpoint.resume:
     refuse_or_move_old_run(workdir, move_aside=config.checkpoint.get("move_aside", False))
     barrier("ejax_workdir_ready")
@@ -107,109 +90,138 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> d
   local_batch_size = process_batch_size(train_cfg.global_batch_size, mesh, rules)
   logging.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size, jax.process_count())
 
-  # --- Model, optimizer and state: abstract first, then straight into shardings ----------------
+  # --- Model, optimizer, checkpoints and data ----------------------------------------------------
   tx, schedule = make_optimizer(train_cfg)
   parts = model_parts(config.model)
   abstract, shardings = abstract_train_state(config.model, train_cfg, tx, mesh, rules)
   logging.info("parameters: %d trainable, %d frozen", count_params(abstract.params), count_params(abstract.frozen))
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                               async_save=config.checkpoint.async_save)
+  cleanup.callback(checkpointer.close)
+  stop.describe_abort = lambda: _newest_checkpoint_text(checkpointer.directory)
+  resume_step = (resume.choose_step(checkpointer, config.checkpoint.get("step"), workdir)
+                 if config.checkpoint.resume else None)
+  changes = resume.check(checkpointer, resume_step, config) if resume_step is not None else []
+  stop.phase = "reading the dataset"
   data_iter = make_input(config, local_batch_size=local_batch_size)
+  if hasattr(data_iter, "close"):
+    cleanup.callback(data_iter.close)
   meta = {"config": json.loads(config.to_json_best_effort()),
           "norm_stats": to_jsonable(getattr(data_iter, "norm_stats", None))}
-  with mesh, sharding_context(mesh, rules):
-    if config.checkpoint.resume and checkpointer.latest_step() is not None:
-      state, data_state, _ = checkpointer.restore(None, abstract_target(abstract, shardings))
-      if data_state is not None:
-        data_iter.set_state(data_state)
-      logging.info("resumed from step %d", int(state.step))
-    else:
-      state = jax.jit(make_init_fn(config.model, train_cfg, tx), out_shardings=shardings)(jax.random.key(config.seed))
-    start_step = int(jax.device_get(state.step))
 
-    # --- Compile the step once; report memory and FLOPs --------------------------------------
-    batch_axis = 1 if train_cfg.grad_accum_steps > 1 else 0  # micro-batches stack on axis 0
-    local_batch = next(data_iter)
-    batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
-    batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
-    step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings, batch_shardings, mesh)
-    compiled = step_fn.lower(state, batch).compile()
-    metrics_lib.log_memory_analysis(compiled)
-    flops = metrics_lib.compiled_flops(compiled)
-    peak = metrics_lib.peak_flops_per_device(override=config.metrics.get("peak_flops_per_device"))
-    barrier("ejax_train_step_compiled")  # processes compile at different speeds; start in step
+  # --- The state: restored onto this mesh, or built straight into its shardings ------------------
+  cleanup.enter_context(mesh)
+  cleanup.enter_context(sharding_context(mesh, rules))
+  if resume_step is not None:
+    stop.phase = f"restoring step {resume_step}"
+    state, data_state = resume.restore(checkpointer, resume_step, abstract_target(abstract, shardings), changes)
+    if data_state is not None:
+      data_iter.set_state(data_state)
+    logging.info("resumed from step %d", int(state.step))
+  else:
+    stop.phase = "initialising the parameters"
+    state = jax.jit(make_init_fn(config.model, train_cfg, tx), out_shardings=shardings)(jax.random.key(config.seed))
+  start_step = int(jax.device_get(state.step))
 
-    # --- Train -------------------------------------------------------------------------------
-    writer = metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
-                                       tensorboard=config.metrics.tensorboard,
-                                       progress_bar=config.metrics.progress_bar)
-    history, log_every = [], config.metrics.log_every_steps
-    interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
-    pad_fractions = []
-    source = getattr(data_iter, "source", None)
-    hint = f"lower train.learning_rate (now {train_cfg.learning_rate:g})" + (
-        "" if train_cfg.grad_clip_norm else " or set train.grad_clip_norm")
-    guard = FiniteGuard(last_good_step=checkpointer.latest_step, hint=hint,
-                        describe_sample=getattr(source, "describe", None))
-    step = start_step
-    # stop_at ends this run early (to fit a scheduler's time slice); the next run resumes.
-    end_step = min(train_cfg.steps, train_cfg.stop_at) if train_cfg.stop_at else train_cfg.steps
-    try:
-      while step < end_step:
-        if step > start_step:
-          local_batch = next(data_iter)
-          batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
-        with jax.transfer_guard(train_cfg.transfer_guard):
-          state, step_metrics = compiled(state, batch)
-        step += 1
-        guard.push(step, step_metrics, local_batch)
-        tokens, pad_fraction = _batch_tokens(local_batch)
-        interval_steps += 1
-        interval_samples += train_cfg.global_batch_size
-        interval_tokens += (tokens or 0) * jax.process_count()
-        if pad_fraction is not None:
-          pad_fractions.append(pad_fraction)
+  # --- Compile the step once; report memory and FLOPs ------------------------------------------
+  stop.phase = "reading the first batch"
+  batch_axis = 1 if train_cfg.grad_accum_steps > 1 else 0  # micro-batches stack on axis 0
+  local_batch = next(data_iter)
+  batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
+  batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
+  stop.phase = "compiling the train step"
+  step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings, batch_shardings, mesh)
+  compiled = step_fn.lower(state, batch).compile()
+  metrics_lib.log_memory_analysis(compiled)
+  flops = metrics_lib.compiled_flops(compiled)
+  peak = metrics_lib.peak_flops_per_device(override=config.metrics.get("peak_flops_per_device"))
+  barrier("ejax_train_step_compiled")  # processes compile at different speeds; start in step
 
-        if step % log_every == 0 or step == train_cfg.steps:
-          guard.check_now()
-          scalars = _scalar_metrics(step_metrics)
-          elapsed = max(time.time() - interval_start, 1e-9)
-          scalars["samples_per_second"] = interval_samples / elapsed
-          if interval_tokens:
-            scalars["tokens_per_second"] = interval_tokens / elapsed
-          if pad_fractions:
-            scalars["padding_fraction"] = float(np.mean(pad_fractions))
-          if flops and peak:
-            scalars["mfu"] = flops * interval_steps / elapsed / peak
-          writer.write(step, scalars)
-          history.append({"step": step, **scalars})
-          interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
-          pad_fractions = []
+  # --- Train -----------------------------------------------------------------------------------
+  writer = metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
+                                     tensorboard=config.metrics.tensorboard,
+                                     progress_bar=config.metrics.progress_bar)
+  cleanup.callback(writer.close)
+  history, log_every = [], config.metrics.log_every_steps
+  interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
+  pad_fractions = []
+  source = getattr(data_iter, "source", None)
+  hint = f"lower train.learning_rate (now {train_cfg.learning_rate:g})" + (
+      "" if train_cfg.grad_clip_norm else " or set train.grad_clip_norm")
+  guard = FiniteGuard(last_good_step=checkpointer.latest_step, hint=hint,
+                      describe_sample=getattr(source, "describe", None))
+  step = start_step
+  # stop_at ends this run early (to fit a scheduler's time slice); the next run resumes.
+  end_step = min(train_cfg.steps, train_cfg.stop_at) if train_cfg.stop_at else train_cfg.steps
+  stopped_by = None
+  stop.begin_training()
+  while step < end_step:
+    if step > start_step:
+      local_batch = next(data_iter)
+      batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
+    with jax.transfer_guard(train_cfg.transfer_guard):
+      state, step_metrics = compiled(state, batch)
+    step += 1
+    guard.push(step, step_metrics, local_batch)
+    tokens, pad_fraction = _batch_tokens(local_batch)
+    interval_steps += 1
+    interval_samples += train_cfg.global_batch_size
+    interval_tokens += (tokens or 0) * jax.process_count()
+    if pad_fraction is not None:
+      pad_fractions.append(pad_fraction)
 
-        stopping = stop.agreed() if (jax.process_count() == 1 or step % log_every == 0) else False
-        if step % config.checkpoint.every_steps == 0 or stopping:
-          guard.check_now()
-          checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=stopping)
-        if stopping:
-          logging.warning("stopped at step %d after a signal; checkpoint saved", step)
-          break
+    if step % log_every == 0 or step == train_cfg.steps:
       guard.check_now()
-      if step == end_step and checkpointer.latest_step() != step:
-        checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=True)
-    finally:
-      checkpointer.close()
-      writer.close()
-      stop.restore()
-      close = getattr(data_iter, "close", None)
-      if close:
-        close()
+      scalars = _scalar_metrics(step_metrics)
+      elapsed = max(time.time() - interval_start, 1e-9)
+      scalars["samples_per_second"] = interval_samples / elapsed
+      if interval_tokens:
+        scalars["tokens_per_second"] = interval_tokens / elapsed
+      if pad_fractions:
+        scalars["padding_fraction"] = float(np.mean(pad_fractions))
+      if flops and peak:
+        scalars["mfu"] = flops * interval_steps / elapsed / peak
+      writer.write(step, scalars)
+      history.append({"step": step, **scalars})
+      interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
+      pad_fractions = []
+
+    stopping = stop.agreed() if (jax.process_count() == 1 or step % log_every == 0) else False
+    if step % config.checkpoint.every_steps == 0 or stopping:
+      guard.check_now()
+      checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=stopping)
+    if stopping:
+      stopped_by = signal_name(stop.requested)
+      logging.warning("stopped at step %d after %s; checkpoint saved", step, stopped_by)
+      break
+  guard.check_now()
+  if step == end_step and checkpointer.latest_step() != step:
+    checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=True)
+  checkpointer.wait()  # a save that fails in the background fails the run here, not silently
+  if stopped_by is None and step < train_cfg.steps:
+    stopped_by = "train.stop_at"
   return {"history": history, "final_step": step, "workdir": workdir, "state": state,
-          "stopped_early": step < train_cfg.steps}
+          "stopped_early": step < train_cfg.steps, "stopped_by": stopped_by}
+
+
+def _newest_checkpoint_text(directory: str) -> str:
+  steps = saved_steps(directory)
+  return f"the newest checkpoint is step {steps[-1]}" if steps else "no checkpoint was saved"
 
 
 def run_job(config: ConfigDict, workdir: str) -> None:
-  result = train(config, workdir)
+  try:
+    result = train(config, workdir)
+  except StartupInterrupted as interrupt:
+    print(f"train: interrupted by {signal_name(interrupt.signum)} during start-up ({interrupt.phase}); "
+          "nothing was trained or saved", flush=True)
+    sys.exit(128 + interrupt.signum)
   last = result["history"][-1] if result["history"] else {}
   who = f"process {jax.process_index()} of {jax.process_count()} " if jax.process_count() > 1 else ""
-  print(f"train: {who}finished at step {result['final_step']}, loss {last.get('loss', float('nan'))!r}, "
-        f"workdir {result['workdir']}", flush=True)
+  loss = f"loss {last.get('loss', float('nan'))!r}, workdir {result['workdir']}"
+  if result["stopped_by"] is None:
+    print(f"train: {who}finished at step {result['final_step']}, {loss}", flush=True)
+  else:
+    cause = "train.stop_at" if result["stopped_by"] == "train.stop_at" else result["stopped_by"]
+    print(f"train: {who}stopped at step {result['final_step']} by {cause}, checkpoint saved, {loss}: "
+          "run the same command to resume", flush=True)

@@ -80,3 +80,99 @@ def refuse_or_move_old_run(workdir: str, *, move_aside: bool) -> None:
 
 def _steps_text(steps: list[int]) -> str:
   return ", ".join(map(str, steps[:5])) + (f" ... {steps[-1]}" if len(steps) > 5 else "")
+
+
+class WorkdirLock:
+  """An exclusive lock on the workdir for the length of a run (process 0 holds it in multi-host runs).
+
+  `<workdir>/ejax.lock` is flock()ed and names its holder (host, pid, start time). The kernel drops
+  the flock when the holder dies, however it dies, so a lock file left by a killed run is stale by
+  construction: the next run takes it over (and says so). A second live run on the same workdir
+  stops at once, naming the holder. On file systems without flock, the holder's pid is checked
+  (same host only).
+  """
+
+  NAME = "ejax.lock"
+
+  def __init__(self, workdir: str):
+    self.path = os.path.join(workdir, self.NAME)
+    self._file = None
+
+  def __enter__(self) -> "WorkdirLock":
+    from ejax.parallel import broadcast_flag
+    problem = self._acquire() if jax.process_index() == 0 else None
+    if not broadcast_flag(problem is None):
+      raise WorkdirError(problem or f"workdir {os.path.dirname(self.path)} is in use by another run "
+                                    f"(process 0 could not lock {self.path})")
+    return self
+
+  def _acquire(self) -> str | None:
+    """None when locked, else why not."""
+    import fcntl
+    import json
+    import socket
+    while True:
+      handle = open(self.path, "a+")
+      try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = _read_holder(self.path)
+        handle.close()
+        return (f"workdir {os.path.dirname(self.path)} is in use by another run ({_holder_text(holder)}): "
+                f"wait for it to end or stop it, or pass another --workdir")
+      except OSError as error:  # no flock here (some network file systems): fall back to the pid
+        holder = _read_holder(self.path)
+        if holder and holder.get("host") == socket.gethostname() and _alive(holder.get("pid")):
+          handle.close()
+          return (f"workdir {os.path.dirname(self.path)} is in use by another run ({_holder_text(holder)}): "
+                  f"wait for it to end or stop it, or pass another --workdir")
+        logging.warning("cannot flock %s (%s): relying on the pid it names", self.path, error.strerror)
+      # Locked an unlinked file (its holder removed it between our open and flock)? Try again.
+      if os.path.exists(self.path) and os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino:
+        break
+      handle.close()
+    previous = _read_holder(self.path)
+    if previous and previous.get("pid") is not None:
+      logging.warning("took over the lock of a run that ended without releasing it (%s)", _holder_text(previous))
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+    handle.flush()
+    self._file = handle
+    return None
+
+  def __exit__(self, *exc) -> None:
+    if self._file is not None:
+      try:
+        os.remove(self.path)  # while still holding it: a waiting open() then makes a fresh file
+      except OSError:
+        pass
+      self._file.close()
+      self._file = None
+
+
+def _read_holder(path: str) -> dict | None:
+  import json
+  try:
+    with open(path) as f:
+      text = f.read().strip()
+    return json.loads(text) if text else None
+  except (OSError, ValueError):
+    return None
+
+
+def _holder_text(holder: dict | None) -> str:
+  if not holder:
+    return "holder unknown"
+  return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+
+
+def _alive(pid) -> bool:
+  try:
+    os.kill(int(pid), 0)
+  except (ProcessLookupError, TypeError, ValueError):
+    return False
+  except PermissionError:
+    return True
+  return True

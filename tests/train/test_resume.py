@@ -76,5 +76,6 @@ def test_interrupted_save_leaves_previous_checkpoint_readable(tmp_path):
   assert checkpointer.latest_step() == 2
   checkpointer.close()
   config.train.steps = 3
+  config.checkpoint.allow_changes = "train.steps"  # a longer schedule, knowingly (issue 15, case 3)
   resumed = train(config, str(tmp_path))
   assert [h["step"] for h in resumed["history"]] == [3]

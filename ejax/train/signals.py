@@ -1,0 +1,152 @@
+"""SIGINT / SIGTERM for the trainer: stop soon, never lose the last checkpoint, never hang.
+
+- During start-up (reading or recording data, restoring, compiling) there is nothing to save: the
+  first signal ends the run at once. Python runs signal handlers only between bytecodes, so a
+  signal that lands inside a long native call (XLA compiling the step) is seen by a watcher
+  thread instead, through `signal.set_wakeup_fd`; if the main thread has not ended the run within
+  a few seconds, the watcher does.
+- While training, the first signal asks for a checkpoint at the end of the current step, then a
+  clean stop (the README's SIGTERM contract for schedulers).
+- A second signal exits at once without saving; orbax writes each checkpoint into a temporary
+  folder and renames it when complete, so the newest complete checkpoint is intact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Callable
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+
+GRACE_S = 3.0  # how long start-up may take to unwind after a signal before the watcher exits
+
+
+class StartupInterrupted(KeyboardInterrupt):
+  """A signal arrived before training began: nothing was trained or saved."""
+
+  def __init__(self, signum: int, phase: str):
+    super().__init__(signum)
+    self.signum, self.phase = signum, phase
+
+
+def signal_name(signum: int) -> str:
+  try:
+    return signal.Signals(signum).name
+  except ValueError:
+    return f"signal {signum}"
+
+
+class StopSignal:
+  """See the module docstring. `phase` says what start-up is doing (for the last line);
+  `describe_abort()` says where a second signal leaves the run."""
+
+  def __init__(self, describe_abort: Callable[[], str] = lambda: ""):
+    self.requested: int | None = None  # the first signal's number
+    self.training = False
+    self.phase = "starting"
+    self.describe_abort = describe_abort
+    self._count = 0
+    self._done = threading.Event()  # the run has printed its last line; the watcher stays quiet
+    self._previous: dict[int, object] = {}
+    self._previous_wakeup = None
+    self._sockets = None
+    if threading.current_thread() is not threading.main_thread():
+      return  # handlers can only be installed from the main thread (tests run trainers in threads)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+    self._sockets = socket.socketpair()
+    for end in self._sockets:
+      end.setblocking(True)
+    self._sockets[1].setblocking(False)
+    self._previous_wakeup = signal.set_wakeup_fd(self._sockets[1].fileno(), warn_on_full_buffer=False)
+    threading.Thread(target=self._watch, name="ejax-signal-watcher", daemon=True).start()
+
+  # --- Main thread ------------------------------------------------------------------------------
+  def _handle(self, signum, frame):
+    del frame
+    if self.requested is None:
+      self.requested = signum
+    if not self.training:
+      raise StartupInterrupted(signum, self.phase)
+    if self._count <= 1:
+      logging.warning("received %s: saving a checkpoint after this step, then stopping (a second signal "
+                      "exits at once)", signal_name(signum))
+
+  def begin_training(self) -> None:
+    self.training = True
+    self.phase = "training"
+    if self.requested is not None:  # arrived while a native call held the main thread
+      raise StartupInterrupted(self.requested, "start-up")
+
+  def agreed(self) -> bool:
+    """All processes stop at the same step, or the last save would deadlock."""
+    if jax.process_count() == 1:
+      return self.requested is not None
+    flags = multihost_utils.process_allgather(np.array([int(self.requested is not None)]))
+    return bool(np.max(flags))
+
+  def finished(self) -> None:
+    """The run printed its last line: a late watcher must not print another."""
+    self._done.set()
+
+  def restore(self) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous = {}
+    if self._sockets is not None:
+      signal.set_wakeup_fd(self._previous_wakeup if self._previous_wakeup is not None else -1)
+      self._sockets[1].close()  # ends the watcher
+      self._sockets = None
+
+  # --- Watcher thread -------------------------------------------------------------------------
+  def _watch(self) -> None:
+    reader = self._sockets[0]
+    deadline = None
+    while True:
+      reader.settimeout(None if deadline is None else max(deadline - _now(), 0.01))
+      try:
+        data = reader.recv(64)
+      except socket.timeout:
+        data = None
+      except OSError:
+        return
+      if data == b"":
+        return  # restore() closed the other end
+      if data is None:  # start-up did not end within the grace period: end it here
+        if not self.training:
+          self._exit(self.requested, f"interrupted by {signal_name(self.requested)} during start-up "
+                                     f"({self.phase}); nothing was trained or saved")
+        deadline = None
+        continue
+      for signum in data:
+        if signum not in (signal.SIGINT, signal.SIGTERM):
+          continue
+        self._count += 1
+        if self._count == 1:
+          if self.requested is None:
+            self.requested = signum
+          if not self.training:
+            deadline = _now() + GRACE_S
+        else:
+          where = self.describe_abort()
+          self._exit(signum, f"second signal ({signal_name(signum)}): exited at once without saving"
+                             + (f"; {where}" if where else ""))
+
+  def _exit(self, signum: int, line: str) -> None:
+    if not self._done.is_set():
+      logging.flush()
+      sys.stderr.flush()
+      print(f"train: {line}", file=sys.stdout, flush=True)
+    os._exit(128 + signum)
+
+
+def _now() -> float:
+  import time
+  return time.monotonic()
