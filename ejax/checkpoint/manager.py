@@ -75,17 +75,26 @@ def _register_array_handler() -> None:
 class Checkpointer:
   """orbax CheckpointManager with ejax's item layout and error messages."""
 
-  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, for_writing: bool = False):
     _register_array_handler()
     _drop_late_read_callbacks()
+    _quiet_background_save_errors()
     self.directory = os.path.abspath(directory)
+    self._in_flight: int | None = None  # an async save not yet known to be complete
+    self._failed = False
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
         cleanup_tmp_directories=True)
     try:
       self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+      if for_writing and jax.process_index() == 0:  # find out now, not at the first save
+        probe = os.path.join(self.directory, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+          f.write("ok")
+        os.remove(probe)
     except OSError as error:
-      raise CheckpointError(f"cannot use checkpoint directory {self.directory}: {error.strerror or error}") from None
+      raise CheckpointError(f"cannot write checkpoints to {self.directory} ({error.strerror or error}): make it "
+                            "writable, or pass another --workdir", kind="write") from None
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -112,11 +121,34 @@ class Checkpointer:
         state=ocp.args.StandardSave(state),
         data=ocp.args.JsonSave({"process_states": data_states}),
         meta=ocp.args.JsonSave(meta))
-    if not self._manager.save(step, args=args, force=force):
+    self.wait()  # a failure of the previous (async) save is reported as that step's
+    try:
+      saved = self._manager.save(step, args=args, force=force)
+    except Exception as error:
+      raise self._write_error(step, error) from None
+    if not saved:
       raise CheckpointError(f"orbax declined to save step {step} in {self.directory} (newest there: "
                             f"{self.latest_step()}): the step was not saved")
+    self._in_flight = step
     logging.info("checkpoint: saving step %d to %s", step, self.directory)
     return True
+
+  def _write_error(self, step: int, error: Exception) -> CheckpointError:
+    """One line for a save that failed (disk full, permissions), naming the step still intact."""
+    self._failed = True
+    text = " ".join(str(error).split())
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else None
+    os_error = re.search(r": ([A-Z][^:\[]*?) \[os_error_code='?(\d+)", text)  # tensorstore's wording
+    code = re.match(r"([A-Z_]{4,}):", text)
+    reason = reason or (os_error.group(1) if os_error else None) or (code.group(1) if code else None) or (
+        f"{type(error).__name__}: {text[:120]}")
+    full = "No space" in reason or "RESOURCE_EXHAUSTED" in text
+    complete = [int(n) for n in os.listdir(self.directory) if n.isdigit()] if os.path.isdir(self.directory) else []
+    intact = (f"the newest complete checkpoint, step {max(complete)}, is intact" if complete
+              else "no checkpoint was completed")
+    return CheckpointError(f"cannot write checkpoint step {step} to {self.directory} ({reason}): "
+                           f"{'free some space' if full else 'make it writable'} or pass another --workdir, "
+                           f"then run the same command to resume; {intact}", kind="write")
 
   def restore(self, step: int | None, target: Any) -> tuple[Any, Any, dict]:
     """Restores (state, this process's data state, meta). `target` is an abstract state whose
@@ -194,10 +226,21 @@ class Checkpointer:
     self._manager.reload()
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    """Until the last save is complete; raises CheckpointError if it failed."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as error:
+      raise self._write_error(self._in_flight, error) from None
+    self._in_flight = None
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
+    if self._failed:  # already reported: release orbax's threads without raising the same error again
+      try:
+        self._manager.close()
+      except Exception as error:  # noqa: BLE001
+        logging.debug("closing after a failed save: %s", error)
+      return
+    self.wait()
     self._manager.close()
 
 
@@ -212,18 +255,42 @@ def _paths_text(paths: list[str], limit: int = 3) -> str:
 
 
 def _drop_late_read_callbacks() -> None:
-  """When a restore fails, tensorstore completes the other reads into orbax's closed event loop
-  and each reports "Event loop is closed" through sys.unraisablehook: dozens of tracebacks after
-  the one line that says what is wrong. Those, and only those, are dropped."""
+  """When a read or write fails, tensorstore completes orbax's other reads and writes into its
+  closed event loop, or leaves their coroutines to be collected at exit; each reports through
+  sys.unraisablehook ("Event loop is closed", "sys.meta_path is None"): dozens of tracebacks
+  after the one line that says what went wrong. Those, and only those, are dropped."""
   import sys
   previous = sys.unraisablehook
   if getattr(previous, "_ejax_drops_closed_loop", False):
     return
 
   def hook(unraisable):
-    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+    error, obj = unraisable.exc_value, unraisable.object
+    code = getattr(obj, "cr_code", None)
+    if (isinstance(error, RuntimeError) and str(error) == "Event loop is closed") or (
+        code is not None and "orbax" in code.co_filename):
       return
     previous(unraisable)
 
   hook._ejax_drops_closed_loop = True
   sys.unraisablehook = hook
+
+
+def _quiet_background_save_errors() -> None:
+  """A failed async save is raised by `Checkpointer.save` / `wait` / `close` as one line naming
+  the step; orbax's save threads and asyncio also log each failed array write with a traceback
+  (dozens on a full disk). Those records are kept at DEBUG."""
+  import logging as py_logging
+
+  class Filter(py_logging.Filter):
+    def filter(self, record):
+      message = record.getMessage()
+      from_orbax_thread = "orbax" in record.pathname and record.exc_info is not None
+      lost_future = message.split("\n", 1)[0].endswith("exception was never retrieved") and "orbax" in message
+      return not (from_orbax_thread or lost_future)
+
+  for logger in (logging.get_absl_logger(), py_logging.getLogger("asyncio")):
+    if not any(getattr(f, "_ejax_save_errors", False) for f in logger.filters):
+      quiet = Filter()
+      quiet._ejax_save_errors = True
+      logger.addFilter(quiet)

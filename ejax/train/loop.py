@@ -96,7 +96,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   abstract, shardings = abstract_train_state(config.model, train_cfg, tx, mesh, rules)
   logging.info("parameters: %d trainable, %d frozen", count_params(abstract.params), count_params(abstract.frozen))
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                              async_save=config.checkpoint.async_save)
+                              async_save=config.checkpoint.async_save, for_writing=True)
   cleanup.callback(checkpointer.close)
   stop.describe_abort = lambda: _newest_checkpoint_text(checkpointer.directory)
   resume_step = (resume.choose_step(checkpointer, config.checkpoint.get("step"), workdir)
@@ -105,7 +105,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   stop.phase = "reading the dataset"
   data_iter = make_input(config, local_batch_size=local_batch_size)
   if hasattr(data_iter, "close"):
-    cleanup.callback(data_iter.close)
+    cleanup.push(_closing(data_iter.close))
   meta = {"config": json.loads(config.to_json_best_effort()),
           "norm_stats": to_jsonable(getattr(data_iter, "norm_stats", None))}
 
@@ -141,7 +141,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   writer = metrics_lib.MetricsWriter(workdir, total_steps=train_cfg.steps, start_step=start_step,
                                      tensorboard=config.metrics.tensorboard,
                                      progress_bar=config.metrics.progress_bar)
-  cleanup.callback(writer.close)
+  cleanup.push(_closing(writer.close))
   history, log_every = [], config.metrics.log_every_steps
   interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
   pad_fractions = []
@@ -202,6 +202,21 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
     stopped_by = "train.stop_at"
   return {"history": history, "final_step": step, "workdir": workdir, "state": state,
           "stopped_early": step < train_cfg.steps, "stopped_by": stopped_by}
+
+
+def _closing(close):
+  """An ExitStack exit callback: `close()`; when the run is already failing, a second failure while
+  closing (a full disk refusing the last metrics flush) is logged in one line, not raised over the first."""
+  def exit_callback(exc_type, exc, traceback) -> bool:
+    del traceback
+    try:
+      close()
+    except Exception as error:  # noqa: BLE001
+      if exc_type is None:
+        raise
+      logging.warning("while stopping: %s", " ".join(str(error).split())[:200])
+    return False
+  return exit_callback
 
 
 def _newest_checkpoint_text(directory: str) -> str:

@@ -13,6 +13,8 @@ from typing import Any, Mapping
 import jax
 from absl import logging
 
+from ejax.errors import UserError
+
 # Dense bf16 peak FLOP/s per device, by substring of jax's device_kind (first match wins).
 PEAK_FLOPS = (
     ("H200", 989e12),
@@ -92,11 +94,16 @@ class MetricsWriter:
     values = {k: float(v) for k, v in scalars.items()}
     # Strict JSON: NaN and infinities (which json.dumps writes as bare NaN / Infinity) become null.
     strict = {k: (v if math.isfinite(v) else None) for k, v in values.items()}
-    self._jsonl.write(json.dumps({"step": step, "time": time.time(), **strict}, allow_nan=False) + "\n")
-    self._jsonl.flush()
-    if self._tb is not None:
-      for name, value in values.items():
-        self._tb.add_scalar(name, value, step)
+    try:
+      self._jsonl.write(json.dumps({"step": step, "time": time.time(), **strict}, allow_nan=False) + "\n")
+      self._jsonl.flush()
+      if self._tb is not None:
+        for name, value in values.items():
+          self._tb.add_scalar(name, value, step)
+    except OSError as error:  # a full disk or a vanished workdir: one line, not a traceback
+      raise UserError(f"cannot write metrics of step {step} to {self._jsonl.name} ({error.strerror or error}): "
+                      "free some space or make the workdir writable, then run the same command to resume "
+                      "from the newest checkpoint") from None
     if self.progress_bar:
       self._draw(step, values)
 

@@ -1,0 +1,130 @@
+"""Issue 15 case 6: a checkpoint folder that cannot be written (read-only, full) ends the run within
+seconds, in one line, with a non-zero exit and the previous checkpoint intact.
+
+Unwritable folders come from chmod for ordinary users and from read-only tmpfs mounts for root
+(whom permissions do not stop); a full disk needs a small tmpfs: those tests are skipped where
+mounting is not allowed.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.test_main import assert_one_line_error
+from tests.train.helpers import REPO
+from tests.train.test_nonfinite import _checkpoint_files
+
+ROOT = os.geteuid() == 0
+RUN = ["--config=configs/tiny.py:runlocal,steps=100000", "--config.model.width=32", "--config.model.depth=2",
+       "--config.metrics.progress_bar=False", "--config.metrics.log_every_steps=1", "--config.checkpoint.every_steps=5"]
+
+
+def _mount_tmpfs(path, size="8m", read_only=False):
+  os.makedirs(path, exist_ok=True)
+  options = f"size={size}" + (",ro" if read_only else "")
+  result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+  if result.returncode:
+    pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()})")
+
+
+def _unmount(path):
+  subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _make_unwritable(path):
+  if ROOT:
+    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+  else:
+    os.chmod(path, 0o555)
+
+
+def _start(workdir):
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  return subprocess.Popen([sys.executable, "-m", "ejax.main", *RUN, f"--workdir={workdir}"], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run_until_checkpoint_then(workdir, spoil, *, timeout=240):
+  """Starts a long run, calls spoil() once checkpoint 5 exists, returns (result, seconds from spoil to exit)."""
+  process = _start(workdir)
+  try:
+    deadline = time.time() + timeout
+    while not os.path.isdir(workdir / "checkpoints" / "5"):
+      assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+      time.sleep(0.1)
+    before = _checkpoint_files(workdir / "checkpoints" / "5")
+    spoil()
+    spoiled = time.time()
+    out, err = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err), time.time() - spoiled, before
+  finally:
+    process.kill()
+
+
+@pytest.fixture
+def checkpoint_mount(tmp_path):
+  """workdir/checkpoints as its own file system (root) or a plain folder (others)."""
+  path = tmp_path / "checkpoints"
+  if ROOT:
+    _mount_tmpfs(path)
+  else:
+    path.mkdir()
+  yield path
+  if ROOT:
+    _unmount(path)
+  else:
+    os.chmod(path, 0o755)
+
+
+@pytest.mark.timeout(300)
+def test_unwritable_checkpoint_folder_at_start(tmp_path, checkpoint_mount):
+  _make_unwritable(checkpoint_mount)
+  started = time.time()
+  result = subprocess.run([sys.executable, "-m", "ejax.main", *RUN, f"--workdir={tmp_path}"], cwd=REPO,
+                          env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=120)
+  assert time.time() - started < 60
+  assert_one_line_error(result, f"cannot write checkpoints to {checkpoint_mount}", "pass another --workdir")
+  assert not os.path.exists(tmp_path / "metrics.jsonl")  # stopped before training
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_folder_turning_unwritable_mid_run(tmp_path, checkpoint_mount):
+  result, seconds, before = _run_until_checkpoint_then(tmp_path, lambda: _make_unwritable(checkpoint_mount))
+  assert seconds < 20, seconds
+  assert_one_line_error(result, "cannot write checkpoint step", "make it writable or pass another --workdir",
+                        "the newest complete checkpoint, step 5, is intact")
+  assert _checkpoint_files(checkpoint_mount / "5") == before
+
+
+@pytest.mark.timeout(300)
+def test_full_disk_mid_run(tmp_path):
+  _mount_tmpfs(tmp_path / "disk", size="8m")
+  try:
+    workdir = tmp_path / "disk" / "run"
+
+    def fill():
+      with open(tmp_path / "disk" / "filler", "wb") as f:
+        try:
+          while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+        except OSError:
+          pass
+
+    result, seconds, before = _run_until_checkpoint_then(workdir, fill)
+    assert seconds < 20, seconds
+    assert_one_line_error(result, "cannot write checkpoint step", "(No space left on device)", "free some space",
+                          "the newest complete checkpoint, step 5, is intact")
+    assert _checkpoint_files(workdir / "checkpoints" / "5") == before
+    os.remove(tmp_path / "disk" / "filler")  # with room again, the same command resumes from step 5
+    resumed = subprocess.run([sys.executable, "-m", "ejax.main", *RUN, "--config.train.stop_at=7", f"--workdir={workdir}"],
+                             cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), capture_output=True,
+                             text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 5" in resumed.stderr and "stopped at step 7 by train.stop_at" in resumed.stdout
+  finally:
+    _unmount(tmp_path / "disk")
