@@ -26,7 +26,7 @@ import numpy as np
 from ejax.data import lerobot_format as fmt
 from ejax.data.errors import DataError
 from ejax.data.source import SampleSource
-from ejax.data.lerobot_meta import LeRobotMeta, read_parquet, read_meta
+from ejax.data.lerobot_meta import LeRobotMeta, read_meta, read_parquet, read_parquet_footer
 from ejax.data.lerobot_writer import LeRobotV21Writer, LeRobotV3Writer  # noqa: F401 (re-export)
 from ejax.data.video import VideoReaderCache
 
@@ -63,6 +63,7 @@ class LeRobotSource(SampleSource):
         setting = "data.aux_state_key" if key in self.aux_keys else "data.state_key / data.action_key"
         raise DataError(f"feature {key!r} is not declared in info.json (features: "
                         f"{sorted(self.meta.features)}); set {setting}", path=info_path)
+    self._check_data_files()
     self.state_dim = int(np.prod(self.meta.features[state_key]["shape"]))
     self.action_dim = int(np.prod(self.meta.features[action_key]["shape"]))
     self._columns: dict[str, np.ndarray] | None = None
@@ -118,9 +119,39 @@ class LeRobotSource(SampleSource):
           self._columns = self._load_columns()
     return self._columns
 
+  def _wanted_columns(self) -> list[str]:
+    return [self.state_key, self.action_key, *self.aux_keys, "timestamp", "frame_index", "episode_index",
+            "index", "task_index"] + [k for k in self.cameras if k in self.meta.image_keys]
+
+  def _check_data_files(self) -> None:
+    """At open, from the parquet footers alone: every data file exists, holds the columns this
+    reader needs and exactly the frames the episode index gives it."""
+    wanted = self._wanted_columns()
+    episodes = self.meta.episodes
+    owners: dict[str, list[int]] = {}
+    frames: dict[str, int] = {}
+    for episode, path, length in zip(episodes.episode_index, episodes.data_path, episodes.length):
+      owners.setdefault(path, []).append(int(episode))
+      frames[path] = frames.get(path, 0) + int(length)
+
+    def check(path: str) -> None:
+      first = owners[path][0]
+      schema, rows = read_parquet_footer(path, episode_index=first)
+      missing = [key for key in wanted if key not in schema.names]
+      if missing:
+        also = f" (and {', '.join(map(repr, missing[1:]))})" if len(missing) > 1 else ""
+        raise DataError(f"column {missing[0]!r}{also}, which info.json declares, is not in this data file",
+                        path=path, episode_index=first)
+      if rows != frames[path]:
+        named = (f"episode {first}" if len(owners[path]) == 1 else f"episodes {first}..{owners[path][-1]}")
+        raise DataError(f"the data file holds {rows} frames but the episode index gives it {frames[path]} "
+                        f"({named}): the file and meta/ disagree", path=path, episode_index=first)
+
+    with concurrent.futures.ThreadPoolExecutor(min(8, max(1, len(self.meta.data_files)))) as pool:
+      list(pool.map(check, self.meta.data_files))
+
   def _load_columns(self) -> dict[str, np.ndarray]:
-    wanted = [self.state_key, self.action_key, *self.aux_keys, "timestamp", "frame_index", "episode_index",
-              "index", "task_index"] + [k for k in self.cameras if k in self.meta.image_keys]
+    wanted = self._wanted_columns()
     episodes = self.meta.episodes
 
     def read(path: str) -> dict[str, np.ndarray]:
@@ -148,6 +179,18 @@ class LeRobotSource(SampleSource):
       raise DataError(f"data files hold {len(index)} frames with indices that do not run "
                       f"0..{len(self) - 1} as the episode index says: the data is truncated",
                       path=self.meta.root)
+    # Every frame belongs to the episode the index says, at the position it says.
+    positions = np.repeat(np.arange(len(episodes.length)), episodes.length)
+    expected_episode = episodes.episode_index[positions]
+    expected_frame = np.arange(len(self)) - episodes.dataset_from[positions]
+    wrong = np.nonzero((columns["episode_index"].reshape(-1) != expected_episode) |
+                       (columns["frame_index"].reshape(-1) != expected_frame))[0]
+    if len(wrong):
+      frame = int(wrong[0])
+      raise DataError(f"frame {frame} is frame {int(columns['frame_index'][frame])} of episode "
+                      f"{int(columns['episode_index'][frame])} in its data file, but the episode index makes it frame "
+                      f"{int(expected_frame[frame])} of episode {int(expected_episode[frame])} ({len(wrong)} such frames)",
+                      path=episodes.data_path[positions[frame]], episode_index=int(expected_episode[frame]))
     self._nonfinite = self._nonfinite_frames(columns)
     return columns
 
