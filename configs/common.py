@@ -160,6 +160,7 @@ def data_defaults() -> ConfigDict:
       on_bad_sample="error",          # error | skip (count and log)
       max_open_videos=32,
       noise=0.0,                      # synthetic only: action noise
+      skip_limit=100,                 # skip: stop after this many bad samples in a row
   ))
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ejax.data import lerobot_format as fmt
 from ejax.data.errors import DataError
-from ejax.data.source import SampleSource
+from ejax.data.source import DEFAULT_SKIP_LIMIT, SampleSource
 from ejax.data.lerobot_meta import LeRobotMeta, read_meta, read_parquet, read_parquet_footer
 from ejax.data.lerobot_writer import LeRobotV21Writer, LeRobotV3Writer  # noqa: F401 (re-export)
 from ejax.data.video import VideoReaderCache
@@ -42,8 +42,8 @@ class LeRobotSource(SampleSource):
                cameras: Sequence[str] | None = None, image_size: tuple[int, int] | None = None,
                state_key: str = "observation.state", action_key: str = "action",
                aux_keys: Sequence[str] = (), embodiment_id: int | Mapping[str, int] = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
-               on_bad_sample: str = "error", max_open_videos: int = 32):
-    self._set_bad_sample_policy(on_bad_sample)
+               on_bad_sample: str = "error", skip_limit: int = DEFAULT_SKIP_LIMIT, max_open_videos: int = 32):
+    self._set_bad_sample_policy(on_bad_sample, skip_limit)
     self.meta: LeRobotMeta = read_meta(root)
     self.horizon = int(horizon)
     self.embodiment_id = self._resolve_embodiment(embodiment_id)

@@ -35,6 +35,7 @@ config.data fields read here (and by `make_source`, `transforms.make_sample_tran
                       computed in one pass at start-up)
   augment             crop_scale (1.0 = off), brightness, contrast, saturation (0.0 = off)
   on_bad_sample       "error" | "skip" (skip: count, log, drop the sample)
+  skip_limit          bad samples in a row after which "skip" stops the run (100)
   max_open_videos     mp4 containers each reading thread keeps open (32)
   read_threads        threads reading samples in each worker (0: the worker itself reads, the
                       fewest CPU cycles per sample; parallelism comes from num_workers)
@@ -53,6 +54,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ejax.data import stats as stats_lib
+from ejax.data.source import DEFAULT_SKIP_LIMIT
 from ejax.data import transforms
 
 _INDEX_ROUNDS = 4  # Feistel rounds of grain's index_shuffle, as grain's own shuffle uses
@@ -82,7 +84,8 @@ def make_source(data_config):
                 cameras=data_config.get("cameras", None),
                 image_size=data_config.get("image_size", None),
                 embodiment_id=data_config.get("embodiment_id", 0),
-                on_bad_sample=data_config.get("on_bad_sample", "error"))
+                on_bad_sample=data_config.get("on_bad_sample", "error"),
+                skip_limit=int(data_config.get("skip_limit", DEFAULT_SKIP_LIMIT)))
   if name == "lerobot":
     from ejax.data.lerobot import DEFAULT_TOLERANCE_S, LeRobotSource
     return LeRobotSource(

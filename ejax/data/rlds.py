@@ -20,7 +20,7 @@ import numpy as np
 from PIL import Image
 
 from ejax.data.errors import DataError
-from ejax.data.source import SampleSource
+from ejax.data.source import DEFAULT_SKIP_LIMIT, SampleSource
 
 
 def _image_keys(observation_features) -> list[str]:
@@ -37,10 +37,10 @@ class RldsSource(SampleSource):
 
   def __init__(self, data_dir: str, name: str, *, split: str = "train", horizon: int = 16,
                cameras: Sequence[str] | None = None, image_size: tuple[int, int] | None = None,
-               embodiment_id: int = 0, on_bad_sample: str = "error", state_field: str = "state",
-               instruction_field: str = "language_instruction"):
+               embodiment_id: int = 0, on_bad_sample: str = "error", skip_limit: int = DEFAULT_SKIP_LIMIT,
+               state_field: str = "state", instruction_field: str = "language_instruction"):
     import tensorflow_datasets as tfds
-    self._set_bad_sample_policy(on_bad_sample)
+    self._set_bad_sample_policy(on_bad_sample, skip_limit)
     self.data_dir, self.name, self.split = data_dir, name, split
     try:
       builder = tfds.builder(name, data_dir=data_dir)

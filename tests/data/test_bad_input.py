@@ -129,3 +129,35 @@ def test_nan_action_row_is_named_at_first_read_or_skipped(tmp_path, episodes):
   assert [i for i, sample in enumerate(read) if sample is None] == [12, 13]  # chunks that reach frame 13
   stats = load_or_compute_stats(ConfigDict({"normalization": "mean_std"}), source)
   assert np.isfinite(stats["action"]["mean"]).all() and stats["action"]["count"][0] == len(source) - 1
+
+
+def test_skip_gives_up_after_bad_samples_in_a_row_with_few_warnings(copy, caplog):
+  os.remove(copy / WRIST_MP4)  # every sample reads the wrist camera: all bad
+  source = LeRobotSource(str(copy), horizon=2, cameras=["wrist"], on_bad_sample="skip", skip_limit=20)
+  with caplog.at_level("WARNING"):
+    with pytest.raises(DataError, match=r"gave up after 20 bad frames in a row under data.on_bad_sample=skip "
+                                        r"\(20 skipped in all\).*the last: video file is missing"):
+      for index in range(len(source)):
+        source[index]
+  assert index == 19
+  assert len(caplog.records) <= 6  # five one by one, then one summary per 30 s at most
+
+
+def test_skip_counts_only_bad_samples_in_a_row(tmp_path, v21_root):
+  root = tmp_path / "v21"
+  shutil.copytree(v21_root, root)
+  os.remove(root / "videos/chunk-000/observation.images.wrist/episode_000001.mp4")  # 12 frames of 28
+  source = LeRobotSource(str(root), horizon=1, cameras=["wrist"], on_bad_sample="skip", skip_limit=13)
+  read = [source[index] for index in range(len(source))]
+  assert source.skipped == 12 and sum(sample is None for sample in read) == 12
+
+
+def test_pipeline_with_nothing_readable_stops_instead_of_spinning(copy):
+  from ml_collections import ConfigDict
+  from ejax.data.pipeline import build_pipeline
+  os.remove(copy / WRIST_MP4)
+  config = ConfigDict(dict(name="lerobot", path=str(copy), horizon=2, cameras=["wrist"], on_bad_sample="skip",
+                           skip_limit=50, normalization="none", prefetch=2))
+  with build_pipeline(config, batch_size=4, seed=0) as pipeline:
+    with pytest.raises(DataError, match="gave up after 50 bad frames in a row"):
+      next(pipeline)
