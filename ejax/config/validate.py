@@ -10,6 +10,9 @@ from ml_collections import ConfigDict
 from ejax.errors import UserError
 
 
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 class ConfigError(UserError, ValueError):
   """A config value that cannot work; the message names the field and the fix."""
 
@@ -30,6 +33,22 @@ def validate(config: ConfigDict) -> None:
       raise ConfigError(f"train.warmup_fraction={train.warmup_fraction} must be in [0, 1)")
     if not (math.isfinite(train.learning_rate) and train.learning_rate > 0):
       raise ConfigError(f"train.learning_rate={train.learning_rate} must be a positive number")
+    for key in ("compute_dtype", "param_dtype"):
+      if key in train and train[key] not in FLOAT_DTYPES:
+        raise ConfigError(f"train.{key}={train[key]!r} is not a float type: use one of {', '.join(FLOAT_DTYPES)}")
+    if not isinstance(train.get("stop_at", 0), int) or train.get("stop_at", 0) < 0:
+      raise ConfigError(f"train.stop_at={train.stop_at!r} must be 0 (off) or a step number")
+  checkpoint = config.get("checkpoint")
+  if checkpoint is not None:
+    for key in ("every_steps", "keep"):
+      if key in checkpoint:
+        _positive(checkpoint, key, "checkpoint")
+    step = checkpoint.get("step")
+    if step is not None and (not isinstance(step, int) or step < 0):
+      raise ConfigError(f"checkpoint.step={step!r} must be a saved step number (or unset for the newest)")
+  metrics = config.get("metrics")
+  if metrics is not None and "log_every_steps" in metrics:
+    _positive(metrics, "log_every_steps", "metrics")
   data = config.get("data")
   if data is not None and data.get("name") in ("lerobot", "rlds") and not data.get("path") and config.job in ("train", "stats"):
     raise ConfigError(
@@ -41,6 +60,8 @@ def validate(config: ConfigDict) -> None:
     raise ConfigError(f"model.aux_state_dim={model.aux_state_dim} trains an auxiliary target but data.aux_state_key "
                       "is unset: name the dataset feature (e.g. observation.environment_state) or set "
                       "model.aux_state_dim=0")
+  if data is not None and "skip_limit" in data:
+    _positive(data, "skip_limit", "data")
   if data is not None and data.get("path") and data.get("name") != "sim_demos":  # sim_demos records there
     if not os.path.exists(data.path):
       raise ConfigError(

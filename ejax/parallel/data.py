@@ -26,15 +26,15 @@ def batch_sharding(mesh: Mesh, rules: Rules, ndim: int, leading: int | None = No
 
 def process_batch_size(global_batch_size: int, mesh: Mesh, rules: Rules) -> int:
   """How many samples of each global batch this process loads."""
-  count = jax.process_count()
+  from ejax.config.validate import ConfigError
+  count, ways = jax.process_count(), _batch_ways(mesh, rules)
   if global_batch_size % count:
-    raise ValueError(f"global batch size {global_batch_size} is not divisible by {count} processes")
-  sharding = batch_sharding(mesh, rules, 1)
-  shards = sharding.shard_shape((global_batch_size,))[0]
-  if shards * _batch_ways(mesh, rules) != global_batch_size:
-    raise ValueError(
-        f"global batch size {global_batch_size} is not divisible by the {_batch_ways(mesh, rules)}-way "
-        f"batch sharding of mesh {dict(mesh.shape)}: make it a multiple")
+    raise ConfigError(f"train.global_batch_size={global_batch_size} does not split over {count} processes: "
+                      f"make it a multiple of {count}")
+  if global_batch_size % ways:
+    described = " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items() if size > 1) or "1 device"
+    raise ConfigError(f"train.global_batch_size={global_batch_size} does not split over the {ways} data-parallel "
+                      f"devices of mesh {described}: make it a multiple of {ways}, or change config.mesh")
   return global_batch_size // count
 
 
