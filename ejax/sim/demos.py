@@ -63,17 +63,33 @@ def dataset_features(image_size: tuple[int, int]) -> dict[str, dict]:
   return features
 
 
-def record_round(env, rng: jax.Array, action_noise: float, noise_rng: np.random.Generator) -> list[dict]:
+def perturb(actions: np.ndarray, noise_rng: np.random.Generator, action_noise: float = 0.0,
+            perturb_prob: float = 0.0) -> np.ndarray:
+  """What a recording executes instead of the expert's actions [N, 4] (whose labels it keeps):
+  Gaussian noise on every dimension (DART, Laskey et al. 2017), and/or, with probability
+  `perturb_prob` per step and env, a uniformly random hand move in place of the expert's (the gripper
+  command is kept). The second pushes the hand centimetres off the expert's path at any phase, so the
+  recording shows how to correct an offset at every height; Gaussian noise large enough to do that
+  (std >= 0.2) keeps the expert from ever aligning to its 8 mm tolerance."""
+  executed = actions
+  if action_noise > 0:
+    executed = np.clip(executed + noise_rng.normal(0, action_noise, actions.shape), -1, 1)
+  if perturb_prob > 0:
+    moves = noise_rng.uniform(-1, 1, (actions.shape[0], 3))
+    chosen = noise_rng.random(actions.shape[0]) < perturb_prob
+    executed = np.concatenate([np.where(chosen[:, None], moves, executed[:, :3]), executed[:, 3:]], axis=1)
+  return np.asarray(executed, np.float32)
+
+
+def record_round(env, rng: jax.Array, action_noise: float, noise_rng: np.random.Generator,
+                 perturb_prob: float = 0.0) -> list[dict]:
   """Run one batch of expert episodes; -> per env {"frames": {key: [T, ...]}, "success", "task"}."""
   state = env.reset(rng)
   frames: list[list[dict]] = [[] for _ in range(env.num_envs)]
   finished = np.zeros(env.num_envs, bool)
   for _ in range(env.episode_length):
     actions = env.expert_actions(state)
-    if action_noise > 0:  # perturb what is executed, record the expert's label (DART-style)
-      executed = np.clip(actions + noise_rng.normal(0, action_noise, actions.shape), -1, 1).astype(np.float32)
-    else:
-      executed = actions
+    executed = perturb(actions, noise_rng, action_noise, perturb_prob)
     obs = jax.device_get(state.obs)
     for i in np.flatnonzero(~finished):
       frame = {key: np.asarray(obs[key][i]) for key in RECORDED_OBSERVATIONS}
@@ -110,7 +126,7 @@ def record(cfg, root: str) -> dict:
   start = time.time()
   for round_index in range(rounds):
     for episode in record_round(env, jax.random.fold_in(jax.random.key(int(cfg.seed)), round_index),
-                                float(cfg.action_noise), noise_rng):
+                                float(cfg.action_noise), noise_rng, float(cfg.get("perturb_prob", 0.0))):
       name = episode["task_name"]
       if attempted[name] >= cfg.episodes_per_task:
         continue

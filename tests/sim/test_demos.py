@@ -98,3 +98,16 @@ def test_sim_demos_source_records_once_into_the_cache_and_never_leaves_a_partial
   (target / "notes.txt").write_text("not a dataset")
   with pytest.raises(UserError, match="holds no LeRobot dataset"):
     demos.cached_dataset(settings, str(target))
+
+
+def test_perturbations_replace_hand_moves_on_the_asked_fraction_and_keep_the_gripper():
+  rng = np.random.default_rng(0)
+  actions = np.tile(np.array([[0.5, -0.5, 0.25, 1.0]], np.float32), (4000, 1))
+  np.testing.assert_array_equal(demos.perturb(actions, rng), actions)  # nothing asked: the expert's
+  executed = demos.perturb(actions, rng, perturb_prob=0.2)
+  replaced = np.any(executed[:, :3] != actions[:, :3], axis=1)
+  assert 0.17 < replaced.mean() < 0.23
+  assert np.abs(executed[replaced, :3]).max() <= 1 and executed[replaced, :3].std() > 0.5  # uniform moves
+  np.testing.assert_array_equal(executed[:, 3], actions[:, 3])
+  noisy = demos.perturb(actions, rng, action_noise=0.1)
+  assert 0.08 < np.std(noisy[:, 0] - actions[:, 0]) < 0.12 and np.abs(noisy).max() <= 1
