@@ -108,6 +108,8 @@ def demo_settings() -> dict:
       image_height=128,
       image_width=128,
       action_noise=0.0,       # > 0: execute expert + N(0, noise) but record the expert's action
+      perturb_prob=0.0,       # > 0: on this fraction of steps execute a random hand move instead
+                              # (the expert's action is recorded): corrections from off-path states
       keep_failures=False,
       video_codec="h264",
       seed=0,
