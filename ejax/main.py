@@ -12,6 +12,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import ConfigDict, config_flags
 
+from ejax.config import quiet
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, optionally with an arg: configs/groot.py:runlocal", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -30,14 +32,11 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: settings go through --config.x=y")
   # Imported here so that `--help` stays fast and JAX starts after absl has parsed the flags.
-  from flax import nnx
-
   from ejax.config import validate
   from ejax.errors import UserError
   from ejax.jobs import get_job
 
-  nnx.use_eager_sharding(False)  # parameters are placed by jit out_shardings (ejax/train/state.py)
-  _quiet_library_logs()
+  quiet.quiet_library_logs()
   config = _CONFIG.value
   if not isinstance(config, ConfigDict):
     # config_flags returns a stand-in that raises on first use when the file failed to load.
@@ -54,20 +53,24 @@ def main(argv: list[str]) -> None:
   except UserError as error:
     logging.flush()
     print(f"error: {error}", file=sys.stderr, flush=True)
+    _exit_now_if_stuck(2)
     sys.exit(2)
 
 
-def _quiet_library_logs() -> None:
-  """orbax and grain log every file they touch at INFO; keep their warnings, drop the chatter."""
-  import logging as py_logging
-
-  noisy = ("orbax", "grain", "tensorstore", "etils")
-  def keep(record):
-    return record.levelno >= py_logging.WARNING or not any(n in record.pathname for n in noisy)
-  logging.get_absl_handler().addFilter(keep)
+def _exit_now_if_stuck(code: int) -> None:
+  """Exits at once when library threads would keep the process alive after its last line: after a
+  failed save, orbax's save threads wait minutes for signals that never come."""
+  import threading
+  if any(thread.is_alive() and not thread.daemon and thread is not threading.main_thread()
+         for thread in threading.enumerate()):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run() -> None:
+  quiet.quiet_xla_cpu_logs()  # before the config file (and with it jax) is imported
+  quiet.quiet_optional_imports()
   # Flag-parsing problems (a missing config file, an unknown --config.key) become one line too.
   try:
     app.run(main, flags_parser=_parse_flags)

@@ -61,17 +61,21 @@ def _batch_tokens(batch: dict[str, np.ndarray]) -> tuple[int | None, float | Non
   return real, 1.0 - real / total
 
 
-def train(config: ConfigDict, workdir: str, *, devices: list | None = None) -> dict[str, Any]:
+def train(config: ConfigDict, workdir: str, *, devices: list | None = None,
+          stop: StopSignal | None = None) -> dict[str, Any]:
   """Trains per config; returns {"history": [logged metrics per step], "final_step": n, ...}.
 
-  `devices` restricts the mesh to some devices (tests compare against a one-device run).
+  `devices` restricts the mesh to some devices (tests compare against a one-device run). `stop`
+  handles SIGINT / SIGTERM (ejax/train/signals.py); the caller that passes one restores it.
   """
-  stop = StopSignal()  # first, so that a signal during start-up ends the run at once
+  own_stop = stop is None
+  stop = stop or StopSignal()  # first, so that a signal during start-up ends the run at once
   try:
     with contextlib.ExitStack() as cleanup:  # closes what was opened, in reverse order, however it ends
       return _train(config, workdir, devices, stop, cleanup)
   finally:
-    stop.restore()
+    if own_stop:
+      stop.restore()
 
 
 def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSignal,
@@ -130,6 +134,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
   batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
   stop.phase = "compiling the train step"
+  logging.info("compiling the train step")
   step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings, batch_shardings, mesh)
   compiled = step_fn.lower(state, batch).compile()
   metrics_lib.log_memory_analysis(compiled)
@@ -225,11 +230,22 @@ def _newest_checkpoint_text(directory: str) -> str:
 
 
 def run_job(config: ConfigDict, workdir: str) -> None:
+  # Signals stay handled until the last line is out: a second one always exits at once.
+  stop = StopSignal()
   try:
-    result = train(config, workdir)
+    _run_job(config, workdir, stop)
+  finally:
+    stop.finished()
+    stop.restore()
+
+
+def _run_job(config: ConfigDict, workdir: str, stop: StopSignal) -> None:
+  try:
+    result = train(config, workdir, stop=stop)
   except StartupInterrupted as interrupt:
     print(f"train: interrupted by {signal_name(interrupt.signum)} during start-up ({interrupt.phase}); "
           "nothing was trained or saved", flush=True)
+    stop.finished()
     sys.exit(128 + interrupt.signum)
   last = result["history"][-1] if result["history"] else {}
   who = f"process {jax.process_index()} of {jax.process_count()} " if jax.process_count() > 1 else ""

@@ -9,6 +9,8 @@ from ml_collections import ConfigDict
 
 def make_schedule(train: ConfigDict) -> optax.Schedule:
   warmup = int(round(train.warmup_fraction * train.steps))
+  if not warmup:  # the same values; optax logs a warning-like line for a zero-step warmup
+    return optax.cosine_decay_schedule(train.learning_rate, max(train.steps, 1), alpha=train.min_learning_rate_ratio)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0 if warmup else train.learning_rate,
       peak_value=train.learning_rate,

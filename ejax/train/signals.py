@@ -50,7 +50,7 @@ class StopSignal:
   def __init__(self, describe_abort: Callable[[], str] = lambda: ""):
     self.requested: int | None = None  # the first signal's number
     self.training = False
-    self.phase = "starting"
+    self._phase = "starting"
     self.describe_abort = describe_abort
     self._count = 0
     self._done = threading.Event()  # the run has printed its last line; the watcher stays quiet
@@ -59,6 +59,7 @@ class StopSignal:
     self._sockets = None
     if threading.current_thread() is not threading.main_thread():
       return  # handlers can only be installed from the main thread (tests run trainers in threads)
+    _drop_swallowed_interrupts()
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._previous[sig] = signal.signal(sig, self._handle)
     self._sockets = socket.socketpair()
@@ -79,11 +80,20 @@ class StopSignal:
       logging.warning("received %s: saving a checkpoint after this step, then stopping (a second signal "
                       "exits at once)", signal_name(signum))
 
+  @property
+  def phase(self) -> str:
+    return self._phase
+
+  @phase.setter
+  def phase(self, phase: str) -> None:
+    """Start-up moves on to `phase`; a signal that arrived during the last one ends the run here."""
+    if self.requested is not None and not self.training:
+      raise StartupInterrupted(self.requested, self._phase)
+    self._phase = phase
+
   def begin_training(self) -> None:
+    self.phase = "training"  # raises if a signal came during the last start-up phase
     self.training = True
-    self.phase = "training"
-    if self.requested is not None:  # arrived while a native call held the main thread
-      raise StartupInterrupted(self.requested, "start-up")
 
   def agreed(self) -> bool:
     """All processes stop at the same step, or the last save would deadlock."""
@@ -145,6 +155,22 @@ class StopSignal:
       sys.stderr.flush()
       print(f"train: {line}", file=sys.stdout, flush=True)
     os._exit(128 + signum)
+
+
+def _drop_swallowed_interrupts() -> None:
+  """A handler that raises while a garbage-collection callback runs has its exception swallowed
+  and printed with a traceback; the next start-up phase (or the watcher) ends the run instead, so
+  the print is dropped. Installed once per process, chained to the hook before it."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_ejax_drops_interrupts", False):
+    return
+
+  def hook(unraisable):
+    if not isinstance(unraisable.exc_value, StartupInterrupted):
+      previous(unraisable)
+
+  hook._ejax_drops_interrupts = True
+  sys.unraisablehook = hook
 
 
 def _now() -> float:
