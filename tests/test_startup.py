@@ -190,3 +190,23 @@ def test_import_params_from_a_plain_script(tmp_path):
                           capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.startswith("imported ")
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_recording_demonstrations(tmp_path):
+  process = _start("--config=configs/groot.py:runlocal", f"--config.data.path={tmp_path / 'demos'}",
+                   "--config.metrics.progress_bar=False", f"--workdir={tmp_path / 'run'}")
+  try:
+    _wait_for_line(process, "recording simulated demonstrations")
+    time.sleep(2.0)
+    process.send_signal(signal.SIGINT)
+    sent = time.time()
+    out, err = process.communicate(timeout=60)
+    seconds = time.time() - sent
+  finally:
+    process.kill()
+  assert process.returncode == 128 + signal.SIGINT, err[-3000:]
+  assert seconds < 8, seconds
+  assert out.strip().splitlines()[-1] == (
+      "train: interrupted by SIGINT during start-up (reading the dataset); nothing was trained or saved")
+  assert not (tmp_path / "demos").exists()  # the partial recording never looks like a dataset

@@ -128,3 +128,37 @@ def test_full_disk_mid_run(tmp_path):
     assert "resumed from step 5" in resumed.stderr and "stopped at step 7 by train.stop_at" in resumed.stdout
   finally:
     _unmount(tmp_path / "disk")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_kill_9_during_saves_always_resumes_from_the_newest_complete_checkpoint(tmp_path):
+  import random
+  import signal
+
+  from ejax.train.workdir import saved_steps
+  rng = random.Random(0)
+  every_step = [*RUN[:-1], "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=2"]
+  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  expected = None
+  for trial in range(10):
+    process = subprocess.Popen([sys.executable, "-m", "ejax.main", *every_step, f"--workdir={tmp_path}"], cwd=REPO,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+      before = max(saved_steps(str(tmp_path / "checkpoints")), default=0)
+      deadline = time.time() + 240
+      while max(saved_steps(str(tmp_path / "checkpoints")), default=0) < before + 2:
+        assert time.time() < deadline and process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+      time.sleep(rng.uniform(0.0, 0.3))  # somewhere inside the next saves
+      process.send_signal(signal.SIGKILL)
+      _, err = process.communicate(timeout=60)
+    finally:
+      process.kill()
+    if expected is not None:
+      assert f"resumed from step {expected}" in err, (trial, expected, err[-2000:])
+    expected = max(saved_steps(str(tmp_path / "checkpoints")))
+  final = subprocess.run([sys.executable, "-m", "ejax.main", *every_step, f"--config.train.stop_at={expected + 1}",
+                          f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+  assert final.returncode == 0, final.stderr[-3000:]
+  assert f"resumed from step {expected}" in final.stderr
