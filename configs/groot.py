@@ -19,12 +19,13 @@ $EJAX_CACHE_DIR), then trains 1500 steps of batch 32 with the vision tower and t
 configs/eval.py (by default on the tasks it was trained on, 20 unseen layouts each):
   python -m ejax.main --config=configs/groot.py:runlocal
   python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/groot_runlocal/checkpoints
-What to expect (2026-11-23, 2 cores shared with other jobs): the flow-matching loss falls from ~1.9
-to ~0.4 and plateaus there; the eval command above (replanning every 2 steps) measures 38-41 %
-(95 % intervals [29, 48] / [32, 51]) over the five tasks (drawers 90-100 %, the lifts 0-5 %, the
-pick-and-place 0 %): the policy has
-not yet learnt to find small objects in its 32 px images. Issue 14 asks for >= 50 %; see the README's
-closed-loop section for what has been tried.
+What to expect (2026-11-24, 2 cores shared with test jobs): the flow-matching loss falls from ~1.9
+to ~0.36 and plateaus there; the eval command above (replanning every 2 steps) measures 33 %
+(95 % interval [25, 43]; 38-41 % on 2026-11-23 before the wrist camera was re-aimed, the same within
+noise) over the five tasks (drawers 80-100 %, the lifts 0-5 %, the pick-and-place 0 %): the policy
+has not learnt to find small objects in its 32 px images (with the privileged object state as input
+the same recipe reaches 79 %). Issue 14 asks for >= 50 %; see the README's closed-loop section for
+what has been tried.
 Arg string: `runlocal`, `steps=N`, `batch=N`, `dataset=PATH` (another LeRobot dataset, e.g. one
 recorded with configs/demos.py: both cameras, state up to 16 dims) or `dataset=synthetic` (the
 camera-less synthetic smoke-test data, ejax/data/synthetic.py, 200 steps in well under a minute),
@@ -60,6 +61,11 @@ def get_config(arg: str | None = None):
     # with 8 px patches (BENCHMARKS.md, closed-loop policy quality).
     config.model.vision.update(patch_size=4, width=64, mlp_dim=128)
     config.model.connector.use_pixel_shuffle = True
+    # Tried and not kept (2026-11-24, 100 episodes each, none better than 38 %; BENCHMARKS.md): the
+    # auxiliary object-state target (model.aux_state_dim=7, data.aux_state_key=
+    # observation.environment_state) 28-35 %, with a conv stem (model.vision.conv_stem=(32, 64)) 32 %,
+    # a 4-layer 128-wide DiT 28 %, sin-cos vision position codes 28 %; demos with perturbations
+    # (data.sim_demos.perturb_prob=0.15) 26 %.
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
     config.train.update(steps=1500, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
                         remat="none")
