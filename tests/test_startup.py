@@ -132,7 +132,8 @@ def test_the_last_line_says_how_the_run_ended(tmp_path):
   stopped = run_main("--config=configs/tiny.py:runlocal,steps=6", *small, "--config.train.stop_at=3",
                      f"--workdir={tmp_path}")
   assert stopped.returncode == 0, stopped.stderr[-3000:]
-  assert stopped.stdout.strip().splitlines()[-1].startswith("train: stopped at step 3 by train.stop_at, checkpoint saved")
+  last = stopped.stdout.strip().splitlines()[-1]
+  assert last.startswith("train: stopped at step 3 by train.stop_at, checkpoint saved")
   assert stopped.stdout.strip().endswith("run the same command to resume")
 
   process = _start("--config=configs/tiny.py:runlocal,steps=100000", *small, "--config.metrics.log_every_steps=1",

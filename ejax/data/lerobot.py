@@ -189,7 +189,8 @@ class LeRobotSource(SampleSource):
       frame = int(wrong[0])
       raise DataError(f"frame {frame} is frame {int(columns['frame_index'][frame])} of episode "
                       f"{int(columns['episode_index'][frame])} in its data file, but the episode index makes it frame "
-                      f"{int(expected_frame[frame])} of episode {int(expected_episode[frame])} ({len(wrong)} such frames)",
+                      f"{int(expected_frame[frame])} of episode {int(expected_episode[frame])} "
+                      f"({len(wrong)} such frames)",
                       path=episodes.data_path[positions[frame]], episode_index=int(expected_episode[frame]))
     self._nonfinite = self._nonfinite_frames(columns)
     return columns

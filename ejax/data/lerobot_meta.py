@@ -231,7 +231,8 @@ def check_episode_index(episodes: EpisodeTable, info: dict[str, Any], root: str,
     before = f"episode {int(index[position - 1])}" if position else "the start"
     if start[position] > expected_start[position]:
       raise DataError(f"the episode index has no episode for frames {int(expected_start[position])}.."
-                      f"{int(start[position]) - 1} (between {before} and episode {int(index[position])}){missing_file}: "
+                      f"{int(start[position]) - 1} (between {before} and episode {int(index[position])})"
+                      f"{missing_file}: "
                       "frames would be read as the wrong episode's", path=where)
     raise DataError(f"episodes {int(index[position - 1])} and {int(index[position])} overlap in the global frame "
                     f"index (frames {int(start[position])}..{int(expected_start[position]) - 1})", path=where)

@@ -24,7 +24,8 @@ from ejax.train.workdir import set_aside
 RUNTIME_KEYS = (
     "job", "compilation_cache_dir", "mesh.", "sharding_rules", "distributed.", "checkpoint.",
     "metrics.", "serve.", "eval.", "train.stop_at", "train.transfer_guard", "train.remat",
-    "data.num_workers", "data.prefetch", "data.read_threads", "data.max_open_videos", "data.on_bad_sample", "data.skip_limit",
+    "data.num_workers", "data.prefetch", "data.read_threads", "data.max_open_videos", "data.on_bad_sample",
+    "data.skip_limit",
     "data.sim_demos.num_envs", "data.sim_demos.backend",
 )
 

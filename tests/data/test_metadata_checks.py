@@ -51,7 +51,8 @@ def _info(root, **changes):
 def test_missing_middle_episodes_file_is_a_gap_not_a_shifted_episode(v3):
   os.remove(v3 / EPISODES_DIR / "file-001.parquet")
   with pytest.raises(DataError, match=r"no episode for frames 9\.\.20 \(between episode 0 and episode 2\) "
-                                      r"\(meta/episodes/chunk-000/file-001\.parquet is missing\): frames would be read"):
+                                      r"\(meta/episodes/chunk-000/file-001\.parquet is missing\): "
+                                      r"frames would be read"):
     LeRobotSource(str(v3), horizon=2)
 
 
@@ -118,7 +119,8 @@ def test_version_that_does_not_match_the_files(request, declared, found):
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("{not json", "info.json is not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
+    ("{not json",
+     "info.json is not valid JSON (Expecting property name enclosed in double quotes at line 1, column 2)"),
     ("[1, 2]", "info.json holds a list, not an object"),
     ('{"codebase_version": "v3.0", "features": {}}', "'fps' is missing; 'data_path' is missing"),
     ('{"codebase_version": "v3.0", "fps": 10, "data_path": "x", "features": {"a": 3}}',

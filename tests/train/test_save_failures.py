@@ -35,10 +35,14 @@ def _unmount(path):
 
 
 def _make_unwritable(path):
-  if ROOT:
-    subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
-  else:
+  if not ROOT:
     os.chmod(path, 0o555)
+    return
+  deadline = time.time() + 20
+  # A file open for writing (a save in progress) makes the remount fail with "busy": try again.
+  while subprocess.run(["mount", "-o", "remount,ro", str(path)], capture_output=True).returncode:
+    assert time.time() < deadline, f"cannot remount {path} read-only"
+    time.sleep(0.02)
 
 
 def _start(workdir):
@@ -107,11 +111,10 @@ def test_full_disk_mid_run(tmp_path):
     workdir = tmp_path / "disk" / "run"
 
     def fill():
-      with open(tmp_path / "disk" / "filler", "wb") as f:
+      with open(tmp_path / "disk" / "filler", "wb", buffering=0) as f:  # unbuffered: close has nothing left
         try:
           while True:
             f.write(b"\0" * 65536)
-            f.flush()
         except OSError:
           pass
 
@@ -121,7 +124,8 @@ def test_full_disk_mid_run(tmp_path):
                           "the newest complete checkpoint, step 5, is intact")
     assert _checkpoint_files(workdir / "checkpoints" / "5") == before
     os.remove(tmp_path / "disk" / "filler")  # with room again, the same command resumes from step 5
-    resumed = subprocess.run([sys.executable, "-m", "ejax.main", *RUN, "--config.train.stop_at=7", f"--workdir={workdir}"],
+    resumed = subprocess.run([sys.executable, "-m", "ejax.main", *RUN, "--config.train.stop_at=7",
+                              f"--workdir={workdir}"],
                              cwd=REPO, env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"), capture_output=True,
                              text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
