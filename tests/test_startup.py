@@ -88,7 +88,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
 WATCHED = """
 import jax, jax.numpy as jnp
 from ejax.train.signals import StopSignal
-stop = StopSignal(lambda: "the newest checkpoint is step 4")
+stop = StopSignal(lambda: "the newest checkpoint is step 4", watch=True)
 stop.phase = "compiling the train step"
 def long_program(x):
   for i in range(600):

@@ -231,7 +231,7 @@ def _newest_checkpoint_text(directory: str) -> str:
 
 def run_job(config: ConfigDict, workdir: str) -> None:
   # Signals stay handled until the last line is out: a second one always exits at once.
-  stop = StopSignal()
+  stop = StopSignal(watch=True)
   try:
     _run_job(config, workdir, stop)
   finally:

@@ -9,6 +9,8 @@
   clean stop (the README's SIGTERM contract for schedulers).
 - A second signal exits at once without saving; orbax writes each checkpoint into a temporary
   folder and renames it when complete, so the newest complete checkpoint is intact.
+The watcher and its os._exit belong to the launcher (`run_job`); train() called from a notebook
+or a test only ever raises KeyboardInterrupt in the main thread.
 """
 
 from __future__ import annotations
@@ -45,14 +47,20 @@ def signal_name(signum: int) -> str:
 
 class StopSignal:
   """See the module docstring. `phase` says what start-up is doing (for the last line);
-  `describe_abort()` says where a second signal leaves the run."""
+  `describe_abort()` says where a second signal leaves the run.
 
-  def __init__(self, describe_abort: Callable[[], str] = lambda: ""):
+  `watch=True` (the launcher) adds the watcher thread, which ends the process from outside the
+  main thread (os._exit). Without it (train() called from a notebook or a test) signals only ever
+  raise in the main thread: a second one, or one during start-up, as KeyboardInterrupt.
+  """
+
+  def __init__(self, describe_abort: Callable[[], str] = lambda: "", *, watch: bool = False):
     self.requested: int | None = None  # the first signal's number
     self.training = False
     self._phase = "starting"
     self.describe_abort = describe_abort
-    self._count = 0
+    self._count = 0  # signals seen by the watcher
+    self._handled = 0  # signals seen by the main thread's handler
     self._done = threading.Event()  # the run has printed its last line; the watcher stays quiet
     self._previous: dict[int, object] = {}
     self._previous_wakeup = None
@@ -62,6 +70,8 @@ class StopSignal:
     _drop_swallowed_interrupts()
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._previous[sig] = signal.signal(sig, self._handle)
+    if not watch:
+      return
     self._sockets = socket.socketpair()
     for end in self._sockets:
       end.setblocking(True)
@@ -72,11 +82,14 @@ class StopSignal:
   # --- Main thread ------------------------------------------------------------------------------
   def _handle(self, signum, frame):
     del frame
+    self._handled += 1
     if self.requested is None:
       self.requested = signum
     if not self.training:
       raise StartupInterrupted(signum, self.phase)
-    if self._count <= 1:
+    if self._handled > 1 and self._sockets is None:  # no watcher to exit at once: interrupt here
+      raise KeyboardInterrupt(f"second signal ({signal_name(signum)})")
+    if self._handled == 1:
       logging.warning("received %s: saving a checkpoint after this step, then stopping (a second signal "
                       "exits at once)", signal_name(signum))
 
