@@ -113,8 +113,8 @@ class Checkpointer:
     summary = checksums.summarize(state)
     nonfinite = [path for path, (_, finite) in summary.items() if not finite]
     if nonfinite:
-      raise CheckpointError(f"refusing to save step {step}: {_paths_text(nonfinite)} hold NaN or inf "
-                            f"(the newest checkpoint, step {latest}, is kept as it is)")
+      kept = f"the newest checkpoint, step {latest}, is kept as it is" if latest is not None else "nothing saved"
+      raise CheckpointError(f"refusing to save step {step}: {_paths_text(nonfinite)} hold NaN or inf ({kept})")
     meta = {**(meta or {}), "checksums": {path: checksum for path, (checksum, _) in summary.items()}}
     data_states = gather_json(data_state)
     args = ocp.args.Composite(
