@@ -40,8 +40,12 @@ def test_rl_job_improves_success_then_stops_on_sigterm_and_resumes(tmp_path):
   def terminate_after_version_21():
     deadline = time.time() + 300
     while time.time() < deadline:
-      checkpoints._manager.reload()
-      if (checkpoints.latest_version() or 0) >= 21:
+      try:
+        checkpoints._manager.reload()
+        latest = checkpoints.latest_version() or 0
+      except FileNotFoundError:  # a version rotated out while the listing read it: look again
+        latest = 0
+      if latest >= 21:
         os.kill(os.getpid(), signal.SIGTERM)
         return
       time.sleep(0.2)
