@@ -145,7 +145,7 @@ def data_defaults() -> ConfigDict:
       horizon=16,                     # action chunk length
       observation_offsets=[0],        # frames of observation history, in steps
       cameras=placeholder(list),      # None: every camera in the dataset
-      image_size=placeholder(list),   # [height, width] after resizing; None keeps the dataset's
+      image_size=placeholder(tuple),  # (height, width) after resizing; None keeps the dataset's
       state_key="observation.state",
       action_key="action",
       aux_state_key=placeholder(str),  # a per-frame vector for a model's training-only auxiliary target

@@ -42,7 +42,7 @@ def get_config(arg: str | None = None):
   config = common.base_config()
   config.model = groot.model_config("runlocal" if args.runlocal else "full")
   config.data.update(name="lerobot", horizon=config.model.action_horizon,
-                     image_size=[config.model.vision.image_size] * 2, normalization="mean_std")
+                     image_size=(config.model.vision.image_size,) * 2, normalization="mean_std")
   # FSDP over every device: 2.4B parameters with Adam state for the trainable 1.1B.
   config.mesh = dict(data=1, fsdp=-1, tensor=1)
   # LeRobot's GR00T fine-tuning defaults (REFERENCE.md).

@@ -44,7 +44,7 @@ def get_config(arg: str | None = None):
   config.model.action_horizon = args.horizon or 10
   config.data.update(
       name="lerobot", horizon=config.model.action_horizon,
-      image_size=[config.model.vision.image_size] * 2, normalization="quantile")  # openpi: q01/q99
+      image_size=(config.model.vision.image_size,) * 2, normalization="quantile")  # openpi: q01/q99
   # FSDP over every device: the 3.3B parameters and their Adam state do not fit replicated.
   config.mesh = dict(data=1, fsdp=-1, tensor=1)
   config.train.update(steps=30_000, global_batch_size=256, learning_rate=5e-5, warmup_fraction=10_000 / 30_000,
