@@ -89,6 +89,11 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # aux_state_dim slots (which must be padding): a state estimator read from the images, trained by
   # the auxiliary target, that the policy acts on at inference too.
   c.aux_state_input = False
+  # Pre-training the vision tower and connector on ejax.sim layouts rendered with every object's
+  # position, before training (ejax/train/vision_pretrain.py); layouts=0: off. tasks "": the
+  # recorded demonstrations' tasks (data.sim_demos.tasks).
+  c.vision_pretrain = dict(layouts=0, steps_per_layout=8, perturb_prob=0.3, tasks="", steps=3000, batch_size=32,
+                           learning_rate=1e-3, seed=0)
   # Freezing (LeRobot's fine-tuning defaults; the released pre-training config had tune_visual=True).
   c.tune_llm = False
   c.tune_visual = False

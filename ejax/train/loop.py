@@ -24,7 +24,7 @@ from ejax.config.runtime import enable_compilation_cache
 from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
-from ejax.train import resume
+from ejax.train import resume, vision_pretrain
 from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input
 from ejax.train.optim import make_optimizer
@@ -110,6 +110,12 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   data_iter = make_input(config, local_batch_size=local_batch_size)
   if hasattr(data_iter, "close"):
     cleanup.push(_closing(data_iter.close))
+  pretrained_vision = None
+  if resume_step is None and config.model.get("vision_pretrain") and config.model.vision_pretrain.layouts:
+    stop.phase = "pre-training the vision tower"
+    demos = config.data.sim_demos
+    pretrained_vision = vision_pretrain.cached_pretrain(config.model, str(demos.tasks),
+                                                        (int(demos.image_height), int(demos.image_width)))
   meta = {"config": json.loads(config.to_json_best_effort()),
           "norm_stats": to_jsonable(getattr(data_iter, "norm_stats", None))}
 
@@ -125,6 +131,8 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   else:
     stop.phase = "initialising the parameters"
     state = jax.jit(make_init_fn(config.model, train_cfg, tx), out_shardings=shardings)(jax.random.key(config.seed))
+    if pretrained_vision is not None:
+      state = vision_pretrain.load_into(state, pretrained_vision)
   start_step = int(jax.device_get(state.step))
 
   # --- Compile the step once; report memory and FLOPs ------------------------------------------
