@@ -257,7 +257,8 @@ def _run_job(config: ConfigDict, workdir: str, stop: StopSignal) -> None:
     sys.exit(128 + interrupt.signum)
   last = result["history"][-1] if result["history"] else {}
   who = f"process {jax.process_index()} of {jax.process_count()} " if jax.process_count() > 1 else ""
-  loss = f"loss {last.get('loss', float('nan'))!r}, workdir {result['workdir']}"
+  # No loss before the first logged step: "loss nan" there would read as a non-finite stop.
+  loss = (f"loss {last['loss']!r}, " if "loss" in last else "") + f"workdir {result['workdir']}"
   if result["stopped_by"] is None:
     print(f"train: {who}finished at step {result['final_step']}, {loss}", flush=True)
   else:
