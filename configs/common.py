@@ -110,6 +110,8 @@ def demo_settings() -> dict:
       action_noise=0.0,       # > 0: execute expert + N(0, noise) but record the expert's action
       perturb_prob=0.0,       # > 0: on this fraction of steps execute a random hand move instead
                               # (the expert's action is recorded): corrections from off-path states
+      offset_start_prob=0.0,  # > 0: this fraction of episodes starts after one random hand move in the
+                              # approach (clean corrective chunks; ejax/sim/demos.py record_round)
       keep_failures=False,
       video_codec="h264",
       seed=0,

@@ -81,20 +81,35 @@ def perturb(actions: np.ndarray, noise_rng: np.random.Generator, action_noise: f
   return np.asarray(executed, np.float32)
 
 
+# offset_start_prob: the step of the approach at which the random hand move is made.
+OFFSET_START_STEPS = (1, 6)
+
+
 def record_round(env, rng: jax.Array, action_noise: float, noise_rng: np.random.Generator,
-                 perturb_prob: float = 0.0) -> list[dict]:
-  """Run one batch of expert episodes; -> per env {"frames": {key: [T, ...]}, "success", "task"}."""
+                 perturb_prob: float = 0.0, offset_start_prob: float = 0.0) -> list[dict]:
+  """Run one batch of expert episodes; -> per env {"frames": {key: [T, ...]}, "success", "task"}.
+
+  offset_start_prob: that fraction of episodes makes one random hand move during the approach and is
+  recorded from the step after it, so it starts with the hand off the expert's path and shows the
+  correction. Unlike perturb_prob, every recorded action chunk is then the expert's own continuation
+  (a chunk that spans a random move holds the expert's reaction to a move no policy can foresee)."""
   state = env.reset(rng)
   frames: list[list[dict]] = [[] for _ in range(env.num_envs)]
   finished = np.zeros(env.num_envs, bool)
-  for _ in range(env.episode_length):
+  offset_at = np.where(noise_rng.random(env.num_envs) < offset_start_prob,
+                       noise_rng.integers(*OFFSET_START_STEPS, size=env.num_envs), -1)
+  for t in range(env.episode_length):
     actions = env.expert_actions(state)
-    executed = perturb(actions, noise_rng, action_noise, perturb_prob)
+    executed = np.array(perturb(actions, noise_rng, action_noise, perturb_prob))  # a copy: the labels stay
     obs = jax.device_get(state.obs)
     for i in np.flatnonzero(~finished):
       frame = {key: np.asarray(obs[key][i]) for key in RECORDED_OBSERVATIONS}
       frame["action"] = actions[i]
       frames[i].append(frame)
+    moved = np.flatnonzero((offset_at == t) & ~finished)
+    executed[moved, :3] = noise_rng.uniform(-1, 1, (len(moved), 3))
+    for i in moved:
+      frames[i] = []  # the recording starts after the move
     state = env.step(state, executed)
     finished = np.asarray(state.done)
     if finished.all():
@@ -102,6 +117,8 @@ def record_round(env, rng: jax.Array, action_noise: float, noise_rng: np.random.
   success = np.asarray(state.success)
   episodes = []
   for i in range(env.num_envs):
+    if not frames[i]:  # ended on its random move: nothing to record
+      continue
     stacked = {key: np.stack([frame[key] for frame in frames[i]]) for key in frames[i][0]}
     episodes.append({"frames": stacked, "success": bool(success[i]), "task": env.instructions[i],
                      "task_name": env.env_tasks[i]})
@@ -126,7 +143,8 @@ def record(cfg, root: str) -> dict:
   start = time.time()
   for round_index in range(rounds):
     for episode in record_round(env, jax.random.fold_in(jax.random.key(int(cfg.seed)), round_index),
-                                float(cfg.action_noise), noise_rng, float(cfg.get("perturb_prob", 0.0))):
+                                float(cfg.action_noise), noise_rng, float(cfg.get("perturb_prob", 0.0)),
+                                float(cfg.get("offset_start_prob", 0.0))):
       name = episode["task_name"]
       if attempted[name] >= cfg.episodes_per_task:
         continue

@@ -111,3 +111,23 @@ def test_perturbations_replace_hand_moves_on_the_asked_fraction_and_keep_the_gri
   np.testing.assert_array_equal(executed[:, 3], actions[:, 3])
   noisy = demos.perturb(actions, rng, action_noise=0.1)
   assert 0.08 < np.std(noisy[:, 0] - actions[:, 0]) < 0.12 and np.abs(noisy).max() <= 1
+
+
+@pytest.mark.timeout(600)
+def test_offset_starts_record_only_after_the_random_move():
+  """offset_start_prob=1: every episode starts after one random hand move (from a state the plain
+  recording of the same layouts never starts from) and still succeeds."""
+  import jax
+
+  from ejax.sim.batched import make_batched
+  env = make_batched(["goal_lift_green_block", "goal_open_drawer"], 4, backend="native", cameras=True,
+                     image_size=(32, 32))
+  plain = demos.record_round(env, jax.random.key(1), 0.0, np.random.default_rng(0))
+  offset = demos.record_round(env, jax.random.key(1), 0.0, np.random.default_rng(0), offset_start_prob=1.0)
+  assert all(e["success"] for e in plain + offset)
+  for a, b in zip(plain, offset):
+    start = b["frames"]["observation.state"][0]
+    # The first recorded frame is none of the plain episode's first OFFSET_START_STEPS[0] + 1 frames.
+    early = a["frames"]["observation.state"][:demos.OFFSET_START_STEPS[0] + 1]
+    assert np.min(np.abs(early - start).max(-1)) > 1e-4
+    assert np.abs(b["frames"]["action"]).max() <= 1.0
