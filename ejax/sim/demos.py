@@ -96,8 +96,10 @@ def record_round(env, rng: jax.Array, action_noise: float, noise_rng: np.random.
   state = env.reset(rng)
   frames: list[list[dict]] = [[] for _ in range(env.num_envs)]
   finished = np.zeros(env.num_envs, bool)
-  offset_at = np.where(noise_rng.random(env.num_envs) < offset_start_prob,
-                       noise_rng.integers(*OFFSET_START_STEPS, size=env.num_envs), -1)
+  offset_at = np.full(env.num_envs, -1)
+  if offset_start_prob > 0:  # off: the noise stream, and so every other recording, stays as it was
+    offset_at = np.where(noise_rng.random(env.num_envs) < offset_start_prob,
+                         noise_rng.integers(*OFFSET_START_STEPS, size=env.num_envs), -1)
   for t in range(env.episode_length):
     actions = env.expert_actions(state)
     executed = np.array(perturb(actions, noise_rng, action_noise, perturb_prob))  # a copy: the labels stay
