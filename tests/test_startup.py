@@ -86,8 +86,9 @@ def test_a_second_signal_exits_at_once(tmp_path):
 
 
 WATCHED = """
+import sys
 import jax, jax.numpy as jnp
-from ejax.train.signals import StopSignal
+from ejax.train.signals import StartupInterrupted, StopSignal, signal_name
 stop = StopSignal(lambda: "the newest checkpoint is step 4", watch=True)
 stop.phase = "compiling the train step"
 def long_program(x):
@@ -96,7 +97,13 @@ def long_program(x):
   return x
 lowered = jax.jit(long_program).lower(jnp.ones((16, 16)))
 print("ready", flush=True)
-lowered.compile()  # ~15 s inside XLA, where Python signal handlers cannot run
+try:
+  lowered.compile()  # ~15 s inside XLA, where Python signal handlers cannot run
+except StartupInterrupted as interrupt:  # XLA returned within the watcher's grace: what the launcher does
+  print(f"train: interrupted by {signal_name(interrupt.signum)} during start-up ({interrupt.phase}); "
+        "nothing was trained or saved", flush=True)
+  stop.finished()
+  sys.exit(128 + interrupt.signum)
 print("the watcher did not end the run", flush=True)
 """
 

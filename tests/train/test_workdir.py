@@ -91,6 +91,15 @@ def _wait_for_metrics(workdir, process, timeout=240):
     time.sleep(0.2)
 
 
+def _wait_for_checkpoint(workdir, process, timeout=240):
+  """Until a complete step (orbax renames it to its number when done) is in checkpoints/."""
+  deadline = time.time() + timeout
+  folder = workdir / "checkpoints"
+  while time.time() < deadline and not (folder.exists() and [s for s in os.listdir(folder) if s.isdigit()]):
+    assert process.poll() is None, process.communicate()[1][-3000:]
+    time.sleep(0.2)
+
+
 def _assert_one_run(workdir, steps):
   logged = [json.loads(line)["step"] for line in open(workdir / "metrics.jsonl")]
   assert logged == list(range(1, steps + 1))  # one run's rows, in order, none interleaved
@@ -123,6 +132,7 @@ def test_a_second_run_stops_at_once_naming_the_holder_and_a_killed_runs_lock_is_
     second = run_main("--config=configs/tiny.py:runlocal,steps=3", *SMALL, f"--workdir={tmp_path}", timeout=120)
     assert time.time() - started < 30  # it stops before compiling anything
     assert_one_line_error(second, "is in use by another run", f"pid {first.pid} on host {socket.gethostname()}")
+    _wait_for_checkpoint(tmp_path, first)  # under load step 5's save can come after the second run
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=60)
   finally:
