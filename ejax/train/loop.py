@@ -24,6 +24,7 @@ from ejax.config.runtime import enable_compilation_cache
 from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
+from ejax.errors import UserError
 from ejax.train import resume, vision_pretrain
 from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input
@@ -112,6 +113,10 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
     cleanup.push(_closing(data_iter.close))
   pretrained_vision = None
   if resume_step is None and config.model.get("vision_pretrain") and config.model.vision_pretrain.layouts:
+    if config.data.name != "sim_demos" and not config.model.vision_pretrain.tasks:
+      raise UserError(f"model.vision_pretrain renders ejax.sim layouts, but data.name={config.data.name!r} is not "
+                      "ejax.sim's demonstrations: set --config.model.vision_pretrain.layouts=0, or name the sim "
+                      "tasks to pre-train on in model.vision_pretrain.tasks")
     stop.phase = "pre-training the vision tower"
     demos = config.data.sim_demos
     pretrained_vision = vision_pretrain.cached_pretrain(config.model, str(demos.tasks),

@@ -67,3 +67,13 @@ def test_pretraining_learns_where_objects_are_on_unseen_layouts():
   errors, spread = report["held_out_xy_error_cm"], report["held_out_xy_spread_cm"]
   for name in ("block_0", "block_1", "block_2", "cylinder"):
     assert errors[name] < 0.35 * spread[name], report
+
+
+@pytest.mark.timeout(300)
+def test_pretraining_on_a_dataset_that_is_not_ejax_sim_is_one_line(tmp_path):
+  """Sim layouts would teach the tower another scene than the data's: refused, not done silently."""
+  from tests.test_main import assert_one_line_error, run_main
+  result = run_main("--config=configs/groot.py:runlocal,dataset=synthetic", f"--workdir={tmp_path}",
+                    "--config.model.vision_pretrain.layouts=10")
+  assert_one_line_error(result, "model.vision_pretrain renders ejax.sim layouts", "data.name='synthetic'",
+                        "vision_pretrain.layouts=0")
