@@ -116,12 +116,9 @@ def pretrain(model_config, settings, tasks: str, image_size: tuple[int, int]) ->
   rows = np.flatnonzero(held_out)
   predicted = np.concatenate([np.asarray(predict(model, [im[rows[i:i + 256]] for im in images]))
                               for i in range(0, len(rows), 256)]) * std + mean
-  error = np.sqrt(np.where(valid[rows][..., None], (predicted - targets[rows]) ** 2, 0).sum(0)
-                  / np.maximum(valid[rows].sum(0), 1)[:, None])
-  truth = targets[rows]
-  mask = valid[rows][..., None]
-  centre = (truth * mask).sum(0) / np.maximum(mask.sum(0), 1)
-  spread = np.sqrt(np.where(mask, (truth - centre) ** 2, 0).sum(0) / np.maximum(mask.sum(0), 1))
+  truth, mask = targets[rows], valid[rows][..., None]
+  error = _masked_rms(predicted - truth, mask)
+  spread = _masked_rms(truth - (truth * mask).sum(0) / np.maximum(mask.sum(0), 1), mask)
   report = {"final_loss": float(loss), "seconds": time.time() - start, "frames": int(len(train_rows)),
             "held_out_layouts": int(len(np.unique(frames["layout"][rows]))),
             "held_out_xy_error_cm": {name: round(float(np.linalg.norm(error[i, :2])) * 100, 2)
@@ -137,6 +134,11 @@ def pretrain(model_config, settings, tasks: str, image_size: tuple[int, int]) ->
   weights = {name: jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(getattr(model, name), nnx.Param)))
              for name in ("vision", "connector")}
   return weights, report
+
+
+def _masked_rms(diff: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """[N, P, 6] differences, [N, P, 1] mask -> per point and coordinate RMS over the masked frames."""
+  return np.sqrt(np.where(mask, diff ** 2, 0).sum(0) / np.maximum(mask.sum(0), 1))
 
 
 NEAR = 0.06  # metres
