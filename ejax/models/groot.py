@@ -18,12 +18,13 @@ batches concatenate into a correct global batch). Sizes come from the released G
 from __future__ import annotations
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
 from ejax.models import flow, groot_inputs, layers
-from ejax.models.connector import MLPConnector
+from ejax.models.connector import MLPConnector, PixelKeypoints
 from ejax.models.dit import DiT, DiTConfig, VLSelfAttentionTransformer, VLTransformerConfig
 from ejax.models.embodiment import CategorySpecificMLP, MultiEmbodimentActionEncoder
 from ejax.models.groot_inputs import image_token_indices, sample_rows, tokens_per_image  # noqa: F401
@@ -61,7 +62,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.remat = "full"                   # per-block rematerialisation (ejax.parallel.remat)
   c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224, conv_stem=(),
                   posemb_init="normal")
-  c.connector = dict(num_layers=1, use_pixel_shuffle=False)   # released: mlp1.0 = Linear(1152, 2048)
+  c.connector = dict(num_layers=1, use_pixel_shuffle=False,   # released: mlp1.0 = Linear(1152, 2048)
+                     keypoints=0)   # > 0: that many spatial-softmax pixel keypoint tokens per image too (connector.py)
   c.llm = dict(vocab_size=151680, width=2048, mlp_dim=6144, num_heads=16, num_kv_heads=8, head_dim=128,
                num_layers=12, rope_theta=1_000_000.0)          # Qwen3-1.7B, select_layer = 12
   c.vl_transformer = dict(num_layers=4, num_heads=32, head_dim=64, dropout=0.2)
@@ -89,6 +91,11 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # aux_state_dim slots (which must be padding): a state estimator read from the images, trained by
   # the auxiliary target, that the policy acts on at inference too.
   c.aux_state_input = False
+  # Which entries of the (normalised) state vector the action head reads; the others are zeroed (the
+  # dataset's mean). (): all. A policy that reads the arm's pose can replay its demonstrations' paths
+  # from proprioception alone and never learn to look (causal confusion); reading only the gripper
+  # (ejax.sim's state index 7) leaves the cameras to say where the hand is relative to the object.
+  c.state_dims = ()
   # Pre-training the vision tower and connector on ejax.sim layouts rendered with every object's
   # position, before training (ejax/train/vision_pretrain.py); layouts=0: off. tasks "": the
   # recorded demonstrations' tasks (data.sim_demos.tasks).
@@ -131,7 +138,10 @@ class GrootBackbone(nnx.Module):
   def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), remat=config.remat, **common)
-    self.connector = MLPConnector(config.vision.width, config.llm.width, **config.connector, **common)
+    connector = {k: v for k, v in config.connector.items() if k != "keypoints"}
+    self.connector = MLPConnector(config.vision.width, config.llm.width, **connector, **common)
+    keypoints = config.connector.get("keypoints", 0)
+    self.keypoints = nnx.data(PixelKeypoints(keypoints, config.llm.width, **common) if keypoints else None)
     self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, **common)
     self.image_token_id = config.image_token_id
 
@@ -139,7 +149,11 @@ class GrootBackbone(nnx.Module):
     """The connector's image tokens [num_images, tokens_per_image, llm width]; None without cameras."""
     if not batch["images"].shape[0]:
       return None
-    return self.connector(self.vision(normalize_images(batch["images"], self.llm.dtype)))
+    images = normalize_images(batch["images"], self.llm.dtype)
+    tokens = self.connector(self.vision(images))
+    if self.keypoints is not None:
+      tokens = jnp.concatenate([tokens, self.keypoints(images).astype(tokens.dtype)], axis=1)
+    return tokens
 
   def __call__(self, batch) -> jax.Array:
     embeddings = self.llm.embed(batch["vl_tokens"])
@@ -222,6 +236,10 @@ class Groot(nnx.Module):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
     vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
     state = jnp.asarray(batch["state"])
+    if self.config.get("state_dims", ()):
+      keep = np.zeros(state.shape[-1], bool)
+      keep[[i for i in self.config.state_dims if i < state.shape[-1]]] = True
+      state = jnp.where(keep, state, 0)
     if self.config.get("aux_state_input", False):
       # The estimate rides in the state's last aux_state_dim slots (zero padding; the collate checks).
       state = state.at[:, -self.config.aux_state_dim:].add(self.action_head.aux_state(vl, batch).astype(state.dtype))
@@ -287,7 +305,7 @@ def trainable_filter(config):
   if not config.tune_llm:
     frozen.append(nnx.PathContains("llm"))
   if not config.tune_visual:
-    frozen += [nnx.PathContains("vision"), nnx.PathContains("connector")]
+    frozen += [nnx.PathContains("vision"), nnx.PathContains("connector"), nnx.PathContains("keypoints")]
   if not config.tune_projector:
     frozen += [nnx.PathContains(name) for name in
                ("state_encoder", "action_encoder", "action_decoder", "position_embedding")]

@@ -230,3 +230,16 @@ def test_auxiliary_estimate_feeds_the_state_token_when_asked():
   assert collate([dict(sample, **{"observation.state": np.zeros(c.max_state_dim - 2, np.float32)})])["state"].shape
   with pytest.raises(ValueError, match=f"raise it to {c.max_state_dim + 2}"):
     collate([dict(sample, **{"observation.state": np.zeros(c.max_state_dim, np.float32)})])
+
+
+def test_state_dims_hide_the_other_state_entries_from_the_action_head():
+  c = tiny_config()
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 4, seed=3)
+  model.config.state_dims = (1,)
+  _, kept = model.context(batch)
+  changed = dict(batch, state=batch["state"] + np.eye(c.max_state_dim, dtype=np.float32)[0])  # entry 0 moves
+  _, same = model.context(changed)
+  np.testing.assert_array_equal(kept, same)
+  _, moved = model.context(dict(batch, state=batch["state"] + np.eye(c.max_state_dim, dtype=np.float32)[1]))
+  assert not np.allclose(moved, kept)
