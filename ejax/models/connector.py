@@ -6,12 +6,21 @@ Eagle builds one of three connectors from (mlp_connector_layers, use_pixel_shuff
 with d_in = vision width * 4 when pixel shuffle (0.5) merges 2x2 patches into one token.
 The released GR00T-N1.5 checkpoint uses 1 layer without pixel shuffle (weights
 `mlp1.0.weight` [2048, 1152]): 256 tokens per 224 px image.
+
+`PixelKeypoints` (ejax's, not Eagle's; model.connector.keypoints=K, off at released sizes) adds K
+spatial-softmax keypoint tokens per image after the connector's (Levine et al. 2016; the image
+encoders of robomimic and Diffusion Policy): K detectors, small convolutions over the pixels, each
+weigh the pixel grid by a softmax of their response; a keypoint's token carries the expected pixel
+coordinates (with Fourier features) and how strongly the detector fired. A detector is the same at every
+pixel, so "where is the green block" is a number that moves with the object at pixel precision
+instead of a position that a from-scratch tower must memorise layout by layout from its patch tokens.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ejax.models import layers
@@ -58,3 +67,60 @@ class MLPConnector(nnx.Module):
     if self.fc2 is not None:
       x = self.fc2(jax.nn.gelu(x, approximate=False))
     return x
+
+
+KEYPOINT_FREQUENCIES = (1.0, 2.0, 4.0, 8.0)   # Fourier features of a keypoint's coordinates in [-1, 1]
+KEYPOINT_HIDDEN = 32                          # channels of the detectors' 3x3 convolution
+
+
+def keypoint_coordinate_features(coords: jax.Array) -> jax.Array:
+  """[..., 2] coordinates in [-1, 1] -> [..., 2 + 4 * len(KEYPOINT_FREQUENCIES)]."""
+  angles = jnp.concatenate([np.pi * f * coords for f in KEYPOINT_FREQUENCIES], axis=-1)
+  return jnp.concatenate([coords, jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def pixel_grid(height: int, width: int) -> np.ndarray:
+  """[height * width, 2] (x, y) pixel centres in [-1, 1], row-major."""
+  y, x = np.meshgrid((np.arange(height) + 0.5) / height * 2 - 1, (np.arange(width) + 0.5) / width * 2 - 1,
+                     indexing="ij")
+  return np.stack([x.reshape(-1), y.reshape(-1)], -1).astype(np.float32)
+
+
+class PixelKeypoints(nnx.Module):
+  """images [n, H, W, 3] in [-1, 1] -> K keypoint tokens [n, K, d_llm]."""
+
+  def __init__(self, keypoints: int, llm_width: int, *, dtype=jnp.float32, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.dtype = dtype
+    self.conv = layers.make_param(rngs, nnx.initializers.lecun_normal(), (3, 3, 3, KEYPOINT_HIDDEN),
+                                  (None, None, None, MLP), param_dtype)
+    self.conv_bias = layers.make_param(rngs, nnx.initializers.zeros, (KEYPOINT_HIDDEN,), (MLP,), param_dtype)
+    self.detectors = layers.Dense(KEYPOINT_HIDDEN, keypoints, axes=(MLP, None), **common)
+    d_in = 3 + 4 * len(KEYPOINT_FREQUENCIES)
+    self.fc1 = layers.Dense(d_in, llm_width, axes=(None, EMBED), **common)
+    self.fc2 = layers.Dense(llm_width, llm_width, axes=(MLP, EMBED), **common)
+    self.identity = layers.make_param(rngs, nnx.initializers.normal(0.02), (keypoints, llm_width), (None, EMBED),
+                                      param_dtype)
+
+  def heatmaps(self, images: jax.Array) -> jax.Array:
+    """Detector logits [n, H * W, K]."""
+    x = jax.lax.conv_general_dilated(images.astype(self.dtype), self.conv[...].astype(self.dtype), (1, 1),
+                                     ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x = jax.nn.gelu(x + self.conv_bias[...].astype(self.dtype))
+    n, h, w, c = x.shape
+    return self.detectors(x.reshape(n, h * w, c)).astype(jnp.float32)
+
+  def coordinates(self, images: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """-> (expected (x, y) in [-1, 1] [n, K, 2], strength [n, K]: log mean exp of the logits)."""
+    logits = self.heatmaps(images)
+    weights = jax.nn.softmax(logits, axis=1)
+    coords = jnp.einsum("npk,pd->nkd", weights, jnp.asarray(pixel_grid(*images.shape[1:3])))
+    strength = jax.nn.logsumexp(logits, axis=1) - np.log(logits.shape[1])
+    return coords, strength
+
+  def __call__(self, images: jax.Array) -> jax.Array:
+    coords, strength = self.coordinates(images)
+    x = jnp.concatenate([keypoint_coordinate_features(coords), strength[..., None]], -1).astype(self.dtype)
+    x = self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
+    return x + self.identity[...].astype(x.dtype)

@@ -41,7 +41,7 @@ IMAGE_PREFIX = "observation.images."
 
 def tokens_per_image(model_config) -> int:
   patches = (model_config.vision.image_size // model_config.vision.patch_size) ** 2
-  return patches // 4 if model_config.connector.use_pixel_shuffle else patches
+  return (patches // 4 if model_config.connector.use_pixel_shuffle else patches) + model_config.connector.get("keypoints", 0)
 
 
 def sample_rows(batch, xp=np):

@@ -61,7 +61,8 @@ class _Pretrainer(nnx.Module):
 
   def __init__(self, model_config, num_cameras: int, num_points: int, rngs: nnx.Rngs):
     self.vision = SiglipVisionTransformer(SiglipConfig(**model_config.vision), rngs=rngs)
-    self.connector = MLPConnector(model_config.vision.width, model_config.llm.width, **model_config.connector,
+    connector = {k: v for k, v in model_config.connector.items() if k != "keypoints"}  # keypoints: not pre-trained
+    self.connector = MLPConnector(model_config.vision.width, model_config.llm.width, **connector,
                                   rngs=rngs)
     self.readout = ObjectReadout(model_config.llm.width, num_cameras, num_points, rngs=rngs)
 
