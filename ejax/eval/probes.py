@@ -11,7 +11,7 @@ A policy that finds its target in the images changes its move about as much as t
 differ; one that acts from proprioception and instruction alone does not change at all.
 
 Found with it (2026-11-25, BENCHMARKS.md): the GR00T runlocal quickstart policies move their hand
-0.01-0.06 when shown another layout, against an expert spread of ~0.6: they do not use the cameras
+0.00-0.10 when shown another layout, against an expert spread of ~0.6: they do not use the cameras
 to choose where to go, which is why the lifts fail.
 """
 
