@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-IMAGE_PREFIX = "observation.images."
+from ejax.train.policy import IMAGE_PREFIX
 
 
 def _same_task_permutation(tasks: list[str]) -> np.ndarray:

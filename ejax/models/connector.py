@@ -39,6 +39,11 @@ def pixel_shuffle(x: jax.Array, scale: float = 0.5) -> jax.Array:
   return x.transpose(0, 2, 1, 3)
 
 
+def mlp_settings(connector_config) -> dict:
+  """model.connector without the fields that are not MLPConnector's (keypoints: PixelKeypoints')."""
+  return {k: v for k, v in connector_config.items() if k != "keypoints"}
+
+
 class MLPConnector(nnx.Module):
   """vision tokens [n, patches, d_vision] -> LLM-width tokens [n, tokens, d_llm]."""
 

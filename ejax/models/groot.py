@@ -18,13 +18,13 @@ batches concatenate into a correct global batch). Sizes come from the released G
 from __future__ import annotations
 
 import jax
-import numpy as np
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from ejax.models import flow, groot_inputs, layers
-from ejax.models.connector import MLPConnector, PixelKeypoints
+from ejax.models.connector import MLPConnector, PixelKeypoints, mlp_settings
 from ejax.models.dit import DiT, DiTConfig, VLSelfAttentionTransformer, VLTransformerConfig
 from ejax.models.embodiment import CategorySpecificMLP, MultiEmbodimentActionEncoder
 from ejax.models.groot_inputs import image_token_indices, sample_rows, tokens_per_image  # noqa: F401
@@ -138,8 +138,7 @@ class GrootBackbone(nnx.Module):
   def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), remat=config.remat, **common)
-    connector = {k: v for k, v in config.connector.items() if k != "keypoints"}
-    self.connector = MLPConnector(config.vision.width, config.llm.width, **connector, **common)
+    self.connector = MLPConnector(config.vision.width, config.llm.width, **mlp_settings(config.connector), **common)
     keypoints = config.connector.get("keypoints", 0)
     self.keypoints = nnx.data(PixelKeypoints(keypoints, config.llm.width, **common) if keypoints else None)
     self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, **common)

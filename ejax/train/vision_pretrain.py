@@ -34,7 +34,7 @@ from absl import logging
 from flax import nnx
 
 from ejax.data.transforms import resize
-from ejax.models.connector import MLPConnector
+from ejax.models.connector import MLPConnector, mlp_settings  # keypoints are not pre-trained
 from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
 
 # Bump when the rendered data or the readout changes, so stale caches are not reused.
@@ -61,9 +61,8 @@ class _Pretrainer(nnx.Module):
 
   def __init__(self, model_config, num_cameras: int, num_points: int, rngs: nnx.Rngs):
     self.vision = SiglipVisionTransformer(SiglipConfig(**model_config.vision), rngs=rngs)
-    connector = {k: v for k, v in model_config.connector.items() if k != "keypoints"}  # keypoints: not pre-trained
-    self.connector = MLPConnector(model_config.vision.width, model_config.llm.width, **connector,
-                                  rngs=rngs)
+    self.connector = MLPConnector(model_config.vision.width, model_config.llm.width,
+                                  **mlp_settings(model_config.connector), rngs=rngs)
     self.readout = ObjectReadout(model_config.llm.width, num_cameras, num_points, rngs=rngs)
 
   def __call__(self, images: list[jax.Array]) -> jax.Array:
