@@ -80,6 +80,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.num_cameras = 1
   c.image_token_id = 151669          # <IMG_CONTEXT> in Eagle 2.5's Qwen3 vocabulary
   c.tokenizer_path = ""              # a local tokenizer.json (ejax.models.qwen_tokenizer)
+  c.text_first = False               # instruction before the images in the prompt (qwen_tokenizer.eagle_prompt)
   c.packing = dict(row_length=1024, samples_per_row=2)
   # Training-only auxiliary target (0: off): a head on the mean of each sample's VL tokens (what the DiT
   # cross-attends to) regresses the sample's normalised privileged state (data.aux_state_key, e.g.

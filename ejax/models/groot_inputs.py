@@ -144,6 +144,12 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
   return batch
 
 
+def prompt_ids(model_config, tokenizer: QwenTokenizer, task: str, num_images: int) -> list[int]:
+  """One sample's Eagle prompt as the model config lays it out (model.text_first: instruction first)."""
+  return eagle_prompt(tokenizer, task, num_images, tokens_per_image(model_config),
+                      image_token_id=model_config.image_token_id, text_first=model_config.get("text_first", False))
+
+
 def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_rows: int | None = None,
             seed: int = 0, aux_key: str | None = None) -> dict[str, np.ndarray]:
   """Tokenises, pads and packs pipeline samples into one GR00T batch; `aux_key` names the samples'
@@ -155,7 +161,7 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
   prompts, images, states, actions, masks, embodiments = [], [], [], [], [], []
   for sample in samples:
     task = str(sample["task"]) if "task" in sample else f"task {int(sample['task_index'])}"
-    prompts.append(eagle_prompt(tokenizer, task, len(cameras), tokens_per_image(c), image_token_id=c.image_token_id))
+    prompts.append(prompt_ids(c, tokenizer, task, len(cameras)))
     images += [_resize(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras]
     state = np.asarray(sample["observation.state"], np.float32)
     if c.get("aux_state_input", False) and state.shape[-1] > c.max_state_dim - c.aux_state_dim:

@@ -48,15 +48,24 @@ class QwenTokenizer:
 
 
 def eagle_prompt(tokenizer: QwenTokenizer, task: str, num_images: int, tokens_per_image: int,
-                 image_token_id: int | None = None) -> list[int]:
+                 image_token_id: int | None = None, text_first: bool = False) -> list[int]:
   """Token ids of Eagle 2.5's chat prompt: each image as <img> + N x <IMG_CONTEXT> + </img>, then the
-  instruction, in Qwen's chat format. The image-context ids are where vision tokens go."""
+  instruction, in Qwen's chat format. The image-context ids are where vision tokens go.
+
+  text_first puts the instruction (and a newline) before the images instead: in the causal LLM the
+  image tokens then attend to the instruction, so what they say can depend on which object it names.
+  Released weights were trained with the images first; the option is for models trained from scratch.
+  """
   context = tokenizer.token_id(IMAGE_CONTEXT) if image_token_id is None else image_token_id
   ids = tokenizer.encode("<|im_start|>user\n")
+  if text_first:
+    ids += tokenizer.encode(task) + tokenizer.encode("\n")
   for _ in range(num_images):
     ids += [tokenizer.token_id(IMAGE_START)] + [context] * tokens_per_image + [tokenizer.token_id(IMAGE_END)]
     ids += tokenizer.encode("\n")
-  ids += tokenizer.encode(task) + tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
+  if not text_first:
+    ids += tokenizer.encode(task)
+  ids += tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n")
   return ids
 
 

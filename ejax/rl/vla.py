@@ -33,7 +33,7 @@ from ml_collections import ConfigDict
 
 from ejax.models import groot as groot_lib
 from ejax.models import groot_inputs
-from ejax.models.qwen_tokenizer import eagle_prompt, load_tokenizer
+from ejax.models.qwen_tokenizer import load_tokenizer
 from ejax.rl.policy import STATE_OBSERVATIONS, ActorCritic, FlowPolicy, ValueHead, task_index
 
 IMAGE_PREFIX = "observation.images."
@@ -78,8 +78,7 @@ class GrootObservations:
     self.state_center, self.state_scale = as_array(state_center), as_array(state_scale)
     self.action_center, self.action_scale = as_array(action_center), as_array(action_scale)
     tokenizer = tokenizer or load_tokenizer(c.tokenizer_path, c.llm.vocab_size)
-    prompts = [eagle_prompt(tokenizer, text, c.num_cameras, groot_inputs.tokens_per_image(c),
-                            image_token_id=c.image_token_id) for text in instructions]
+    prompts = [groot_inputs.prompt_ids(c, tokenizer, text, c.num_cameras) for text in instructions]
     self.row_length = _round_up(max(len(p) for p in prompts), 8)
     # The same function the train collate packs with, one sample per row: its tables are ours.
     table_config = ConfigDict(c.to_dict())

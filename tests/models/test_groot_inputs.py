@@ -49,14 +49,19 @@ def test_tokenizer_round_trip_and_prompt(tokenizer):
   assert prompt.count(context) == 6 and prompt.count(tokenizer.token_id(IMAGE_START)) == 2
   text = tokenizer.decode(prompt)
   assert text.startswith("<|im_start|>user\n<img>") and "open the drawer<|im_end|>" in text
+  first = tokenizer.decode(eagle_prompt(tokenizer, "open the drawer", num_images=2, tokens_per_image=3,
+                                        text_first=True))
+  assert first.startswith("<|im_start|>user\nopen the drawer\n<img>") and first.endswith("</img>\n<|im_end|>\n<|im_start|>assistant\n")
   with pytest.raises(KeyError, match="<unknown>"):
     tokenizer.token_id("<unknown>")
   with pytest.raises(FileNotFoundError, match="tokenizer_path"):
     QwenTokenizer.from_file("/nonexistent/tokenizer.json")
 
 
-def test_collate_pads_masks_and_packs(tokenizer):
+@pytest.mark.parametrize("text_first", [False, True])
+def test_collate_pads_masks_and_packs(tokenizer, text_first):
   c = config_for(tokenizer)
+  c.text_first = text_first
   rng = np.random.default_rng(0)
   samples = [sample(rng, "pick up the red cube", 5, 3, 2, 1), sample(rng, "open the drawer", 8, 4, 0, 0),
              sample(rng, "place the cube in the bowl", 2, 1, 5, 1)]
@@ -75,7 +80,10 @@ def test_collate_pads_masks_and_packs(tokenizer):
     row, segment = rows[i], batch["sample_segment"][i]
     in_sample = batch["vl_segment_ids"][row] == segment
     tokens = batch["vl_tokens"][row][in_sample]
-    assert tokenizer.decode(list(tokens)).count(samples[i]["task"]) == 1
+    text = tokenizer.decode(list(tokens))
+    assert text.count(samples[i]["task"]) == 1
+    # model.text_first: the instruction precedes the images (so image tokens attend to it).
+    assert (text.index(samples[i]["task"]) < text.index(IMAGE_START)) == text_first
     np.testing.assert_array_equal(batch["vl_positions"][row][in_sample], np.arange(in_sample.sum()))
     is_image = tokens == c.image_token_id
     np.testing.assert_array_equal(image_index[row][in_sample][is_image], i * 2 * per_image + np.arange(2 * per_image))
