@@ -13,6 +13,15 @@ differ; one that acts from proprioception and instruction alone does not change 
 Found with it (2026-11-25, BENCHMARKS.md): the GR00T runlocal quickstart policies move their hand
 0.00-0.10 when shown another layout, against an expert spread of ~0.6: they do not use the cameras
 to choose where to go, which is why the lifts fail.
+
+Where does a grasping policy go? Approach errors in closed loop:
+
+    errors = approach_errors(policy, env, jax.random.key(0), replan_every=2)
+
+Rolls the policy out like the eval job and, per task whose target is an object, reports how often
+the hand, once down among the objects, came nearest the instructed object rather than another one,
+and how close (x, y) it ever got to it. It separates "went to the wrong object" from "went to the
+right one and missed by centimetres" (a grasp needs ~1.2 cm: expert.GRASP_TOLERANCE).
 """
 
 from __future__ import annotations
@@ -20,7 +29,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ejax.eval.evaluate import policy_observations
+from ejax.sim import control, scene
 from ejax.train.policy import IMAGE_PREFIX
+
+# The hand counts as down among the objects below this height above the tallest object's centre [m].
+LOW_ABOVE_OBJECTS = 0.04
 
 
 def _same_task_permutation(tasks: list[str]) -> np.ndarray:
@@ -55,4 +69,51 @@ def camera_reliance(policy, env, rng: jax.Array, *, expert_steps: int = 2) -> di
     moves = expert[members, :2]
     result[name] = {"move_change": float(change[members].mean()),
                     "expert_spread": float(np.abs(moves - moves.mean(axis=0)).mean())}
+  return result
+
+
+def approach_errors(policy, env, rng: jax.Array, *, replan_every: int = 2) -> dict[str, dict[str, float]]:
+  """-> {task: {"success", "went_low", "nearest_is_target", "min_target_xy_cm" (median over episodes)}}
+  for the tasks whose target is one of the four objects (drawer tasks are skipped).
+
+  `policy.act(obs, instructions, rng)` -> chunks [num_envs, horizon, 4], as the eval job calls it;
+  `env` a BatchedEnv (native or MJX) with whatever cameras the policy needs."""
+  state = env.reset(rng)
+  num_objects = len(scene.OBJECT_NAMES)
+  nearest = np.full((env.num_envs, num_objects), np.inf)   # min x, y distance to each object while low
+  min_target = np.full(env.num_envs, np.inf)
+  chunk, position = None, 0
+  for t in range(env.episode_length):
+    if chunk is None or position >= min(replan_every, chunk.shape[1]):
+      obs = policy_observations(state, getattr(policy, "uses_privileged_state", False))
+      chunk = np.asarray(policy.act(obs, env.instructions, jax.random.fold_in(rng, t + 1)), np.float32)
+      position = 0
+    live = ~np.asarray(state.done)
+    data = state.data
+    qpos = np.asarray(jax.device_get(data["qpos"] if isinstance(data, dict) else data.qpos))
+    tcp = np.asarray(jax.device_get(state.info["privileged"]["tcp"]))
+    objects = np.stack([control.graspable_positions(q)[:num_objects] for q in qpos])      # [n, 4, 3]
+    distance = np.linalg.norm(objects[:, :, :2] - tcp[:, None, :2], axis=-1)
+    low = live & (tcp[:, 2] < objects[:, :, 2].max(axis=1) + LOW_ABOVE_OBJECTS)
+    nearest = np.where(low[:, None], np.minimum(nearest, distance), nearest)
+    target = np.asarray(jax.device_get(state.info["target"]))
+    on_object = target < num_objects
+    own = distance[np.arange(env.num_envs), np.minimum(target, num_objects - 1)]
+    min_target = np.where(live & on_object, np.minimum(min_target, own), min_target)
+    state = env.step(state, chunk[:, position])
+    position += 1
+    if np.asarray(state.done).all():
+      break
+  success = np.asarray(state.success)
+  target = np.asarray(jax.device_get(state.info["target"]))
+  result = {}
+  for name in sorted(set(env.env_tasks)):
+    members = np.flatnonzero((np.asarray(env.env_tasks) == name) & (target < num_objects))
+    if not members.size:
+      continue
+    went_low = np.isfinite(nearest[members]).any(axis=1)
+    right = went_low & (nearest[members].argmin(axis=1) == target[members])
+    result[name] = {"success": float(success[members].mean()), "went_low": float(went_low.mean()),
+                    "nearest_is_target": float(right.mean()),
+                    "min_target_xy_cm": float(100 * np.median(min_target[members]))}
   return result

@@ -1,10 +1,12 @@
-"""Camera reliance: a policy that reads its cameras moves differently when shown another layout."""
+"""Camera reliance (a policy that reads its cameras moves differently when shown another layout) and
+approach errors (where a policy's hand goes, against the instructed object)."""
 
 import jax
 import numpy as np
 import pytest
 
-from ejax.eval.probes import _same_task_permutation, camera_reliance
+from ejax.eval.policies import ExpertPolicy
+from ejax.eval.probes import _same_task_permutation, approach_errors, camera_reliance
 from ejax.sim.batched import make_batched
 
 
@@ -42,3 +44,23 @@ def test_a_policy_that_looks_changes_its_move_and_one_that_does_not_stays():
   assert all(row["move_change"] > 0.05 for row in looking.values()), looking
   assert all(row["move_change"] == 0.0 for row in blind.values()), blind
   assert looking["goal_lift_green_block"]["expert_spread"] > 0.1   # layouts send the expert different ways
+
+
+class _Down:
+  """Goes straight down from wherever the hand starts: low, but near no object in particular."""
+
+  def act(self, obs, instructions, rng):
+    return np.tile(np.array([0.0, 0.0, -1.0, -1.0], np.float32), (len(instructions), 2, 1))
+
+
+@pytest.mark.timeout(300)
+def test_approach_errors_tell_the_expert_from_a_policy_that_goes_anywhere():
+  env = make_batched(["goal_lift_green_block", "object_lift_cylinder", "goal_open_drawer"], 12, backend="native")
+  expert = approach_errors(ExpertPolicy(), env, jax.random.key(0))
+  assert set(expert) == {"goal_lift_green_block", "object_lift_cylinder"}        # drawers have no object target
+  for row in expert.values():
+    assert row["success"] >= 0.75 and row["went_low"] == 1.0 and row["nearest_is_target"] == 1.0
+    assert row["min_target_xy_cm"] < 1.2                                         # expert.GRASP_TOLERANCE
+  down = approach_errors(_Down(), env, jax.random.key(0))
+  for row in down.values():
+    assert row["success"] == 0.0 and row["went_low"] == 1.0 and row["min_target_xy_cm"] > 5.0
