@@ -19,13 +19,13 @@ $EJAX_CACHE_DIR), then trains 1500 steps of batch 32 with the vision tower and t
 configs/eval.py (by default on the tasks it was trained on, 20 unseen layouts each):
   python -m ejax.main --config=configs/groot.py:runlocal
   python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/groot_runlocal/checkpoints
-What to expect (2026-11-24, 2 cores shared with test jobs): the flow-matching loss falls from ~1.9
-to ~0.36 and plateaus there; the eval command above (replanning every 2 steps) measures 33 %
-(95 % interval [25, 43]; 38-41 % on 2026-11-23 before the wrist camera was re-aimed, the same within
-noise) over the five tasks (drawers 80-100 %, the lifts 0-5 %, the pick-and-place 0 %): the policy
-has not learnt to find small objects in its 32 px images (with the privileged object state as input
-the same recipe reaches 79 %). Issue 14 asks for >= 50 %; see the README's closed-loop section for
-what has been tried.
+What to expect (2026-11-25, 2 cores): ~9 min from a clean cache (recording ~1 min, then 100-130
+samples/s); the flow-matching loss falls from ~1.9 to ~0.35 and plateaus there; the eval command
+above (replanning every 2 steps) measures 18-33 % from run to run (95 % intervals ~+-9 points) over
+the five tasks (drawers 40-100 %, the lifts 0-5 %, the pick-and-place 0 %): the policy has not learnt
+to find small objects in its 32 px images (it comes down nearest the instructed object in 20-45 % of
+the lifts; with the privileged object state as input the same recipe reaches 79 %). Issue 14 asks
+for >= 50 %; see the README's closed-loop section for what has been tried.
 Arg string: `runlocal`, `steps=N`, `batch=N`, `dataset=PATH` (another LeRobot dataset, e.g. one
 recorded with configs/demos.py: both cameras, state up to 16 dims) or `dataset=synthetic` (the
 camera-less synthetic smoke-test data, ejax/data/synthetic.py, 200 steps in well under a minute),
