@@ -7,3 +7,8 @@ anything else is a bug and keeps its traceback.
 
 class UserError(Exception):
   """Bad input: the message names the thing that is wrong and what to do."""
+
+
+class BatchError(UserError, ValueError):
+  """Samples that do not fit the model's input settings (packed row length, cameras, horizon,
+  state room), found while assembling a batch. A ValueError too, for library callers."""

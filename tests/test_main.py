@@ -62,6 +62,13 @@ def test_mesh_that_does_not_match_devices(tmp_path):
   assert_one_line_error(result, "mesh data=3 x fsdp=2 needs 6 devices, found 1")
 
 
+def test_packed_rows_too_short_for_the_prompts(tmp_path):
+  """Found while assembling the first batch (inside the data pipeline): one line, not grain's traceback."""
+  result = run_main("--config=configs/groot.py:runlocal,dataset=synthetic", "--config.model.packing.row_length=24",
+                    f"--workdir={tmp_path}")
+  assert_one_line_error(result, "> row_length 24", "config.model.packing.row_length")
+
+
 def test_missing_dataset_path(tmp_path):
   result = run_main("--config=configs/tiny.py:runlocal", "--config.data.path=/no/such/dataset",
                     f"--workdir={tmp_path}")

@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ejax.errors import BatchError
+
 DEFAULT_BUFFER_SIZE = 512  # samples per round: ~2 % padding on `vla_length_mix` in 1024-token rows
 
 
@@ -54,9 +56,9 @@ def _check_lengths(lengths: Sequence[int], row_length: int, first_index: int = 0
     raise ValueError(f"row_length must be positive, got {row_length}")
   for offset, length in enumerate(lengths):
     if length > row_length:
-      raise ValueError(
+      raise BatchError(
           f"sample {first_index + offset} has length {length} > row_length {row_length}: raise "
-          f"row_length (config data.packing.row_length) or truncate the sample before packing")
+          f"row_length (config.model.packing.row_length) or truncate the sample before packing")
     if length <= 0:
       raise ValueError(f"sample {first_index + offset} has length {length}; lengths must be >= 1")
 

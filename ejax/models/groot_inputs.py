@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ejax.data.packing import pack_sequences
+from ejax.errors import BatchError
 from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt, load_tokenizer
 
 IMAGE_PREFIX = "observation.images."
@@ -72,7 +73,7 @@ def _resize(image: np.ndarray, size: int) -> np.ndarray:
 
 def _pad_to(x: np.ndarray, size: int, axis: int, what: str) -> np.ndarray:
   if x.shape[axis] > size:
-    raise ValueError(f"{what} has {x.shape[axis]} dims > the model's maximum {size}: raise config.model.max_{what}_dim")
+    raise BatchError(f"{what} has {x.shape[axis]} dims > the model's maximum {size}: raise config.model.max_{what}_dim")
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, size - x.shape[axis])
   return np.pad(x, pad)
@@ -94,7 +95,7 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
     num_rows = n if num_rows is None else num_rows
     rows = [[i] for i in range(n)]
   if len(rows) > num_rows:
-    raise ValueError(f"{n} samples need {len(rows)} rows of {row_length} tokens but the batch has {num_rows}: "
+    raise BatchError(f"{n} samples need {len(rows)} rows of {row_length} tokens but the batch has {num_rows}: "
                      f"raise config.model.packing.row_length or lower packing.samples_per_row")
   tokens = np.zeros((num_rows, row_length), np.int32)
   segment_ids = np.zeros((num_rows, row_length), np.int32)
@@ -139,7 +140,7 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
       if value is not None:
         value = np.asarray(value, np.float32).reshape(-1)
         if value.shape[0] != aux_dim:
-          raise ValueError(f"the auxiliary state has {value.shape[0]} dims, config.model.aux_state_dim is {aux_dim}")
+          raise BatchError(f"the auxiliary state has {value.shape[0]} dims, config.model.aux_state_dim is {aux_dim}")
         batch["aux_state"][i], batch["aux_mask"][i] = value, 1.0
   return batch
 
@@ -157,7 +158,7 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
   c = model_config
   cameras = sorted(k for k in samples[0] if k.startswith(IMAGE_PREFIX))
   if len(cameras) != c.num_cameras:
-    raise ValueError(f"samples have {len(cameras)} cameras {cameras} but config.model.num_cameras={c.num_cameras}")
+    raise BatchError(f"samples have {len(cameras)} cameras {cameras} but config.model.num_cameras={c.num_cameras}")
   prompts, images, states, actions, masks, embodiments = [], [], [], [], [], []
   for sample in samples:
     task = str(sample["task"]) if "task" in sample else f"task {int(sample['task_index'])}"
@@ -165,13 +166,13 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     images += [_resize(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras]
     state = np.asarray(sample["observation.state"], np.float32)
     if c.get("aux_state_input", False) and state.shape[-1] > c.max_state_dim - c.aux_state_dim:
-      raise ValueError(f"model.aux_state_input puts the {c.aux_state_dim}-d estimate in the state's last slots: "
+      raise BatchError(f"model.aux_state_input puts the {c.aux_state_dim}-d estimate in the state's last slots: "
                        f"the {state.shape[-1]}-d state leaves no room in max_state_dim={c.max_state_dim} (raise it "
                        f"to {state.shape[-1] + c.aux_state_dim})")
     states.append(_pad_to(state, c.max_state_dim, 0, "state"))
     action = np.asarray(sample["action"], np.float32)
     if action.shape[0] != c.action_horizon:
-      raise ValueError(f"action chunk has {action.shape[0]} steps, the model's horizon is {c.action_horizon}")
+      raise BatchError(f"action chunk has {action.shape[0]} steps, the model's horizon is {c.action_horizon}")
     real_steps = 1.0 - np.asarray(sample.get("action_is_pad", np.zeros(action.shape[0])), np.float32)
     mask = np.zeros((c.action_horizon, c.max_action_dim), np.float32)
     mask[:, :action.shape[1]] = real_steps[:, None]

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ejax.data.packing import pack_sequences
+from ejax.errors import BatchError
 from ejax.models.paligemma_tokenizer import PaligemmaTokenizer
 
 IMAGE_PREFIX = "observation.images."
@@ -118,16 +119,16 @@ def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Seque
   else:
     for i, length in enumerate(lengths):
       if length > row_length:
-        raise ValueError(f"sample {i} has {length} prefix tokens > packing.row_length {row_length}")
+        raise BatchError(f"sample {i} has {length} prefix tokens > packing.row_length {row_length}")
     rows = [[i] for i in range(n)]
     num_rows = n if num_rows is None else num_rows
   if len(rows) > num_rows:
-    raise ValueError(f"{n} samples need {len(rows)} rows of {row_length} tokens but the batch has {num_rows}: "
+    raise BatchError(f"{n} samples need {len(rows)} rows of {row_length} tokens but the batch has {num_rows}: "
                      "raise config.model.packing.row_length or lower packing.samples_per_row")
   num_images = images_for(c, n) if num_images is None else num_images
   present = sum(len(imgs) for imgs in images)
   if present > num_images:
-    raise ValueError(f"{n} samples have {present} images but the batch has {num_images} image slots: raise "
+    raise BatchError(f"{n} samples have {present} images but the batch has {num_images} image slots: raise "
                      "config.model.packing.max_images_per_sample")
   size = c.vision.image_size
   image_array = np.zeros((num_images, size, size, 3), np.uint8)
@@ -182,7 +183,7 @@ def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Seque
 
 def _pad_to(x: np.ndarray, size: int, axis: int, what: str) -> np.ndarray:
   if x.shape[axis] > size:
-    raise ValueError(f"{what} has {x.shape[axis]} dims > the model's {size}: raise config.model.{what}")
+    raise BatchError(f"{what} has {x.shape[axis]} dims > the model's {size}: raise config.model.{what}")
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, size - x.shape[axis])
   return np.pad(x, pad)
@@ -203,7 +204,7 @@ def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *,
   for index, sample in enumerate(samples):
     cameras = present_cameras(sample)
     if len(cameras) > c.num_cameras:
-      raise ValueError(f"sample {index} has {len(cameras)} cameras {cameras} > config.model.num_cameras "
+      raise BatchError(f"sample {index} has {len(cameras)} cameras {cameras} > config.model.num_cameras "
                        f"{c.num_cameras}")
     state = _pad_to(np.asarray(sample["observation.state"], np.float32).reshape(-1), c.max_state_dim, 0,
                     "max_state_dim")
@@ -211,7 +212,7 @@ def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *,
     images.append([resize_with_pad(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras])
     action = np.asarray(sample["action"], np.float32)
     if action.shape[0] != c.action_horizon:
-      raise ValueError(f"sample {index}: action chunk has {action.shape[0]} steps, the model's horizon is "
+      raise BatchError(f"sample {index}: action chunk has {action.shape[0]} steps, the model's horizon is "
                        f"{c.action_horizon} (set the pipeline's action horizon to config.model.action_horizon)")
     real_steps = 1.0 - np.asarray(sample.get("action_is_pad", np.zeros(action.shape[0])), np.float32)
     mask = np.zeros((c.action_horizon, c.action_dim), np.float32)
