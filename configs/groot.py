@@ -21,8 +21,8 @@ configs/eval.py (by default on the tasks it was trained on, 20 unseen layouts ea
   python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/groot_runlocal/checkpoints
 What to expect (2026-11-25, 2 cores): ~9 min from a clean cache (recording ~1 min, then 100-130
 samples/s); the flow-matching loss falls from ~1.9 to ~0.35 and plateaus there; the eval command
-above (replanning every 2 steps) measures 18-33 % from run to run (95 % intervals ~+-9 points) over
-the five tasks (drawers 40-100 %, the lifts 0-5 %, the pick-and-place 0 %): the policy has not learnt
+above (replanning every 2 steps) measures 18-19 % over the five tasks in three runs (33 % on
+2026-11-24's code; drawers 40-55 %, the lifts and the pick-and-place 0 %): the policy has not learnt
 to find small objects in its 32 px images (it comes down nearest the instructed object in 20-45 % of
 the lifts; with the privileged object state as input the same recipe reaches 79 %). Issue 14 asks
 for >= 50 %; see the README's closed-loop section for what has been tried.
