@@ -61,12 +61,14 @@ def policy_observations(state, uses_privileged_state: bool) -> dict[str, np.ndar
   return obs
 
 
-def rollout(env, policy, rng: jax.Array, replan_every: int, video_envs: list[int]) -> tuple[np.ndarray, np.ndarray, dict]:
+def rollout(env, policy, rng: jax.Array, replan_every: int, video_envs: list[int],
+            observe=None) -> tuple[np.ndarray, np.ndarray, dict]:
   """One batch of episodes. -> (success [N] bool, episode length [N], {env index: frames [T, H, 2W, 3]}).
 
   The layouts come from env.reset(rng), exactly as ejax.sim.demos records a round: with the same
   seed, tasks and number of envs, evaluation replays the recorded layouts (the oracle and overfit
-  diagnostics rely on it; the default eval seed differs from the demos' so layouts are unseen)."""
+  diagnostics rely on it; the default eval seed differs from the demos' so layouts are unseen).
+  `observe(state)`, if given, sees every state an action is taken from (probes measure with it)."""
   state = env.reset(rng)
   frames = {i: [] for i in video_envs}
   lengths = np.full(env.num_envs, env.episode_length)
@@ -79,6 +81,8 @@ def rollout(env, policy, rng: jax.Array, replan_every: int, video_envs: list[int
         raise ValueError(f"policy.act returned {chunk.shape}; expected [num_envs={env.num_envs}, horizon, "
                          f"action_dim={env.action_size}]")
       position = 0
+    if observe is not None:
+      observe(state)
     done_before = np.asarray(state.done)
     for i in video_envs:
       if not done_before[i]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ejax.eval.evaluate import policy_observations
+from ejax.eval.evaluate import rollout
 from ejax.sim import control, scene
 from ejax.train.policy import IMAGE_PREFIX
 
@@ -78,16 +78,12 @@ def approach_errors(policy, env, rng: jax.Array, *, replan_every: int = 2) -> di
 
   `policy.act(obs, instructions, rng)` -> chunks [num_envs, horizon, 4], as the eval job calls it;
   `env` a BatchedEnv (native or MJX) with whatever cameras the policy needs."""
-  state = env.reset(rng)
   num_objects = len(scene.OBJECT_NAMES)
   nearest = np.full((env.num_envs, num_objects), np.inf)   # min x, y distance to each object while low
   min_target = np.full(env.num_envs, np.inf)
-  chunk, position = None, 0
-  for t in range(env.episode_length):
-    if chunk is None or position >= min(replan_every, chunk.shape[1]):
-      obs = policy_observations(state, getattr(policy, "uses_privileged_state", False))
-      chunk = np.asarray(policy.act(obs, env.instructions, jax.random.fold_in(rng, t + 1)), np.float32)
-      position = 0
+  target = np.zeros(env.num_envs, np.int64)
+
+  def observe(state):
     live = ~np.asarray(state.done)
     data = state.data
     qpos = np.asarray(jax.device_get(data["qpos"] if isinstance(data, dict) else data.qpos))
@@ -95,17 +91,12 @@ def approach_errors(policy, env, rng: jax.Array, *, replan_every: int = 2) -> di
     objects = np.stack([control.graspable_positions(q)[:num_objects] for q in qpos])      # [n, 4, 3]
     distance = np.linalg.norm(objects[:, :, :2] - tcp[:, None, :2], axis=-1)
     low = live & (tcp[:, 2] < objects[:, :, 2].max(axis=1) + LOW_ABOVE_OBJECTS)
-    nearest = np.where(low[:, None], np.minimum(nearest, distance), nearest)
-    target = np.asarray(jax.device_get(state.info["target"]))
-    on_object = target < num_objects
+    nearest[...] = np.where(low[:, None], np.minimum(nearest, distance), nearest)
+    target[...] = np.asarray(jax.device_get(state.info["target"]))
     own = distance[np.arange(env.num_envs), np.minimum(target, num_objects - 1)]
-    min_target = np.where(live & on_object, np.minimum(min_target, own), min_target)
-    state = env.step(state, chunk[:, position])
-    position += 1
-    if np.asarray(state.done).all():
-      break
-  success = np.asarray(state.success)
-  target = np.asarray(jax.device_get(state.info["target"]))
+    min_target[...] = np.where(live & (target < num_objects), np.minimum(min_target, own), min_target)
+
+  success, _, _ = rollout(env, policy, rng, replan_every, [], observe=observe)
   result = {}
   for name in sorted(set(env.env_tasks)):
     members = np.flatnonzero((np.asarray(env.env_tasks) == name) & (target < num_objects))
