@@ -43,13 +43,13 @@ def test_two_processes_train_identically_and_checkpoint(tmp_path):
           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
   outputs = []
-  for process in processes:
-    try:
-      out, _ = process.communicate(timeout=540)
-    finally:
-      for p in processes:
+  try:
+    for process in processes:
+      outputs.append(process.communicate(timeout=540)[0])
+  finally:  # only a timeout or an error leaves a process behind; a finished one is not killed mid-exit
+    for p in processes:
+      if p.poll() is None:
         p.kill()
-    outputs.append(out)
   for i, (process, out) in enumerate(zip(processes, outputs)):
     assert process.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
 
