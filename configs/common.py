@@ -114,6 +114,9 @@ def demo_settings() -> dict:
                               # approach (clean corrective chunks; ejax/sim/demos.py record_round)
       keep_failures=False,
       video_codec="h264",
+      video_lossless=True,    # h264 yuv444p at crf 0: the frames the policy trains on are the ones the
+                              # simulator renders at evaluation (LeRobot's yuv420p halves the colour
+                              # resolution: a 3-pixel block's colour smears; ejax/data/video.py)
       seed=0,
   )
 

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from ejax.data import lerobot_format as fmt
 from ejax.data import stats_math
-from ejax.data.video import DEFAULT_GOP_SIZE, VideoEncoder
+from ejax.data.video import DEFAULT_GOP_SIZE, VideoEncoder, pixel_format
 
 
 class _LeRobotWriter:
@@ -37,11 +37,12 @@ class _LeRobotWriter:
 
   def __init__(self, root: str, *, fps: int, features: Mapping[str, Mapping[str, Any]],
                robot_type: str, video_codec: str = "h264", gop_size: int = DEFAULT_GOP_SIZE,
-               video_tune: str | None = "default"):
+               video_tune: str | None = "default", video_lossless: bool = False):
     if os.path.exists(os.path.join(root, "meta", "info.json")):
       raise FileExistsError(f"{root} already holds a LeRobot dataset: write to a new directory")
     self.root, self.fps, self.robot_type = root, int(fps), robot_type
     self.video_codec, self.gop_size, self.video_tune = video_codec, gop_size, video_tune
+    self.video_lossless = bool(video_lossless)
     self.features: dict[str, dict[str, Any]] = {}
     for key, feature in features.items():
       feature = copy.deepcopy(dict(feature))
@@ -61,7 +62,7 @@ class _LeRobotWriter:
       if feature["dtype"] == "video":
         feature["info"] = {
             "video.height": height, "video.width": width, "video.codec": video_codec,
-            "video.pix_fmt": "yuv420p", "video.is_depth_map": False, "video.fps": self.fps,
+            "video.pix_fmt": pixel_format(self.video_lossless), "video.is_depth_map": False, "video.fps": self.fps,
             "video.channels": 3, "has_audio": False}
       self.features[key] = feature
     self.features.update(copy.deepcopy(fmt.INDEX_FEATURES))
@@ -144,10 +145,10 @@ class LeRobotV3Writer(_LeRobotWriter):
 
   def __init__(self, root: str, *, fps: int, features, robot_type: str,
                video_codec: str = "h264", gop_size: int = DEFAULT_GOP_SIZE,
-               video_tune: str | None = "default", data_files_size_in_mb: float = 100,
-               video_files_size_in_mb: float = 200):
-    super().__init__(root, fps=fps, features=features, robot_type=robot_type,
-                     video_codec=video_codec, gop_size=gop_size, video_tune=video_tune)
+               video_tune: str | None = "default", video_lossless: bool = False,
+               data_files_size_in_mb: float = 100, video_files_size_in_mb: float = 200):
+    super().__init__(root, fps=fps, features=features, robot_type=robot_type, video_codec=video_codec,
+                     gop_size=gop_size, video_tune=video_tune, video_lossless=video_lossless)
     self.data_files_size_in_mb = data_files_size_in_mb
     self.video_files_size_in_mb = video_files_size_in_mb
     self._data_file_number = 0
@@ -168,7 +169,8 @@ class LeRobotV3Writer(_LeRobotWriter):
           video_key=key, chunk_index=chunk, file_index=file))
       height, width, _ = self.features[key]["shape"]
       encoder = VideoEncoder(path, fps=self.fps, height=height, width=width,
-                             codec=self.video_codec, gop_size=self.gop_size, tune=self.video_tune)
+                             codec=self.video_codec, gop_size=self.gop_size, tune=self.video_tune,
+                             lossless=self.video_lossless)
       self._encoders[key] = encoder
     return encoder
 
@@ -247,9 +249,9 @@ class LeRobotV21Writer(_LeRobotWriter):
 
   def __init__(self, root: str, *, fps: int, features, robot_type: str,
                video_codec: str = "h264", gop_size: int = DEFAULT_GOP_SIZE,
-               video_tune: str | None = "default"):
-    super().__init__(root, fps=fps, features=features, robot_type=robot_type,
-                     video_codec=video_codec, gop_size=gop_size, video_tune=video_tune)
+               video_tune: str | None = "default", video_lossless: bool = False):
+    super().__init__(root, fps=fps, features=features, robot_type=robot_type, video_codec=video_codec,
+                     gop_size=gop_size, video_tune=video_tune, video_lossless=video_lossless)
     self._episodes: list[dict[str, Any]] = []
 
   def add_episode(self, frames: Mapping[str, np.ndarray], task: str) -> int:
@@ -266,7 +268,7 @@ class LeRobotV21Writer(_LeRobotWriter):
       encoder = VideoEncoder(os.path.join(self.root, fmt.V21_VIDEO_PATH.format(
           episode_chunk=chunk, video_key=key, episode_index=episode_index)),
           fps=self.fps, height=height, width=width, codec=self.video_codec,
-          gop_size=self.gop_size, tune=self.video_tune)
+          gop_size=self.gop_size, tune=self.video_tune, lossless=self.video_lossless)
       encoder.write(np.asarray(frames[key]))
       encoder.close()
     self.episode_stats.append(self._stats(frames, columns))

@@ -92,6 +92,18 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # aux_state_dim slots (which must be padding): a state estimator read from the images, trained by
   # the auxiliary target, that the policy acts on at inference too.
   c.aux_state_input = False
+  # With aux_state_input: train the action head on the target itself (plus Gaussian noise of this std,
+  # in normalised units, about the estimate's error) wherever a sample has one, and the estimator only
+  # through its own loss (stop-gradient); at inference the estimate takes the target's place. A head
+  # trained on a jointly trained estimate learns early, while it is noise, to ignore those slots.
+  c.aux_teacher_forcing = False
+  c.aux_teacher_noise = 0.1
+  # > 0 (with the target on): that many spatial-softmax keypoints per image (connector.PixelKeypoints
+  # on 2x2 pixel patches, coordinates only) that the auxiliary head reads directly beside the pooled VL
+  # tokens, so the estimate is trained straight from the pixels (a colour detector that moves with the
+  # object) instead of only through a from-scratch tower, LLM and VL transformer.
+  c.aux_keypoints = 0
+  c.aux_keypoint_width = 256
   # Which entries of the (normalised) state vector the action head reads; the others are zeroed (the
   # dataset's mean). (): all. A policy that reads the arm's pose can replay its demonstrations' paths
   # from proprioception alone and never learn to look (causal confusion); reading only the gripper
@@ -189,22 +201,44 @@ class GrootActionHead(nnx.Module):
     normal = nnx.initializers.normal(0.02)
     self.future_tokens = layers.make_param(rngs, normal, (config.num_future_tokens, width), (None, EMBED), param_dtype)
     self.position_embedding = layers.make_param(rngs, normal, (config.max_seq_len, width), (None, EMBED), param_dtype)
-    self.aux_state_head = self.aux_state_out = nnx.data(None)
+    self.aux_state_head = self.aux_state_out = self.aux_keypoints = self.aux_keypoint_in = nnx.data(None)
+    self.aux_state_mid = nnx.data(None)
     if config.get("aux_state_dim", 0):
       self.aux_state_head = layers.Dense(vl_width, config.hidden_size, axes=(EMBED, MLP), **common)
       self.aux_state_out = layers.Dense(config.hidden_size, config.aux_state_dim, axes=(MLP, None), **common)
+      if config.get("aux_keypoints", 0) and config.num_cameras:
+        # A keypoint readout needs depth and width: which keypoint (by instruction) and the camera's
+        # projection (pixel -> world) are both non-linear. Two hidden layers of aux_keypoint_width.
+        width = config.get("aux_keypoint_width", 256)
+        self.aux_keypoints = PixelKeypoints(config.aux_keypoints, 0, pixel_patch=2, **common)
+        self.aux_state_head = layers.Dense(vl_width, width, axes=(EMBED, MLP), **common)
+        self.aux_keypoint_in = layers.Dense(config.num_cameras * config.aux_keypoints * 3, width,
+                                            axes=(None, MLP), **common)
+        self.aux_state_mid = layers.Dense(width, width, axes=(MLP, None), **common)
+        self.aux_state_out = layers.Dense(width, config.aux_state_dim, axes=(None, None), **common)
     self.dtype = dtype
 
   def encode_vl(self, features: jax.Array, segment_ids: jax.Array, rng=None) -> jax.Array:
     return self.vl_self_attention(self.vlln(features), segment_ids, rng)
 
-  def aux_state(self, vl: jax.Array, batch) -> jax.Array:
+  def aux_state(self, vl: jax.Array, batch, instruction: jax.Array | None = None) -> jax.Array:
     """The auxiliary state prediction [n, aux_state_dim] from the mean of each sample's VL tokens: a
-    pooled readout, so the tokens the DiT attends to must carry where things are in their content."""
+    pooled readout, so the tokens the DiT attends to must carry where things are in their content.
+    With aux_keypoints: from the keypoints and `instruction` [n, vl width] (the sample's pooled text
+    embeddings, Groot.aux_estimate) instead: the VL tokens also carry the vision tower's features,
+    which memorise the demonstrations' layouts and would let the estimate do the same."""
     rows = sample_rows(batch, xp=jnp)
-    mask = (batch["vl_segment_ids"][rows] == batch["sample_segment"][:, None]).astype(vl.dtype)   # [n, L]
-    pooled = jnp.einsum("nl,nld->nd", mask, vl[rows]) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
-    return self.aux_state_out(jax.nn.gelu(self.aux_state_head(pooled))).astype(jnp.float32)
+    if self.aux_keypoints is not None:
+      hidden = self.aux_state_head(instruction.astype(self.dtype))
+    else:
+      mask = (batch["vl_segment_ids"][rows] == batch["sample_segment"][:, None]).astype(vl.dtype)   # [n, L]
+      pooled = jnp.einsum("nl,nld->nd", mask, vl[rows]) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+      hidden = self.aux_state_head(pooled)
+    if self.aux_keypoints is not None:  # every camera's keypoints of the sample, flat
+      points = self.aux_keypoints.summary(normalize_images(batch["images"], self.dtype))
+      hidden = hidden + self.aux_keypoint_in(points.reshape(rows.shape[0], -1).astype(hidden.dtype))
+      hidden = self.aux_state_mid(jax.nn.gelu(hidden))
+    return self.aux_state_out(jax.nn.gelu(hidden)).astype(jnp.float32)
 
   def velocity(self, noisy_actions, timestep_buckets, state_tokens, vl, batch, rng=None) -> jax.Array:
     """Predicted velocity (action - noise) [n, horizon, max_action_dim]."""
@@ -242,9 +276,30 @@ class Groot(nnx.Module):
       state = jnp.where(keep, state, 0)
     if self.config.get("aux_state_input", False):
       # The estimate rides in the state's last aux_state_dim slots (zero padding; the collate checks).
-      state = state.at[:, -self.config.aux_state_dim:].add(self.action_head.aux_state(vl, batch).astype(state.dtype))
+      estimate = self.aux_estimate(vl, batch)
+      if self.config.get("aux_teacher_forcing", False):
+        estimate = jax.lax.stop_gradient(estimate)
+        if "aux_state" in batch:
+          target = jnp.asarray(batch["aux_state"], jnp.float32)
+          if rng is not None:
+            target = target + self.config.aux_teacher_noise * jax.random.normal(jax.random.fold_in(rng, 7), target.shape)
+          estimate = jnp.where(jnp.asarray(batch["aux_mask"])[:, None] > 0, target, estimate)
+      state = state.at[:, -self.config.aux_state_dim:].add(estimate.astype(state.dtype))
     state_tokens = self.action_head.state_encoder(state[:, None, :], batch["embodiment_id"])
     return vl, state_tokens
+
+  def aux_estimate(self, vl: jax.Array, batch) -> jax.Array:
+    """The auxiliary head's estimate [n, aux_state_dim]; with aux_keypoints it reads the instruction
+    as the mean of the sample's text-token embeddings (no image content)."""
+    instruction = None
+    if self.action_head.aux_keypoints is not None:
+      rows = sample_rows(batch, xp=jnp)
+      tokens = batch["vl_tokens"][rows]
+      mask = ((batch["vl_segment_ids"][rows] == batch["sample_segment"][:, None])
+              & (tokens != self.backbone.image_token_id)).astype(jnp.float32)
+      embedded = self.backbone.llm.embed(tokens).astype(jnp.float32)
+      instruction = jnp.einsum("nl,nld->nd", mask, embedded) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+    return self.action_head.aux_state(vl, batch, instruction)
 
   def velocity_fn(self, batch, *, vl=None, state_tokens=None):
     """velocity_fn(x [n, horizon, dim], t [n]) in the GR00T convention, for ejax.models.flow."""
@@ -277,7 +332,7 @@ class Groot(nnx.Module):
     loss = jnp.sum(squared) / jnp.maximum(jnp.sum(per_sample_mask), 1.0)
     metrics = {"per_sample_loss": per_sample_loss, "flow_loss": loss}
     if self.action_head.aux_state_head is not None:
-      aux_error = jnp.mean(jnp.square(self.action_head.aux_state(vl, batch) - batch["aux_state"]), axis=-1)
+      aux_error = jnp.mean(jnp.square(self.aux_estimate(vl, batch) - batch["aux_state"]), axis=-1)
       aux_mask = batch["aux_mask"].astype(jnp.float32)
       metrics["aux_state_loss"] = jnp.sum(aux_error * aux_mask) / jnp.maximum(jnp.sum(aux_mask), 1.0)
       loss = loss + self.config.aux_loss_weight * metrics["aux_state_loss"]

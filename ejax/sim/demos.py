@@ -136,7 +136,7 @@ def record(cfg, root: str) -> dict:
   env = make_batched(task_names, envs_per_task * len(task_names), backend=cfg.backend, cameras=True,
                      image_size=image_size)
   writer = LeRobotV3Writer(root, fps=env.control_hz, features=dataset_features(image_size), robot_type=ROBOT_TYPE,
-                           video_codec=cfg.video_codec)
+                           video_codec=cfg.video_codec, video_lossless=bool(cfg.get("video_lossless", False)))
   rounds = -(-int(cfg.episodes_per_task) // envs_per_task)
   written = {name: 0 for name in task_names}
   attempted = {name: 0 for name in task_names}

@@ -90,6 +90,9 @@ class CheckpointPolicy:
   def _samples(self, obs: dict[str, np.ndarray], instructions: list[str]) -> list[dict[str, Any]]:
     image_size = self.data.get("image_size")
     cameras = self.data.get("cameras")
+    # A training-only target (data.aux_state_key, e.g. ejax.sim's privileged object state, which the
+    # simulator's observations carry) never reaches the model at inference: it acts on its estimate.
+    hidden = {self.state_key, self.data.get("aux_state_key", None)}
     samples = []
     for i, instruction in enumerate(instructions):
       state = np.asarray(obs[self.state_key][i], np.float32)
@@ -107,7 +110,7 @@ class CheckpointPolicy:
           if not cameras or key[len(IMAGE_PREFIX):] in cameras or key in cameras:
             image = np.asarray(values[i])
             sample[key] = transforms.resize(image, tuple(image_size)) if image_size else image
-        elif key != self.state_key and not key.startswith("privileged."):
+        elif key not in hidden and not key.startswith("privileged."):
           sample[key] = np.asarray(values[i])  # e.g. task_index, for models conditioned on it
       samples.append(sample)
     return samples

@@ -57,3 +57,27 @@ def test_resize_during_conversion(video):
   path, _ = video
   image = VideoReaderCache().read(path, [1.0], tolerance_s=1e-4, size=(12, 16))[0]
   assert image.shape == (12, 16, 3) and _frame_number(image) == 10
+
+
+def test_lossless_video_keeps_small_coloured_objects(tmp_path):
+  """LeRobot's yuv420p halves the colour resolution: a 3x3 green square on a brown table comes back
+  smeared by tens of levels; lossless (yuv444p, crf 0) within a few levels of RGB <-> YUV rounding."""
+  rng = np.random.default_rng(0)
+  frames = np.empty((6, 32, 32, 3), np.uint8)
+  frames[:] = (150, 110, 70)
+  squares = []
+  for t in range(6):
+    top, left = rng.integers(2, 27, size=2)
+    frames[t, top:top + 3, left:left + 3] = (30, 165, 50)
+    squares.append((t, slice(top, top + 3), slice(left, left + 3)))
+  errors = {}
+  for lossless in (False, True):
+    path = str(tmp_path / f"clip_{lossless}.mp4")
+    encoder = VideoEncoder(path, fps=FPS, height=32, width=32, lossless=lossless)
+    encoder.write(frames)
+    encoder.close()
+    decoded = VideoReaderCache().read(path, [t / FPS for t in range(6)], tolerance_s=1e-3)
+    errors[lossless] = max(np.abs(decoded[s].astype(int) - frames[s].astype(int)).mean() for s in squares)
+  assert errors[True] < 3 and errors[False] > 3 * errors[True], errors
+  with pytest.raises(ValueError, match="lossless video is h264 only"):
+    VideoEncoder(str(tmp_path / "x.mp4"), fps=FPS, height=32, width=32, codec="av1", lossless=True)

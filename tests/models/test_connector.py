@@ -1,10 +1,11 @@
 """Pixel keypoints (model.connector.keypoints): spatial-softmax tokens after the connector's."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ejax.models import groot, groot_inputs
+from ejax.models import groot, groot_inputs, layers
 from ejax.models.connector import KEYPOINT_HIDDEN, PixelKeypoints, pixel_grid
 
 
@@ -48,3 +49,55 @@ def test_keypoints_add_image_tokens_and_freeze_with_the_vision_tower():
   assert model.backbone.encode_images(batch).shape[1] == base + 8
   trainable = nnx.state(model, groot.trainable_filter(c))
   assert not [p for p, _ in nnx.to_flat_state(trainable) if "keypoints" in p]   # tune_visual=False
+
+
+def test_keypoints_on_pixel_patches_find_the_object_to_a_fraction_of_a_patch():
+  """pixel_patch=2: one dense layer over each 2x2 patch (space to depth), the softmax over the 16 x 16
+  patch grid; a green 3x3 square is still placed to within half a patch, coordinates only (no tokens)."""
+  keypoints = PixelKeypoints(1, 0, pixel_patch=2, rngs=nnx.Rngs(0))
+  assert keypoints.fc1 is None and keypoints.conv.shape == (1, 1, 12, KEYPOINT_HIDDEN)
+  conv = np.zeros((1, 1, 12, KEYPOINT_HIDDEN), np.float32)
+  conv[0, 0, 1::3, 0], conv[0, 0, 0::3, 0] = 1.0, -1.0   # hidden 0: green minus red, summed over the patch
+  keypoints.conv[...] = jnp.asarray(conv)
+  detectors = np.zeros((KEYPOINT_HIDDEN, 1), np.float32)
+  detectors[0, 0] = 10.0
+  keypoints.detectors.kernel[...] = jnp.asarray(detectors)
+  for top, left in ((2, 3), (20, 9), (11, 25)):
+    image = np.full((1, 32, 32, 3), -1.0, np.float32)
+    image[0, top:top + 3, left:left + 3] = (-1.0, 1.0, -1.0)
+    image[0, 28:31, 1:4] = (1.0, -1.0, -1.0)
+    coords, _ = keypoints.coordinates(jnp.asarray(image))
+    expected = pixel_grid(32, 32).reshape(32, 32, 2)[top + 1, left + 1]
+    np.testing.assert_allclose(coords[0, 0], expected, atol=1 / 16)    # half a 2-pixel patch
+    summary = np.asarray(keypoints.summary(jnp.asarray(image)))
+    assert summary.shape == (1, 3) and np.allclose(summary[0, :2], coords[0, 0])
+
+
+def test_auxiliary_keypoints_read_the_pixels_and_train_from_the_target():
+  """model.aux_keypoints: the auxiliary estimate reads a keypoint detector over each sample's images
+  directly, so its target's gradient reaches the detector (not only the VL path), and moving an image's
+  pixels moves that sample's estimate only."""
+  c = groot.model_config("runlocal")
+  c.update(num_cameras=2, aux_state_dim=3, aux_keypoints=4, tune_visual=True, tune_llm=True)
+  c.vision.update(depth=1, image_size=32)
+  c.llm.num_layers = 1
+  c.packing.row_length = 256
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  assert model.action_head.aux_keypoints.conv.shape == (1, 1, 12, KEYPOINT_HIDDEN)
+  batch = groot.example_batch(c, 2, seed=3)
+  labelled = dict(batch, aux_state=np.ones((2, 3), np.float32), aux_mask=np.ones(2, np.float32))
+  vl, _ = model.context(labelled)
+  before = np.asarray(model.aux_estimate(vl, labelled))
+  moved = dict(labelled, images=labelled["images"].copy())
+  moved["images"][3] = np.roll(moved["images"][3], 9, axis=1)          # sample 1's second camera
+  model.backbone.vision.patch_embedding.kernel[...] *= 0.0              # isolate the keypoint path
+  vl, _ = model.context(labelled)
+  vl_moved, _ = model.context(moved)
+  np.testing.assert_allclose(vl, vl_moved, atol=1e-6)
+  after, after_moved = (np.asarray(model.aux_estimate(v, b)) for v, b in ((vl, labelled), (vl_moved, moved)))
+  np.testing.assert_allclose(after[0], after_moved[0], rtol=1e-6)
+  assert np.abs(after[1] - after_moved[1]).max() > 1e-4
+  grads = nnx.grad(lambda m: m.compute_loss(labelled, jax.random.key(1), train=False)[1]["aux_state_loss"])(model)
+  assert float(jnp.abs(grads.action_head.aux_keypoints.detectors.kernel[...]).sum()) > 0
+  assert float(jnp.abs(grads.action_head.aux_keypoint_in.kernel[...]).sum()) > 0
+  assert before.shape == (2, 3)

@@ -232,6 +232,30 @@ def test_auxiliary_estimate_feeds_the_state_token_when_asked():
     collate([dict(sample, **{"observation.state": np.zeros(c.max_state_dim, np.float32)})])
 
 
+def test_teacher_forcing_trains_the_head_on_the_target_and_acts_on_the_estimate():
+  """aux_teacher_forcing: where a sample has a target the state slots hold it (noised only when a
+  dropout rng is given); without one (inference) the estimate; the flow loss never trains the estimator."""
+  c = tiny_config()
+  c.update(aux_state_dim=2, aux_state_input=True, aux_teacher_forcing=True, tune_visual=True, tune_llm=True)
+  c.vl_transformer.dropout = 0.0  # so that a dropout rng changes only the noise
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 4, seed=3)
+  batch["state"][:, -2:] = 0.0
+  target = np.arange(8, dtype=np.float32).reshape(4, 2) / 8
+  labelled = dict(batch, aux_state=target, aux_mask=np.array([1, 0, 1, 1], np.float32))
+  vl, fed = model.context(labelled)
+  estimate = np.asarray(model.action_head.aux_state(vl, labelled))
+  manual = batch["state"].copy()
+  manual[:, -2:] = np.where(labelled["aux_mask"][:, None] > 0, target, estimate)
+  expected = model.action_head.state_encoder(jnp.asarray(manual)[:, None, :], batch["embodiment_id"])
+  np.testing.assert_allclose(fed, expected, rtol=1e-5, atol=1e-6)
+  _, noised = model.context(labelled, jax.random.key(4))
+  assert not np.allclose(noised[0], fed[0]) and np.allclose(noised[1], fed[1], atol=1e-6)
+  grads = nnx.grad(lambda m: m.compute_loss(labelled, jax.random.key(1), train=False)[1]["flow_loss"])(model)
+  assert float(jnp.abs(grads.action_head.aux_state_out.kernel[...]).sum()) == 0
+  assert float(jnp.abs(grads.action_head.state_encoder.layer1.W[...]).sum()) > 0
+
+
 def test_state_dims_hide_the_other_state_entries_from_the_action_head():
   c = tiny_config()
   model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)

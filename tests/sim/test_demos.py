@@ -44,6 +44,9 @@ def test_demos_job_writes_a_lerobot_v3_dataset(recorded):
   assert object_state.shape == (table.num_rows, 7) and set(np.unique(object_state[:, 6])) <= {0.0, 1.0}
   assert np.any(object_state[:, 6] == 1.0), "the expert holds its target in some frames"
   assert len(list(root.glob("videos/observation.images.wrist/*/*.mp4"))) == 1
+  # Full-resolution colour, lossless (demo_settings' video_lossless): the frames the policy trains on
+  # are the simulator's renders, as at evaluation.
+  assert info["features"]["observation.images.wrist"]["info"]["video.pix_fmt"] == "yuv444p"
   summary = json.loads((tmp_path / "demos_summary.json").read_text())
   assert set(summary["expert_success_rate"].values()) == {1.0}
   # Episodes end where the expert succeeded, well before the time limits (40-60 steps).
