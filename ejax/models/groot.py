@@ -202,7 +202,7 @@ class GrootActionHead(nnx.Module):
     self.future_tokens = layers.make_param(rngs, normal, (config.num_future_tokens, width), (None, EMBED), param_dtype)
     self.position_embedding = layers.make_param(rngs, normal, (config.max_seq_len, width), (None, EMBED), param_dtype)
     self.aux_state_head = self.aux_state_out = self.aux_keypoints = self.aux_keypoint_in = nnx.data(None)
-    self.aux_state_mid = nnx.data(None)
+    self.aux_state_mid = self.aux_proprio_in = nnx.data(None)
     if config.get("aux_state_dim", 0):
       self.aux_state_head = layers.Dense(vl_width, config.hidden_size, axes=(EMBED, MLP), **common)
       self.aux_state_out = layers.Dense(config.hidden_size, config.aux_state_dim, axes=(MLP, None), **common)
@@ -215,6 +215,8 @@ class GrootActionHead(nnx.Module):
         self.aux_keypoint_in = layers.Dense(config.num_cameras * config.aux_keypoints * 3, width,
                                             axes=(None, MLP), **common)
         self.aux_state_mid = layers.Dense(width, width, axes=(MLP, None), **common)
+        # and the arm's state: the wrist camera sees the object relative to the hand
+        self.aux_proprio_in = layers.Dense(config.max_state_dim, width, axes=(None, MLP), **common)
         self.aux_state_out = layers.Dense(width, config.aux_state_dim, axes=(None, None), **common)
     self.dtype = dtype
 
@@ -224,8 +226,8 @@ class GrootActionHead(nnx.Module):
   def aux_state(self, vl: jax.Array, batch, instruction: jax.Array | None = None) -> jax.Array:
     """The auxiliary state prediction [n, aux_state_dim] from the mean of each sample's VL tokens: a
     pooled readout, so the tokens the DiT attends to must carry where things are in their content.
-    With aux_keypoints: from the keypoints and `instruction` [n, vl width] (the sample's pooled text
-    embeddings, Groot.aux_estimate) instead: the VL tokens also carry the vision tower's features,
+    With aux_keypoints: from the keypoints, the state and `instruction` [n, vl width] (the sample's
+    pooled text embeddings, Groot.aux_estimate) instead: the VL tokens also carry the vision tower's features,
     which memorise the demonstrations' layouts and would let the estimate do the same."""
     rows = sample_rows(batch, xp=jnp)
     if self.aux_keypoints is not None:
@@ -237,6 +239,8 @@ class GrootActionHead(nnx.Module):
     if self.aux_keypoints is not None:  # every camera's keypoints of the sample, flat
       points = self.aux_keypoints.summary(normalize_images(batch["images"], self.dtype))
       hidden = hidden + self.aux_keypoint_in(points.reshape(rows.shape[0], -1).astype(hidden.dtype))
+      # The state as the batch has it (its aux_state_dim last slots are still zero padding here).
+      hidden = hidden + self.aux_proprio_in(jnp.asarray(batch["state"]).astype(hidden.dtype))
       hidden = self.aux_state_mid(jax.nn.gelu(hidden))
     return self.aux_state_out(jax.nn.gelu(hidden)).astype(jnp.float32)
 

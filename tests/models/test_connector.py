@@ -101,3 +101,6 @@ def test_auxiliary_keypoints_read_the_pixels_and_train_from_the_target():
   assert float(jnp.abs(grads.action_head.aux_keypoints.detectors.kernel[...]).sum()) > 0
   assert float(jnp.abs(grads.action_head.aux_keypoint_in.kernel[...]).sum()) > 0
   assert before.shape == (2, 3)
+  # The arm's state is an input too (the wrist camera sees the object relative to the hand).
+  shifted = dict(labelled, state=labelled["state"] + np.eye(c.max_state_dim, dtype=np.float32)[0])
+  assert np.abs(np.asarray(model.aux_estimate(vl, shifted)) - after).max() > 1e-4
