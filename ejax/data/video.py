@@ -41,7 +41,7 @@ class VideoEncoder:
   `tune`: "default" picks DEFAULT_TUNE for the codec; None encodes with the codec's defaults.
   `lossless` (h264 only): full-resolution colour (yuv444p) at crf 0, instead of LeRobot's yuv420p at
   crf 23, which halves the colour resolution: a 3-pixel object in a 64 px frame comes back with its
-  colour smeared by ~17 levels on average (up to ~100), against ~0.4 lossless (PIXEL_FORMATS).
+  colour smeared by ~17 levels on average (up to ~100), against ~0.4 lossless (pixel_format).
   """
 
   def __init__(self, path: str, *, fps: int, height: int, width: int, codec: str = "h264",

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from ejax.models import layers
+from ejax.models.siglip import patchify
 from ejax.parallel.axes import EMBED, MLP
 
 
@@ -91,15 +92,6 @@ def pixel_grid(height: int, width: int) -> np.ndarray:
   return np.stack([x.reshape(-1), y.reshape(-1)], -1).astype(np.float32)
 
 
-def space_to_depth(images: jax.Array, patch: int) -> jax.Array:
-  """[n, H, W, C] -> [n, H / patch, W / patch, patch * patch * C] (pixels (py, px, c) in each patch)."""
-  n, h, w, c = images.shape
-  if h % patch or w % patch:
-    raise ValueError(f"pixel keypoints on {patch}x{patch} patches need images divisible by {patch}, got {h}x{w}")
-  x = images.reshape(n, h // patch, patch, w // patch, patch, c).transpose(0, 1, 3, 2, 4, 5)
-  return x.reshape(n, h // patch, w // patch, patch * patch * c)
-
-
 class PixelKeypoints(nnx.Module):
   """images [n, H, W, 3] in [-1, 1] -> K keypoint tokens [n, K, d_llm]."""
 
@@ -132,10 +124,9 @@ class PixelKeypoints(nnx.Module):
       x = jax.lax.conv_general_dilated(images, self.conv[...].astype(self.dtype), (1, 1), ((1, 1), (1, 1)),
                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
     else:
-      x = jnp.einsum("nhwc,cd->nhwd", space_to_depth(images, self.pixel_patch), self.conv[0, 0].astype(self.dtype))
+      x = jnp.einsum("npc,cd->npd", patchify(images, self.pixel_patch), self.conv[0, 0].astype(self.dtype))
     x = jax.nn.gelu(x + self.conv_bias[...].astype(self.dtype))
-    n, h, w, c = x.shape
-    return self.detectors(x.reshape(n, h * w, c)).astype(jnp.float32)
+    return self.detectors(x.reshape(x.shape[0], -1, x.shape[-1])).astype(jnp.float32)
 
   def coordinates(self, images: jax.Array) -> tuple[jax.Array, jax.Array]:
     """-> (expected (x, y) in [-1, 1] [n, K, 2], strength [n, K]: log mean exp of the logits)."""

@@ -99,9 +99,10 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.aux_teacher_forcing = False
   c.aux_teacher_noise = 0.1
   # > 0 (with the target on): that many spatial-softmax keypoints per image (connector.PixelKeypoints
-  # on 2x2 pixel patches, coordinates only) that the auxiliary head reads directly beside the pooled VL
-  # tokens, so the estimate is trained straight from the pixels (a colour detector that moves with the
-  # object) instead of only through a from-scratch tower, LLM and VL transformer.
+  # on 2x2 pixel patches, coordinates only) that the auxiliary head reads, with the instruction's text
+  # embeddings and the state, instead of the pooled VL tokens: the estimate is trained straight from
+  # the pixels (a colour detector that moves with the object), not through a from-scratch tower that
+  # memorises the demonstrations' layouts. Two hidden layers of aux_keypoint_width.
   c.aux_keypoints = 0
   c.aux_keypoint_width = 256
   # Which entries of the (normalised) state vector the action head reads; the others are zeroed (the
@@ -203,21 +204,21 @@ class GrootActionHead(nnx.Module):
     self.position_embedding = layers.make_param(rngs, normal, (config.max_seq_len, width), (None, EMBED), param_dtype)
     self.aux_state_head = self.aux_state_out = self.aux_keypoints = self.aux_keypoint_in = nnx.data(None)
     self.aux_state_mid = self.aux_proprio_in = nnx.data(None)
-    if config.get("aux_state_dim", 0):
+    if config.get("aux_state_dim", 0) and config.get("aux_keypoints", 0) and config.num_cameras:
+      # A keypoint readout needs depth and width: which keypoint (by instruction) and the camera's
+      # projection (pixel -> world) are both non-linear. Two hidden layers of aux_keypoint_width.
+      width = config.get("aux_keypoint_width", 256)
+      self.aux_keypoints = PixelKeypoints(config.aux_keypoints, 0, pixel_patch=2, **common)
+      self.aux_state_head = layers.Dense(vl_width, width, axes=(EMBED, MLP), **common)
+      self.aux_keypoint_in = layers.Dense(config.num_cameras * config.aux_keypoints * 3, width,
+                                          axes=(None, MLP), **common)
+      # and the arm's state: the wrist camera sees the object relative to the hand
+      self.aux_proprio_in = layers.Dense(config.max_state_dim, width, axes=(None, MLP), **common)
+      self.aux_state_mid = layers.Dense(width, width, axes=(MLP, None), **common)
+      self.aux_state_out = layers.Dense(width, config.aux_state_dim, axes=(None, None), **common)
+    elif config.get("aux_state_dim", 0):
       self.aux_state_head = layers.Dense(vl_width, config.hidden_size, axes=(EMBED, MLP), **common)
       self.aux_state_out = layers.Dense(config.hidden_size, config.aux_state_dim, axes=(MLP, None), **common)
-      if config.get("aux_keypoints", 0) and config.num_cameras:
-        # A keypoint readout needs depth and width: which keypoint (by instruction) and the camera's
-        # projection (pixel -> world) are both non-linear. Two hidden layers of aux_keypoint_width.
-        width = config.get("aux_keypoint_width", 256)
-        self.aux_keypoints = PixelKeypoints(config.aux_keypoints, 0, pixel_patch=2, **common)
-        self.aux_state_head = layers.Dense(vl_width, width, axes=(EMBED, MLP), **common)
-        self.aux_keypoint_in = layers.Dense(config.num_cameras * config.aux_keypoints * 3, width,
-                                            axes=(None, MLP), **common)
-        self.aux_state_mid = layers.Dense(width, width, axes=(MLP, None), **common)
-        # and the arm's state: the wrist camera sees the object relative to the hand
-        self.aux_proprio_in = layers.Dense(config.max_state_dim, width, axes=(None, MLP), **common)
-        self.aux_state_out = layers.Dense(width, config.aux_state_dim, axes=(None, None), **common)
     self.dtype = dtype
 
   def encode_vl(self, features: jax.Array, segment_ids: jax.Array, rng=None) -> jax.Array:
@@ -230,18 +231,16 @@ class GrootActionHead(nnx.Module):
     pooled text embeddings, Groot.aux_estimate) instead: the VL tokens also carry the vision tower's features,
     which memorise the demonstrations' layouts and would let the estimate do the same."""
     rows = sample_rows(batch, xp=jnp)
-    if self.aux_keypoints is not None:
-      hidden = self.aux_state_head(instruction.astype(self.dtype))
-    else:
+    if self.aux_keypoints is None:
       mask = (batch["vl_segment_ids"][rows] == batch["sample_segment"][:, None]).astype(vl.dtype)   # [n, L]
       pooled = jnp.einsum("nl,nld->nd", mask, vl[rows]) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
-      hidden = self.aux_state_head(pooled)
-    if self.aux_keypoints is not None:  # every camera's keypoints of the sample, flat
-      points = self.aux_keypoints.summary(normalize_images(batch["images"], self.dtype))
-      hidden = hidden + self.aux_keypoint_in(points.reshape(rows.shape[0], -1).astype(hidden.dtype))
-      # The state as the batch has it (its aux_state_dim last slots are still zero padding here).
-      hidden = hidden + self.aux_proprio_in(jnp.asarray(batch["state"]).astype(hidden.dtype))
-      hidden = self.aux_state_mid(jax.nn.gelu(hidden))
+      return self.aux_state_out(jax.nn.gelu(self.aux_state_head(pooled))).astype(jnp.float32)
+    points = self.aux_keypoints.summary(normalize_images(batch["images"], self.dtype))  # per image
+    hidden = (self.aux_state_head(instruction.astype(self.dtype))
+              + self.aux_keypoint_in(points.reshape(rows.shape[0], -1).astype(self.dtype))   # per sample
+              # the state as the batch has it (its aux_state_dim last slots are still zero padding)
+              + self.aux_proprio_in(jnp.asarray(batch["state"]).astype(self.dtype)))
+    hidden = self.aux_state_mid(jax.nn.gelu(hidden))
     return self.aux_state_out(jax.nn.gelu(hidden)).astype(jnp.float32)
 
   def velocity(self, noisy_actions, timestep_buckets, state_tokens, vl, batch, rng=None) -> jax.Array:
