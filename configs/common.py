@@ -154,6 +154,8 @@ def data_defaults() -> ConfigDict:
       state_key="observation.state",
       action_key="action",
       aux_state_key=placeholder(str),  # a per-frame vector for a model's training-only auxiliary target
+      aux_pixel_key=placeholder(str),  # a per-frame vector of image keypoint labels, read as it is (not
+                                       # normalised): e.g. ejax.sim's observation.environment_pixels
       embodiment_id=0,                # an int, or {robot_type: id}
       tolerance_s=1e-4,               # video frame timestamp tolerance
       shuffle=True,

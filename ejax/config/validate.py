@@ -60,6 +60,11 @@ def validate(config: ConfigDict) -> None:
     raise ConfigError(f"model.aux_state_dim={model.aux_state_dim} trains an auxiliary target but data.aux_state_key "
                       "is unset: name the dataset feature (e.g. observation.environment_state) or set "
                       "model.aux_state_dim=0")
+  if (data is not None and model is not None and model.get("aux_heatmaps", 0) and not data.get("aux_pixel_key")
+      and config.job == "train"):
+    raise ConfigError(f"model.aux_heatmaps={model.aux_heatmaps} trains keypoint heatmaps but data.aux_pixel_key is "
+                      "unset: name the dataset's keypoint labels (e.g. observation.environment_pixels) or set "
+                      "model.aux_heatmaps=0")
   if data is not None and "skip_limit" in data:
     _positive(data, "skip_limit", "data")
   if data is not None and data.get("path") and data.get("name") != "sim_demos":  # sim_demos records there

@@ -41,7 +41,7 @@ class LeRobotSource(SampleSource):
   def __init__(self, root: str, *, horizon: int = 16, observation_offsets: Sequence[int] = (0,),
                cameras: Sequence[str] | None = None, image_size: tuple[int, int] | None = None,
                state_key: str = "observation.state", action_key: str = "action",
-               aux_keys: Sequence[str] = (), embodiment_id: int | Mapping[str, int] = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
+               aux_keys: Sequence[str] = (), raw_keys: Sequence[str] = (), embodiment_id: int | Mapping[str, int] = 0, tolerance_s: float = DEFAULT_TOLERANCE_S,
                on_bad_sample: str = "error", skip_limit: int = DEFAULT_SKIP_LIMIT, max_open_videos: int = 32):
     self._set_bad_sample_policy(on_bad_sample, skip_limit)
     self.meta: LeRobotMeta = read_meta(root)
@@ -51,6 +51,7 @@ class LeRobotSource(SampleSource):
     self.image_size = tuple(image_size) if image_size else None
     self.state_key, self.action_key = state_key, action_key
     self.aux_keys = tuple(aux_keys)  # per-frame vectors passed through as they are (e.g. training targets)
+    self.raw_keys = tuple(raw_keys)  # the same, but left out of the normalised columns (e.g. pixel labels)
     if set(self.aux_keys) & {state_key, action_key}:
       raise DataError(f"data.aux_state_key={self.aux_keys[0]!r} is the state or action key: name another feature",
                       path=root)
@@ -58,9 +59,10 @@ class LeRobotSource(SampleSource):
     self.max_open_videos = max_open_videos
     self.cameras = self._resolve_cameras(cameras)
     info_path = f"{self.meta.root}/meta/info.json"
-    for key in (state_key, action_key, *self.aux_keys):
+    for key in (state_key, action_key, *self.aux_keys, *self.raw_keys):
       if key not in self.meta.features:
-        setting = "data.aux_state_key" if key in self.aux_keys else "data.state_key / data.action_key"
+        setting = ("data.aux_state_key" if key in self.aux_keys else "data.aux_pixel_key" if key in self.raw_keys
+                   else "data.state_key / data.action_key")
         raise DataError(f"feature {key!r} is not declared in info.json (features: "
                         f"{sorted(self.meta.features)}); set {setting}", path=info_path)
     self._check_data_files()
@@ -120,7 +122,7 @@ class LeRobotSource(SampleSource):
     return self._columns
 
   def _wanted_columns(self) -> list[str]:
-    return [self.state_key, self.action_key, *self.aux_keys, "timestamp", "frame_index", "episode_index",
+    return [self.state_key, self.action_key, *self.aux_keys, *self.raw_keys, "timestamp", "frame_index", "episode_index",
             "index", "task_index"] + [k for k in self.cameras if k in self.meta.image_keys]
 
   def _check_data_files(self) -> None:
@@ -200,7 +202,7 @@ class LeRobotSource(SampleSource):
     one such frame stops the run at once (it would turn the loss and the norm stats into NaN);
     under "skip" the samples that read it are skipped."""
     bad: dict[int, str] = {}
-    for key in (self.state_key, self.action_key, *self.aux_keys):
+    for key in (self.state_key, self.action_key, *self.aux_keys, *self.raw_keys):
       values = columns[key]
       if not np.issubdtype(values.dtype, np.floating):
         continue
@@ -254,7 +256,7 @@ class LeRobotSource(SampleSource):
         "index": np.int64(index),
         "timestamp": np.float32(columns["timestamp"][index]),
     }
-    for key in self.aux_keys:
+    for key in (*self.aux_keys, *self.raw_keys):
       sample[key] = columns[key][index].astype(np.float32).reshape(-1)
     if not single:
       sample[f"{self.state_key}_is_pad"] = obs_pad

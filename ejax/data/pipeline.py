@@ -23,6 +23,8 @@ config.data fields read here (and by `make_source`, `transforms.make_sample_tran
   state_key, action_key  "observation.state", "action"
   aux_state_key       a per-frame vector read and normalised beside the state (None), for a model's
                       training-only auxiliary target (GR00T's model.aux_state_dim)
+  aux_pixel_key       a per-frame vector read as it is (None): image keypoint labels (GR00T's
+                      model.aux_heatmaps)
   embodiment_id       integer id written into every sample (0), or a table robot_type -> id
                       looked up with info.json's robot_type (LeRobot)
   tolerance_s         video frame timestamp tolerance in seconds (1e-4)
@@ -93,6 +95,7 @@ def make_source(data_config):
         state_key=data_config.get("state_key", "observation.state"),
         action_key=data_config.get("action_key", "action"),
         aux_keys=[data_config.aux_state_key] if data_config.get("aux_state_key", None) else [],
+        raw_keys=[data_config.aux_pixel_key] if data_config.get("aux_pixel_key", None) else [],
         tolerance_s=float(data_config.get("tolerance_s", DEFAULT_TOLERANCE_S)),
         max_open_videos=int(data_config.get("max_open_videos", 32)), **common)
   if name == "rlds":

@@ -117,8 +117,9 @@ class PixelKeypoints(nnx.Module):
     self.identity = layers.make_param(rngs, nnx.initializers.normal(0.02), (keypoints, llm_width), (None, EMBED),
                                       param_dtype)
 
-  def heatmaps(self, images: jax.Array) -> jax.Array:
-    """Detector logits [n, h * w, K] over the pixel grid (pixel_patch 1) or the patch grid."""
+  def features(self, images: jax.Array) -> jax.Array:
+    """Per-location features [n, h * w, KEYPOINT_HIDDEN] over the pixel grid (pixel_patch 1) or the
+    patch grid: what every detector reads, the same at every location."""
     images = images.astype(self.dtype)
     if self.pixel_patch == 1:
       x = jax.lax.conv_general_dilated(images, self.conv[...].astype(self.dtype), (1, 1), ((1, 1), (1, 1)),
@@ -126,20 +127,31 @@ class PixelKeypoints(nnx.Module):
     else:
       x = jnp.einsum("npc,cd->npd", patchify(images, self.pixel_patch), self.conv[0, 0].astype(self.dtype))
     x = jax.nn.gelu(x + self.conv_bias[...].astype(self.dtype))
-    return self.detectors(x.reshape(x.shape[0], -1, x.shape[-1])).astype(jnp.float32)
+    return x.reshape(x.shape[0], -1, x.shape[-1])
 
-  def coordinates(self, images: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def heatmaps(self, images: jax.Array, queries: jax.Array | None = None) -> jax.Array:
+    """Detector logits [n, h * w, K (+ Q)]; `queries` [n, Q, KEYPOINT_HIDDEN] add Q detectors of each
+    image's own (e.g. chosen by the instruction: where is the object it names)."""
+    x = self.features(images)
+    logits = self.detectors(x).astype(jnp.float32)
+    if queries is not None:
+      logits = jnp.concatenate([logits, jnp.einsum("nph,nqh->npq", x, queries.astype(x.dtype)).astype(jnp.float32)], -1)
+    return logits
+
+  def coordinates(self, images: jax.Array, queries: jax.Array | None = None, *,
+                  logits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """-> (expected (x, y) in [-1, 1] [n, K, 2], strength [n, K]: log mean exp of the logits)."""
-    logits = self.heatmaps(images)
+    logits = self.heatmaps(images, queries) if logits is None else logits
     weights = jax.nn.softmax(logits, axis=1)
     grid = [size // self.pixel_patch for size in images.shape[1:3]]
     coords = jnp.einsum("npk,pd->nkd", weights, jnp.asarray(pixel_grid(*grid)))
     strength = jax.nn.logsumexp(logits, axis=1) - np.log(logits.shape[1])
     return coords, strength
 
-  def summary(self, images: jax.Array) -> jax.Array:
-    """[n, K * 3]: every keypoint's (x, y) and strength, flat (what a small head reads)."""
-    coords, strength = self.coordinates(images)
+  def summary(self, images: jax.Array, queries: jax.Array | None = None, *,
+              logits: jax.Array | None = None) -> jax.Array:
+    """[n, (K + Q) * 3]: every keypoint's (x, y) and strength, flat (what a small head reads)."""
+    coords, strength = self.coordinates(images, queries, logits=logits)
     return jnp.concatenate([coords, strength[..., None]], -1).reshape(images.shape[0], -1)
 
   def __call__(self, images: jax.Array) -> jax.Array:
@@ -147,3 +159,17 @@ class PixelKeypoints(nnx.Module):
     x = jnp.concatenate([keypoint_coordinate_features(coords), strength[..., None]], -1).astype(self.dtype)
     x = self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
     return x + self.identity[...].astype(x.dtype)
+
+
+def heatmap_loss(logits: jax.Array, labels: jax.Array, grid: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+  """Cross-entropy of heatmap logits [n, h * w, Q] against keypoint labels [n, Q, 2] ((x, y) in [-1, 1],
+  pixel_grid's convention) on a grid of (h, w) cells -> (loss [n, Q], in view [n, Q]); a label
+  outside the image gives 0 and in view False."""
+  height, width = grid
+  col = jnp.floor((labels[..., 0] + 1) / 2 * width).astype(jnp.int32)
+  row = jnp.floor((labels[..., 1] + 1) / 2 * height).astype(jnp.int32)
+  in_view = (col >= 0) & (col < width) & (row >= 0) & (row < height)
+  cell = jnp.where(in_view, row * width + col, 0)
+  picked = jnp.take_along_axis(logits, cell[:, None, :], axis=1)[:, 0]
+  loss = jax.nn.logsumexp(logits, axis=1) - picked
+  return jnp.where(in_view, loss, 0.0), in_view

@@ -14,6 +14,7 @@ Batch keys:
   vl_tokens, vl_segment_ids, vl_positions, vl_image_slot [num_rows, row_length] int32
   sample_row_offset, sample_segment, embodiment_id [n] int32
   state [n, max_state_dim], actions / action_mask [n, horizon, max_action_dim] float32
+  aux_pixels [n, cameras * points * 2] float32   (only when model_config.aux_heatmaps > 0: keypoint labels)
   aux_state [n, aux_state_dim] float32, aux_mask [n]   (only when model_config.aux_state_dim > 0:
                                        the training-only target, zeros and mask 0 where a sample has none)
 
@@ -38,6 +39,7 @@ from ejax.errors import BatchError
 from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt, load_tokenizer
 
 IMAGE_PREFIX = "observation.images."
+OUT_OF_VIEW = 10.0  # a keypoint label outside [-1, 1]: not in the image, no heatmap loss
 
 
 def tokens_per_image(model_config) -> int:
@@ -82,7 +84,8 @@ def _pad_to(x: np.ndarray, size: int, axis: int, what: str) -> np.ndarray:
 def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray, states: np.ndarray,
              actions: np.ndarray, action_masks: np.ndarray, embodiment_ids: np.ndarray, *,
              num_rows: int | None = None, seed: int = 0, pack: bool = True,
-             aux_states: Sequence[np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
+             aux_states: Sequence[np.ndarray | None] | None = None,
+             aux_pixels: Sequence[np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
   """Packs token prompts (image-context tokens marked by model_config.image_token_id) into rows;
   pack=False puts each sample alone in its own row (the padded, unpacked layout)."""
   n = len(prompts)
@@ -142,6 +145,19 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
         if value.shape[0] != aux_dim:
           raise BatchError(f"the auxiliary state has {value.shape[0]} dims, config.model.aux_state_dim is {aux_dim}")
         batch["aux_state"][i], batch["aux_mask"][i] = value, 1.0
+  points = model_config.get("aux_heatmaps", 0)
+  if points:
+    # Keypoint labels [n, cameras * points * 2], (x, y) in [-1, 1] where in view; a sample without them
+    # gets an out-of-view label everywhere (no heatmap loss).
+    width = model_config.num_cameras * points * 2
+    batch["aux_pixels"] = np.full((n, width), OUT_OF_VIEW, np.float32)
+    for i, value in enumerate(aux_pixels if aux_pixels is not None else [None] * n):
+      if value is not None:
+        value = np.asarray(value, np.float32).reshape(-1)
+        if value.shape[0] != width:
+          raise BatchError(f"the keypoint labels have {value.shape[0]} values, model.aux_heatmaps={points} points in "
+                           f"{model_config.num_cameras} cameras need {width}")
+        batch["aux_pixels"][i] = value
   return batch
 
 
@@ -152,9 +168,10 @@ def prompt_ids(model_config, tokenizer: QwenTokenizer, task: str, num_images: in
 
 
 def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_rows: int | None = None,
-            seed: int = 0, aux_key: str | None = None) -> dict[str, np.ndarray]:
+            seed: int = 0, aux_key: str | None = None, pixel_key: str | None = None) -> dict[str, np.ndarray]:
   """Tokenises, pads and packs pipeline samples into one GR00T batch; `aux_key` names the samples'
-  auxiliary target (model_config.aux_state_dim > 0)."""
+  auxiliary target (model_config.aux_state_dim > 0), `pixel_key` their keypoint labels
+  (model_config.aux_heatmaps > 0)."""
   c = model_config
   cameras = sorted(k for k in samples[0] if k.startswith(IMAGE_PREFIX))
   if len(cameras) != c.num_cameras:
@@ -165,10 +182,12 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     prompts.append(prompt_ids(c, tokenizer, task, len(cameras)))
     images += [_resize(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras]
     state = np.asarray(sample["observation.state"], np.float32)
-    if c.get("aux_state_input", False) and state.shape[-1] > c.max_state_dim - c.aux_state_dim:
-      raise BatchError(f"model.aux_state_input puts the {c.aux_state_dim}-d estimate in the state's last slots: "
+    reserved = ((c.aux_state_dim if c.get("aux_state_input", False) else 0)
+                + (c.num_cameras * c.aux_heatmaps * 2 if c.get("aux_heatmap_input", False) else 0))
+    if reserved and state.shape[-1] > c.max_state_dim - reserved:
+      raise BatchError(f"model.aux_state_input / aux_heatmap_input put {reserved} values in the state's last slots: "
                        f"the {state.shape[-1]}-d state leaves no room in max_state_dim={c.max_state_dim} (raise it "
-                       f"to {state.shape[-1] + c.aux_state_dim})")
+                       f"to {state.shape[-1] + reserved})")
     states.append(_pad_to(state, c.max_state_dim, 0, "state"))
     action = np.asarray(sample["action"], np.float32)
     if action.shape[0] != c.action_horizon:
@@ -182,15 +201,17 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
   size = c.vision.image_size
   images = np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8)
   aux_states = [sample.get(aux_key) for sample in samples] if aux_key else None
+  aux_pixels = [sample.get(pixel_key) for sample in samples] if pixel_key else None
   return assemble(c, prompts, images, np.stack(states), np.stack(actions), np.stack(masks),
-                  np.asarray(embodiments), num_rows=num_rows, seed=seed, aux_states=aux_states)
+                  np.asarray(embodiments), num_rows=num_rows, seed=seed, aux_states=aux_states,
+                  aux_pixels=aux_pixels)
 
 
 def make_collate(model_config, tokenizer: QwenTokenizer | None = None, *,
-                 aux_key: str | None = None) -> Callable[[list[dict]], dict]:
+                 aux_key: str | None = None, pixel_key: str | None = None) -> Callable[[list[dict]], dict]:
   """collate bound to a tokenizer: config.model.tokenizer_path's Qwen BPE, or bytes when it is empty."""
   tokenizer = tokenizer or load_tokenizer(model_config.tokenizer_path, model_config.llm.vocab_size)
-  return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key)
+  return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key, pixel_key=pixel_key)
 
 
 def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:

@@ -51,6 +51,24 @@ def project(points: np.ndarray, cam_pos: np.ndarray, cam_mat: np.ndarray, height
   return np.stack([(1 - y_ndc) * height / 2 - 0.5, (x_ndc + 1) * width / 2 - 0.5], -1)
 
 
+# image_points' value for a point behind the camera (outside [-1, 1] like any point out of view)
+BEHIND_CAMERA = 10.0
+
+
+def image_points(points, cam_pos, cam_mat, height: int, width: int, fovy: float, xp=jnp):
+  """World points [P, 3] -> where they appear in the image [P, 2]: (x, y) in [-1, 1] from the left /
+  top edge to the right / bottom one (ejax.models.connector.pixel_grid's convention); outside [-1, 1]
+  when out of view, BEHIND_CAMERA for both when behind the camera."""
+  local = (points - cam_pos) @ cam_mat  # camera frame: x right, y up, -z forward
+  tan_half = np.tan(np.deg2rad(fovy) / 2)
+  depth = -local[..., 2]
+  ahead = depth > 1e-4
+  safe = xp.where(ahead, depth, 1.0)
+  x = local[..., 0] / safe / (tan_half * width / height)
+  y = -local[..., 1] / safe / tan_half
+  return xp.where(ahead[..., None], xp.stack([x, y], -1), BEHIND_CAMERA).astype(xp.float32)
+
+
 def _safe_div(a, b):
   return a / jnp.where(jnp.abs(b) < _EPS, jnp.where(b < 0, -_EPS, _EPS), b)
 

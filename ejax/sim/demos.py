@@ -5,7 +5,9 @@
 Episodes run batched (all chosen tasks mixed in one program) with cameras on; each env's frames are
 kept up to and including the step where it succeeded (or ran out of time). Per frame:
   observation.state [11] f32, observation.environment_state [7] f32 (target, goal, held: LeRobot's
-  name for a scene's object state), observation.images.agentview / .wrist [H, W, 3] (video), action [4] f32
+  name for a scene's object state), observation.environment_pixels [8] f32 (where the target and its
+  goal appear in each camera, ejax.sim.env), observation.images.agentview / .wrist [H, W, 3] (video),
+  action [4] f32
 (the action taken after seeing that observation). Failed expert episodes are dropped unless
 config.demos.keep_failures; the job reports the expert's success rate either way.
 """
@@ -34,7 +36,9 @@ ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
 CAMERAS = ("agentview", "wrist")
 ROBOT_TYPE = "ejax_franka_like"
 ENVIRONMENT_STATE_NAMES = ["target_x", "target_y", "target_z", "goal_x", "goal_y", "goal_z", "holding"]
-RECORDED_OBSERVATIONS = ("observation.state", "observation.environment_state",
+ENVIRONMENT_PIXEL_NAMES = [f"{camera}_{point}_{axis}" for camera in CAMERAS for point in ("target", "goal")
+                           for axis in "xy"]
+RECORDED_OBSERVATIONS = ("observation.state", "observation.environment_state", "observation.environment_pixels",
                          *(f"observation.images.{camera}" for camera in CAMERAS))
 
 
@@ -59,6 +63,8 @@ def dataset_features(image_size: tuple[int, int]) -> dict[str, dict]:
   features["observation.state"] = {"dtype": "float32", "shape": [len(STATE_NAMES)], "names": STATE_NAMES}
   features["observation.environment_state"] = {"dtype": "float32", "shape": [len(ENVIRONMENT_STATE_NAMES)],
                                                "names": ENVIRONMENT_STATE_NAMES}
+  features["observation.environment_pixels"] = {"dtype": "float32", "shape": [len(ENVIRONMENT_PIXEL_NAMES)],
+                                                "names": ENVIRONMENT_PIXEL_NAMES}
   features["action"] = {"dtype": "float32", "shape": [len(ACTION_NAMES)], "names": ACTION_NAMES}
   return features
 
@@ -175,8 +181,8 @@ def run_job(config, workdir: str) -> None:
 # Bump when what a recording holds changes (features, tasks, expert, physics), so stale caches are not
 # reused. 2: the dynamic hand with contact grasps replaced the kinematic hand with attachment grasps.
 # 3: the wrist camera re-aimed so that the object between the fingers sits mid-image (it was cut off
-# at the bottom edge).
-RECORDING_FORMAT = 3
+# at the bottom edge). 4: observation.environment_pixels (keypoint labels).
+RECORDING_FORMAT = 4
 
 
 def cached_dataset(settings, path: str | None = None) -> str:

@@ -12,6 +12,10 @@ also mixes tasks in one compiled program). Observations:
   "observation.images.wrist"     [H, W, 3] uint8, on the hand, looking down       (cameras on)
   "observation.depth.agentview" / "observation.depth.wrist" [H, W] f32 metres along the camera
                                  axis, 0 where nothing is hit                      (cameras on)
+  "observation.environment_pixels" [8] f32: where the target and its goal position appear in
+                                 each camera, (x, y) in [-1, 1] when in view (agentview target,
+                                 agentview goal, wrist target, wrist goal); privileged, like the
+                                 environment state: a training-only label for image keypoints (cameras on)
 Actions: [dx, dy, dz, gripper] in [-1, 1] (see control.py). Control at 10 Hz, physics at 100 Hz.
 `done` and `success` are sticky: once set they stay set; the physics keeps stepping.
 `info` holds the step count, the episode's task parameters (resolved target, goal, tolerances),
@@ -36,6 +40,8 @@ from ejax.sim import camera, control, layout, scene, tasks
 STATE_SIZE = 11
 ENVIRONMENT_STATE_SIZE = 7
 CAMERA_NAMES = ("agentview", "wrist")
+ENVIRONMENT_PIXELS = "observation.environment_pixels"
+PIXEL_POINTS = 2  # target, goal
 
 
 @struct.dataclass
@@ -108,8 +114,10 @@ def with_arm_pose(mocap_pos: Any, mocap_quat: Any, info: dict, xp: Any = jnp) ->
 
 
 def render_cameras(config: CameraConfig, geom_size, geom_rgba, geom_xpos, geom_xmat, body_xpos, body_xmat,
-                   hits: dict | None = None) -> dict:
-  """Both cameras for one env from its kinematics (any backend): the observation image entries.
+                   hits: dict | None = None, points=None) -> dict:
+  """Both cameras for one env from its kinematics (any backend): the observation image entries, and
+  with `points` [P, 3] (world) also "observation.environment_pixels" [cameras * P * 2], where each
+  point appears in each camera (camera.image_points: (x, y) in [-1, 1] when in view).
 
   hits: None ray casts every geom here (camera.render); or, per camera name, the nearest non-plane geom
   on each pixel's ray as a backend cast it itself: (geom ids [P], distances [P], normals [P, 3] in camera
@@ -117,7 +125,7 @@ def render_cameras(config: CameraConfig, geom_size, geom_rgba, geom_xpos, geom_x
   """
   model = scene.mj_model()
   geom_types = tuple(int(t) for t in model.geom_type)
-  obs = {}
+  obs, pixels = {}, []
   for name in CAMERA_NAMES:
     cam = model.camera(name)
     cam_pos, cam_mat = camera.camera_pose(int(cam.bodyid[0]), cam.pos, cam.quat, body_xpos, body_xmat)
@@ -129,7 +137,18 @@ def render_cameras(config: CameraConfig, geom_size, geom_rgba, geom_xpos, geom_x
                                            *hits[name], **size)
     obs[f"observation.images.{name}"] = rgb
     obs[f"observation.depth.{name}"] = depth
+    if points is not None:
+      pixels.append(camera.image_points(points, cam_pos, cam_mat, **size, xp=jnp))
+  if points is not None:
+    obs[ENVIRONMENT_PIXELS] = jnp.concatenate([p.reshape(-1) for p in pixels])
   return obs
+
+
+def pixel_points(info: dict, xp: Any = jnp) -> Any:
+  """[2, 3] the world points "observation.environment_pixels" locates in each camera: the target
+  object and the position it must reach (from info["privileged"], set before observing)."""
+  p = info["privileged"]
+  return xp.stack([p["target_pos"], p["goal"]]).astype(xp.float32)
 
 
 def environment_state(info: dict, xp: Any = jnp) -> Any:
@@ -148,7 +167,7 @@ def _observe(model: mjx.Model, data: mjx.Data, info: dict, cameras: CameraConfig
   if cameras is not None:
     data = mjx.kinematics(model, data)  # geom poses for the final qpos / mocap of this step
     obs.update(render_cameras(cameras, info["geom_size"], info["geom_rgba"], data.geom_xpos, data.geom_xmat,
-                              data.xpos, data.xmat))
+                              data.xpos, data.xmat, points=pixel_points(info)))
   return obs
 
 
@@ -230,4 +249,5 @@ class Env:
       for name in CAMERA_NAMES:
         shapes[f"observation.images.{name}"] = ((self.cameras.height, self.cameras.width, 3), "uint8")
         shapes[f"observation.depth.{name}"] = ((self.cameras.height, self.cameras.width), "float32")
+      shapes[ENVIRONMENT_PIXELS] = ((len(CAMERA_NAMES) * PIXEL_POINTS * 2,), "float32")
     return shapes

@@ -61,7 +61,8 @@ def _finish(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hi
     success, done, reward, metrics, info = env_lib.assess(qpos, qvel, mocap_pos, info, prev_success, prev_done)
     obs = env_lib.base_observations(qpos, info)
     if cameras is not None:
-      obs.update(env_lib.render_cameras(cameras, info["geom_size"], info["geom_rgba"], *kinematics, hits=hits))
+      obs.update(env_lib.render_cameras(cameras, info["geom_size"], info["geom_rgba"], *kinematics, hits=hits,
+                                        points=env_lib.pixel_points(info)))
     return obs, reward, done, success, metrics, info
   return jax.vmap(finish_one)(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits)
 

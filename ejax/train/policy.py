@@ -92,7 +92,7 @@ class CheckpointPolicy:
     cameras = self.data.get("cameras")
     # A training-only target (data.aux_state_key, e.g. ejax.sim's privileged object state, which the
     # simulator's observations carry) never reaches the model at inference: it acts on its estimate.
-    hidden = {self.state_key, self.data.get("aux_state_key", None)}
+    hidden = {self.state_key, self.data.get("aux_state_key", None), self.data.get("aux_pixel_key", None)}
     samples = []
     for i, instruction in enumerate(instructions):
       state = np.asarray(obs[self.state_key][i], np.float32)

@@ -6,7 +6,8 @@ import numpy as np
 from flax import nnx
 
 from ejax.models import groot, groot_inputs, layers
-from ejax.models.connector import KEYPOINT_HIDDEN, PixelKeypoints, pixel_grid
+from ejax.models.connector import KEYPOINT_HIDDEN, PixelKeypoints, heatmap_loss, pixel_grid
+from ejax.models.siglip import normalize_images
 
 
 def test_pixel_grid_is_row_major_centres_in_unit_square():
@@ -104,3 +105,63 @@ def test_auxiliary_keypoints_read_the_pixels_and_train_from_the_target():
   # The arm's state is an input too (the wrist camera sees the object relative to the hand).
   shifted = dict(labelled, state=labelled["state"] + np.eye(c.max_state_dim, dtype=np.float32)[0])
   assert np.abs(np.asarray(model.aux_estimate(vl, shifted)) - after).max() > 1e-4
+
+
+def test_heatmap_loss_picks_the_labelled_cell_and_skips_points_out_of_view():
+  grid = (4, 4)
+  logits = np.zeros((1, 16, 3), np.float32)
+  logits[0, 1 * 4 + 2, 0] = 20.0                     # point 0: all mass on row 1, column 2
+  labels = np.array([[[0.25, -0.25], [0.25, -0.25], [1.5, 0.0]]], np.float32)   # (x, y); point 2 out of view
+  loss, in_view = heatmap_loss(jnp.asarray(logits), jnp.asarray(labels), grid)
+  assert in_view.tolist() == [[True, True, False]]
+  assert float(loss[0, 0]) < 1e-6                    # the right cell
+  np.testing.assert_allclose(float(loss[0, 1]), np.log(16), rtol=1e-6)   # flat: log of the cells
+  assert float(loss[0, 2]) == 0.0
+
+
+def test_instruction_chosen_heatmaps_learn_where_each_instruction_points():
+  """model.aux_heatmaps: detectors chosen by the instruction, trained by the heatmap loss against
+  keypoint labels, learn to put each instruction's keypoint on its own object (a green square for one
+  prompt, a red one for the other) wherever the squares are, in a few hundred steps."""
+  import optax
+  c = groot.model_config("runlocal")
+  c.update(num_cameras=1, aux_state_dim=3, aux_keypoints=2, aux_heatmaps=1, tune_visual=True, tune_llm=True)
+  c.vision.update(depth=1, image_size=32)
+  c.llm.num_layers = 1
+  c.packing.row_length = 256
+  model = groot.create(c, nnx.Rngs(0))
+  tokenizer = groot_inputs.load_tokenizer("", c.llm.vocab_size)
+  rng = np.random.default_rng(0)
+
+  def batch(n):
+    prompts, images, labels = [], np.full((n, 32, 32, 3), 60, np.uint8), np.zeros((n, 2), np.float32)
+    for i in range(n):
+      corners = rng.choice(13, (2, 2), replace=False) * 2 + 2
+      images[i, corners[0, 0]:corners[0, 0] + 3, corners[0, 1]:corners[0, 1] + 3] = (20, 200, 20)   # green
+      images[i, corners[1, 0]:corners[1, 0] + 3, corners[1, 1]:corners[1, 1] + 3] = (200, 20, 20)   # red
+      which = i % 2
+      prompts.append(groot_inputs.prompt_ids(c, tokenizer, ["lift the green block", "lift the red block"][which], 1))
+      row, col = corners[which] + 1.5
+      labels[i] = (col / 16 - 1, row / 16 - 1)
+    zeros = np.zeros((n, c.max_state_dim), np.float32)
+    b = groot_inputs.assemble(c, prompts, images, zeros, np.zeros((n, c.action_horizon, c.max_action_dim), np.float32),
+                              np.zeros((n, c.action_horizon, c.max_action_dim), np.float32), np.zeros(n, np.int32),
+                              aux_pixels=list(labels))
+    return b, labels
+
+  optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, b):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m.action_head.heatmap_loss(b, m.instruction_embedding(b))))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  for _ in range(300):
+    step(model, optimizer, batch(16)[0])
+  test, labels = batch(32)
+  head = model.action_head
+  queries = head._heatmap_queries(model.instruction_embedding(test))
+  coords, _ = head.aux_keypoints.coordinates(normalize_images(test["images"], jnp.float32), queries)
+  error = np.abs(np.asarray(coords[:, -1]) - labels).max(axis=1)
+  assert np.median(error) < 1 / 16 and np.mean(error < 2 / 16) > 0.9   # within a 2-pixel patch

@@ -256,6 +256,41 @@ def test_teacher_forcing_trains_the_head_on_the_target_and_acts_on_the_estimate(
   assert float(jnp.abs(grads.action_head.state_encoder.layer1.W[...]).sum()) > 0
 
 
+def test_heatmap_keypoints_feed_the_state_token_without_training_the_detectors_through_it():
+  """aux_heatmap_input: the instruction's keypoints ((x, y) per point and camera) ride in the state's
+  last slots, after the estimate's; the flow loss does not reach the detectors, the heatmap loss does."""
+  c = tiny_config()
+  c.update(aux_state_dim=2, aux_state_input=True, aux_teacher_forcing=True, aux_keypoints=2, aux_heatmaps=2,
+           aux_heatmap_input=True, tune_visual=True, tune_llm=True)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 4, seed=3)
+  batch["state"][:, -6:] = 0.0
+  labels = np.random.default_rng(0).uniform(-1, 1, batch["aux_pixels"].shape).astype(np.float32)
+  target = np.full((4, 2), 0.5, np.float32)   # teacher-forced into the estimate's slots
+  labelled = dict(batch, aux_state=target, aux_mask=np.ones(4, np.float32), aux_pixels=labels)
+  vl, fed = model.context(labelled)
+  keypoints = np.asarray(model.heatmap_keypoints(labelled))
+  assert keypoints.shape == (4, 4) and np.abs(keypoints).max() <= 1
+  manual = batch["state"].copy()
+  manual[:, -4:] = keypoints
+  manual[:, -6:-4] = target
+  expected = model.action_head.state_encoder(jnp.asarray(manual)[:, None, :], batch["embodiment_id"])
+  np.testing.assert_allclose(fed, expected, rtol=1e-5, atol=1e-6)
+  metrics = lambda m: m.compute_loss(labelled, jax.random.key(1), train=False)[1]
+  flow = nnx.grad(lambda m: metrics(m)["flow_loss"])(model)
+  heat = nnx.grad(lambda m: metrics(m)["aux_heatmap_loss"])(model)
+  assert float(jnp.abs(flow.action_head.aux_queries.kernel[...]).sum()) == 0
+  assert float(jnp.abs(heat.action_head.aux_queries.kernel[...]).sum()) > 0
+  assert float(jnp.abs(flow.action_head.state_encoder.layer1.W[...]).sum()) > 0
+  # The collate keeps both reservations free.
+  collate = groot.make_collate(model.config)
+  size = c.vision.image_size
+  sample = {"observation.images.cam": np.zeros((size, size, 3), np.uint8), "task": "lift",
+            "action": np.zeros((c.action_horizon, 2), np.float32), "observation.state": np.zeros(c.max_state_dim - 5, np.float32)}
+  with pytest.raises(ValueError, match=f"raise it to {c.max_state_dim + 1}"):
+    collate([sample])
+
+
 def test_state_dims_hide_the_other_state_entries_from_the_action_head():
   c = tiny_config()
   model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)

@@ -83,6 +83,36 @@ def test_block_colours_are_where_their_positions_project(rendered):
 
 
 @pytest.mark.timeout(600)
+def test_environment_pixels_locate_the_target_in_both_cameras(rendered):
+  """observation.environment_pixels: the target's and goal's (x, y) in [-1, 1] in each camera, where
+  camera.project puts them; where the target is an object in view, that pixel shows its colour."""
+  pixels = rendered.obs["observation.environment_pixels"].reshape(NUM_ENVS, 2, 2, 2)  # env, camera, point, xy
+  privileged = rendered.info["privileged"]
+  index = scene.scene_index()
+  checked = 0
+  for i in range(NUM_ENVS):
+    model, data = _native_copy(rendered, i)
+    cam_pos, cam_mat = _agentview_pose(data)
+    for p, point in enumerate((privileged["target_pos"][i], privileged["goal"][i])):
+      row, col = camera.project(point, cam_pos, cam_mat, SIZE, SIZE, scene.CAMERA_FOVY)
+      np.testing.assert_allclose(pixels[i, 0, p], [(col + 0.5) / SIZE * 2 - 1, (row + 0.5) / SIZE * 2 - 1], atol=1e-4)
+    objects = np.array([data.qpos[index.object_qpos[slot, :3]] for slot in range(scene.NUM_OBJECTS)])
+    slot = int(np.argmin(np.linalg.norm(objects - privileged["target_pos"][i], axis=1)))
+    if i not in COLOURED or np.linalg.norm(objects[slot] - privileged["target_pos"][i]) > 1e-3:
+      continue  # a drawer's handle, or blocks painted alike
+    colours = rendered.info["geom_rgba"][i][[model.geom(name).id for name in scene.OBJECT_NAMES], :3]
+    for c, name in enumerate(("agentview", "wrist")):
+      x, y = pixels[i, c, 0]
+      if max(abs(x), abs(y)) < 1:
+        pixel = rendered.obs[f"observation.images.{name}"][i][int((y + 1) / 2 * SIZE), int((x + 1) / 2 * SIZE)]
+        hue = lambda rgb: np.asarray(rgb, float) / max(float(np.max(rgb)), 1e-6)
+        nearest = np.argmin([np.abs(hue(pixel) - hue(colour)).sum() for colour in colours])
+        assert nearest == slot, (name, i, pixel, colours)
+        checked += 1
+  assert checked >= 2
+
+
+@pytest.mark.timeout(600)
 def test_depth_matches_mujoco_ray_casting(rendered):
   """Our caster (boxes, cylinders, capsules, planes) against MuJoCo's own mj_ray, pixel by pixel."""
   model, data = _native_copy(rendered, COLOURED[0])

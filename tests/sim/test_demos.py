@@ -43,6 +43,17 @@ def test_demos_job_writes_a_lerobot_v3_dataset(recorded):
   object_state = np.asarray(table.column("observation.environment_state").to_pylist(), np.float32)
   assert object_state.shape == (table.num_rows, 7) and set(np.unique(object_state[:, 6])) <= {0.0, 1.0}
   assert np.any(object_state[:, 6] == 1.0), "the expert holds its target in some frames"
+  # Keypoint labels: the target's and goal's (x, y) in each camera; the target is in the agentview always.
+  pixels = np.asarray(table.column("observation.environment_pixels").to_pylist(), np.float32)
+  assert pixels.shape == (table.num_rows, 8) and np.all(np.abs(pixels[:, :2]) < 1)
+  # The pipeline reads them as they are (data.aux_pixel_key: not normalised, unlike data.aux_state_key).
+  from ejax.data.pipeline import make_source
+  from ejax.data.stats import normalized_keys
+  from ml_collections import ConfigDict
+  source = make_source(ConfigDict(dict(name="lerobot", path=str(root), horizon=4,
+                                       aux_pixel_key="observation.environment_pixels")))
+  assert "observation.environment_pixels" not in normalized_keys(source)
+  np.testing.assert_array_equal(source[0]["observation.environment_pixels"], pixels[0])
   assert len(list(root.glob("videos/observation.images.wrist/*/*.mp4"))) == 1
   # Full-resolution colour, lossless (demo_settings' video_lossless): the frames the policy trains on
   # are the simulator's renders, as at evaluation.
