@@ -95,6 +95,21 @@ def get_config(arg: str | None = None):
     # two a row of 256, and a prompt that does not fit gets the collate's one-line fix.
     if args.runlocal and config.data.name == "sim_demos":
       config.model.packing.update(row_length=264, samples_per_row=3)
+      _sim_keypoint_estimate(config)
     else:
       config.model.packing.row_length = 256 if args.runlocal else 3 * config.model.packing.row_length
   return common.apply_run_args(config, args)
+
+
+def _sim_keypoint_estimate(config) -> None:
+  """The quickstart's perception: where the instructed object is, from the pixels (ejax/models/groot.py,
+  aux_heatmaps). The tower alone never learnt to find a 3-pixel block from 60 demos a task (its
+  policies chose where to go from the arm's pose and the instruction); the recordings' keypoint labels
+  (observation.environment_pixels) train two detectors per camera, chosen by the instruction, on the
+  64 px frames (the tower reads them pooled to 32 px); the action head reads their keypoints and an
+  estimate of the target and goal read from them (trained on the true ones, slightly noised)."""
+  config.data.image_size = (64, 64)
+  config.model.update(aux_image_size=64, aux_state_dim=7, aux_keypoints=1, aux_heatmaps=2, aux_heatmap_input=True,
+                      aux_state_input=True, aux_teacher_forcing=True, aux_teacher_noise=0.05,
+                      max_state_dim=26)  # 11-d state, then the 7-d estimate and 2 points x 2 cameras x (x, y)
+  config.data.update(aux_state_key="observation.environment_state", aux_pixel_key="observation.environment_pixels")

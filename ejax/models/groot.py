@@ -98,6 +98,11 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # trained on a jointly trained estimate learns early, while it is noise, to ignore those slots.
   c.aux_teacher_forcing = False
   c.aux_teacher_noise = 0.1
+  # With teacher forcing: this fraction of the samples that have a target (drawn per training step)
+  # get the estimate instead, as at inference, so that the head also learns how far off the estimate
+  # is, task by task (a drawer's handle estimated 3.5 cm off along the drawer's axis missed the handle
+  # when the head trusted it like the true target).
+  c.aux_teacher_mix = 0.0
   # > 0 (with the target on): that many spatial-softmax keypoints per image (connector.PixelKeypoints
   # on 2x2 pixel patches, coordinates only) that the auxiliary head reads, with the instruction's text
   # embeddings and the state, instead of the pooled VL tokens: the estimate is trained straight from
@@ -118,6 +123,13 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # with aux_state_input). Trained on what it will see at inference, the head learns how far to trust
   # each (the target in the agentview to ~0.7 px; a drawer's handle under the gripper much less).
   c.aux_heatmap_input = False
+  # With aux_heatmaps: a 3x3 convolution over the grid of patch features (residual) before the
+  # instruction's detectors, so that a detector sees a patch's neighbourhood (a dark bar on the
+  # cabinet's front is a drawer handle; a dark disc on the table is not), not only its colour.
+  c.aux_heatmap_context = False
+  # With aux_keypoints: the batch's images at this size (0: the vision tower's) for the keypoints,
+  # average-pooled to vision.image_size for the tower (a multiple of it).
+  c.aux_image_size = 0
   # Which entries of the (normalised) state vector the action head reads; the others are zeroed (the
   # dataset's mean). (): all. A policy that reads the arm's pose can replay its demonstrations' paths
   # from proprioception alone and never learn to look (causal confusion); reading only the gripper
@@ -170,12 +182,17 @@ class GrootBackbone(nnx.Module):
     self.keypoints = nnx.data(PixelKeypoints(keypoints, config.llm.width, **common) if keypoints else None)
     self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, **common)
     self.image_token_id = config.image_token_id
+    self.vision_image_size = int(config.vision.image_size)
 
   def encode_images(self, batch) -> jax.Array | None:
     """The connector's image tokens [num_images, tokens_per_image, llm width]; None without cameras."""
     if not batch["images"].shape[0]:
       return None
     images = normalize_images(batch["images"], self.llm.dtype)
+    size = self.vision_image_size
+    if images.shape[1] != size:  # model.aux_image_size: larger images for the keypoint heatmaps
+      factor = images.shape[1] // size
+      images = images.reshape(images.shape[0], size, factor, size, factor, images.shape[-1]).mean(axis=(2, 4))
     tokens = self.connector(self.vision(images))
     if self.keypoints is not None:
       tokens = jnp.concatenate([tokens, self.keypoints(images).astype(tokens.dtype)], axis=1)
@@ -217,6 +234,7 @@ class GrootActionHead(nnx.Module):
     self.position_embedding = layers.make_param(rngs, normal, (config.max_seq_len, width), (None, EMBED), param_dtype)
     self.aux_state_head = self.aux_state_out = self.aux_keypoints = self.aux_keypoint_in = nnx.data(None)
     self.aux_state_mid = self.aux_proprio_in = self.aux_queries = nnx.data(None)
+    self.heatmap_context = self.heatmap_context_bias = nnx.data(None)
     self.num_cameras = config.num_cameras
     self.heatmap_points = config.get("aux_heatmaps", 0) if config.get("aux_keypoints", 0) else 0
     if config.get("aux_state_dim", 0) and config.get("aux_keypoints", 0) and config.num_cameras:
@@ -227,6 +245,12 @@ class GrootActionHead(nnx.Module):
       self.aux_state_head = layers.Dense(vl_width, width, axes=(EMBED, MLP), **common)
       if self.heatmap_points:
         self.aux_queries = layers.Dense(vl_width, self.heatmap_points * KEYPOINT_HIDDEN, axes=(EMBED, None), **common)
+        if config.get("aux_heatmap_context", False):
+          self.heatmap_context = layers.make_param(rngs, nnx.initializers.lecun_normal(),
+                                                   (3, 3, KEYPOINT_HIDDEN, KEYPOINT_HIDDEN), (None, None, None, MLP),
+                                                   param_dtype)
+          self.heatmap_context_bias = layers.make_param(rngs, nnx.initializers.zeros, (KEYPOINT_HIDDEN,), (MLP,),
+                                                        param_dtype)
       self.aux_keypoint_in = layers.Dense(config.num_cameras * (config.aux_keypoints + self.heatmap_points) * 3,
                                           width, axes=(None, MLP), **common)
       # and the arm's state: the wrist camera sees the object relative to the hand
@@ -253,7 +277,10 @@ class GrootActionHead(nnx.Module):
       pooled = jnp.einsum("nl,nld->nd", mask, vl[rows]) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
       return self.aux_state_out(jax.nn.gelu(self.aux_state_head(pooled))).astype(jnp.float32)
     images = normalize_images(batch["images"], self.dtype)
-    points = self.aux_keypoints.summary(images, self._heatmap_queries(instruction))  # per image
+    logits = self.aux_keypoints.heatmaps(images)
+    if self.aux_queries is not None:
+      logits = jnp.concatenate([logits, self.heatmap_logits(images, instruction)], -1)
+    points = self.aux_keypoints.summary(images, logits=logits)  # per image
     hidden = (self.aux_state_head(instruction.astype(self.dtype))
               + self.aux_keypoint_in(points.reshape(rows.shape[0], -1).astype(self.dtype))   # per sample
               # the state as the batch has it (its aux_state_dim last slots are still zero padding)
@@ -275,6 +302,12 @@ class GrootActionHead(nnx.Module):
   def heatmap_logits(self, images: jax.Array, instruction: jax.Array) -> jax.Array:
     """The instruction's detectors' logits [n images, cells, points] over each image's patch grid."""
     x = self.aux_keypoints.features(images)
+    if self.heatmap_context is not None:
+      grid = [size // self.aux_keypoints.pixel_patch for size in images.shape[1:3]]
+      cells = x.reshape(x.shape[0], *grid, x.shape[-1])
+      context = jax.lax.conv_general_dilated(cells, self.heatmap_context[...].astype(x.dtype), (1, 1), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      x = x + jax.nn.gelu(context + self.heatmap_context_bias[...].astype(x.dtype)).reshape(x.shape)
     queries = self._heatmap_queries(instruction)
     return jnp.einsum("nph,nqh->npq", x, queries.astype(x.dtype)).astype(jnp.float32)
 
@@ -335,9 +368,13 @@ class Groot(nnx.Module):
         estimate = jax.lax.stop_gradient(estimate)
         if "aux_state" in batch:
           target = jnp.asarray(batch["aux_state"], jnp.float32)
+          forced = jnp.asarray(batch["aux_mask"]) > 0
           if rng is not None:
             target = target + self.config.aux_teacher_noise * jax.random.normal(jax.random.fold_in(rng, 7), target.shape)
-          estimate = jnp.where(jnp.asarray(batch["aux_mask"])[:, None] > 0, target, estimate)
+            mix = self.config.get("aux_teacher_mix", 0.0)
+            if mix:
+              forced = forced & (jax.random.uniform(jax.random.fold_in(rng, 8), forced.shape) >= mix)
+          estimate = jnp.where(forced[:, None], target, estimate)
       end = state.shape[-1] - keypoint_slots
       state = state.at[:, end - self.config.aux_state_dim:end].add(estimate.astype(state.dtype))
     state_tokens = self.action_head.state_encoder(state[:, None, :], batch["embodiment_id"])

@@ -66,6 +66,12 @@ def rows_for(model_config, num_samples: int) -> int:
   return max(1, math.ceil(num_samples / model_config.packing.samples_per_row))
 
 
+def batch_image_size(model_config) -> int:
+  """The batch's image size: the vision tower's, or model.aux_image_size where that is larger (the
+  keypoint heatmaps read the larger images, the tower an average-pooled copy)."""
+  return max(int(model_config.vision.image_size), int(model_config.get("aux_image_size", 0) or 0))
+
+
 def _resize(image: np.ndarray, size: int) -> np.ndarray:
   if image.shape[0] == size and image.shape[1] == size:
     return image
@@ -180,7 +186,7 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
   for sample in samples:
     task = str(sample["task"]) if "task" in sample else f"task {int(sample['task_index'])}"
     prompts.append(prompt_ids(c, tokenizer, task, len(cameras)))
-    images += [_resize(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras]
+    images += [_resize(np.asarray(sample[k], np.uint8), batch_image_size(c)) for k in cameras]
     state = np.asarray(sample["observation.state"], np.float32)
     reserved = ((c.aux_state_dim if c.get("aux_state_input", False) else 0)
                 + (c.num_cameras * c.aux_heatmaps * 2 if c.get("aux_heatmap_input", False) else 0))
@@ -198,7 +204,7 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     actions.append(_pad_to(action, c.max_action_dim, 1, "action"))
     masks.append(mask)
     embodiments.append(int(sample.get("embodiment_id", 0)))
-  size = c.vision.image_size
+  size = batch_image_size(c)
   images = np.stack(images) if images else np.zeros((0, size, size, 3), np.uint8)
   aux_states = [sample.get(aux_key) for sample in samples] if aux_key else None
   aux_pixels = [sample.get(pixel_key) for sample in samples] if pixel_key else None
@@ -228,7 +234,7 @@ def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.
       prompt += [c.image_token_id] * per_image
     prompt += list(rng.integers(0, text_vocab, int(rng.integers(3, 12))))
     prompts.append(prompt)
-  size = c.vision.image_size
+  size = batch_image_size(c)
   images = rng.integers(0, 256, (batch_size * c.num_cameras, size, size, 3), dtype=np.uint8)
   state_dims = rng.integers(1, c.max_state_dim + 1, batch_size)
   action_dims = rng.integers(1, c.max_action_dim + 1, batch_size)

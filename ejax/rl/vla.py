@@ -72,7 +72,7 @@ class GrootObservations:
     self.action_dim, self.embodiment_id = action_dim, embodiment_id
     self.cameras = None if cameras is None else sorted(k if k.startswith(IMAGE_PREFIX) else IMAGE_PREFIX + k
                                                        for k in cameras)
-    self.image_size = int(c.vision.image_size)
+    self.image_size = groot_inputs.batch_image_size(c)
     self.resizes = ([tuple(int(x) for x in data_image_size)] if data_image_size else []) + [(self.image_size,) * 2]
     as_array = lambda x: None if x is None else np.asarray(x, np.float32).reshape(-1)
     self.state_center, self.state_scale = as_array(state_center), as_array(state_scale)

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from ejax.models import groot, groot_inputs, layers, summary
+from ejax.models.siglip import normalize_images
 from ejax.parallel.axes import EMBED, EMBODIMENT, HEADS, KV_HEADS, MLP, VOCAB
 from ejax.parallel.params import variable_axis_names
 
@@ -289,6 +290,22 @@ def test_heatmap_keypoints_feed_the_state_token_without_training_the_detectors_t
             "action": np.zeros((c.action_horizon, 2), np.float32), "observation.state": np.zeros(c.max_state_dim - 5, np.float32)}
   with pytest.raises(ValueError, match=f"raise it to {c.max_state_dim + 1}"):
     collate([sample])
+
+
+def test_aux_image_size_gives_the_keypoints_larger_images_and_the_tower_a_pooled_copy():
+  c = tiny_config()
+  c.update(aux_state_dim=2, aux_keypoints=1, aux_heatmaps=1, aux_image_size=2 * c.vision.image_size)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 2, seed=3)
+  assert batch["images"].shape[1:3] == (2 * c.vision.image_size,) * 2
+  size = c.vision.image_size
+  pooled = batch["images"].astype(np.float32).reshape(-1, size, 2, size, 2, 3).mean(axis=(2, 4))
+  direct = model.backbone.connector(model.backbone.vision(normalize_images(jnp.asarray(pooled), jnp.float32)))
+  np.testing.assert_allclose(model.backbone.encode_images(batch), direct, rtol=1e-4, atol=1e-5)
+  # the keypoints read the full-size images: a 2x2 patch grid of the larger image
+  logits = model.action_head.heatmap_logits(normalize_images(batch["images"], jnp.float32),
+                                            model.instruction_embedding(batch))
+  assert logits.shape[1] == size * size
 
 
 def test_state_dims_hide_the_other_state_entries_from_the_action_head():
