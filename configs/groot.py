@@ -19,13 +19,13 @@ $EJAX_CACHE_DIR), then trains 1500 steps of batch 32 with the vision tower and t
 configs/eval.py (by default on the tasks it was trained on, 20 unseen layouts each):
   python -m ejax.main --config=configs/groot.py:runlocal
   python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/groot_runlocal/checkpoints
-What to expect (2026-11-25, 2 cores): 7-9 min from a clean cache (recording ~1 min, then 100-150
-samples/s); the flow-matching loss falls from ~1.9 to ~0.35 and plateaus there; the eval command
-above (replanning every 2 steps) measures 18-31 % over the five tasks in five runs (33 % on
-2026-11-24's code; drawers 40-80 %, the lifts and the pick-and-place 0 %): the policy has not learnt
-to find small objects in its 32 px images (it comes down nearest the instructed object in 20-45 % of
-the lifts; with the privileged object state as input the same recipe reaches 79 %). Issue 14 asks
-for >= 50 %; see the README's closed-loop section for what has been tried.
+What to expect (2026-11-25 night, 2 idle cores): 7 min 36 s from a clean cache (recording ~1 min, then
+~130 samples/s); the flow-matching loss falls from ~1.7 to ~0.26 (the logged total adds the keypoint
+heatmaps' cross-entropy, ~3.8 at the end: a point label on a many-pixel object cannot reach 0); the
+eval command above (replanning every 2 steps) measures 60 % [50, 69] over the five tasks (lifts 75 / 55 %,
+drawers 100 / 65 %, the pick-and-place 5 %; 7 min 36 s for recording and training, 59 s for the eval).
+The perception that gets there is _sim_keypoint_estimate's (below); without it the same model
+measured 18-33 %.
 Arg string: `runlocal`, `steps=N`, `batch=N`, `dataset=PATH` (another LeRobot dataset, e.g. one
 recorded with configs/demos.py: both cameras, state up to 16 dims) or `dataset=synthetic` (the
 camera-less synthetic smoke-test data, ejax/data/synthetic.py, 200 steps in well under a minute),
@@ -61,17 +61,10 @@ def get_config(arg: str | None = None):
     # with 8 px patches (BENCHMARKS.md, closed-loop policy quality).
     config.model.vision.update(patch_size=4, width=64, mlp_dim=128)
     config.model.connector.use_pixel_shuffle = True
-    # Tried and not kept (2026-11-24, 100 episodes each, none better than 38 %; BENCHMARKS.md): the
-    # auxiliary object-state target (model.aux_state_dim=7, data.aux_state_key=
-    # observation.environment_state) 28-35 %, with a conv stem (model.vision.conv_stem=(32, 64)) 32 %,
-    # a 4-layer 128-wide DiT 28 %, sin-cos vision position codes 28 %; demos with perturbations
-    # (data.sim_demos.perturb_prob=0.15) 26 %. 2026-11-25: 500 demos per task 28 %; the vision tower
-    # pre-trained on 3000 rendered layouts (model.vision_pretrain.layouts=3000, vision.posemb_init=
-    # sincos2d, tune_visual=False) 38 %, + aux_state_input 41 %, at 64 px 32 %: the tower places objects
-    # on unseen layouts to 2-3 cm, a grasp needs ~1.2 cm. Evening: a teacher-forced estimate from pixel
-    # keypoints (model.aux_keypoints=32, aux_state_input, aux_teacher_forcing, 64 px images with 8 px
-    # patches, max_state_dim=18, data.aux_state_key=observation.environment_state) 17-29 %: given the
-    # true target the policy lifts in 45-80 %, its estimate is 1.4 / 2.4 cm off (BENCHMARKS.md).
+    # Tried before the keypoint heatmaps and not kept (BENCHMARKS.md, closed-loop sections: 17-41 %
+    # each): an auxiliary object-state target, a conv stem, a deeper DiT, sin-cos position codes,
+    # perturbed demos, 150-500 demos per task, a vision tower pre-trained on rendered layouts, pixel
+    # keypoints, a teacher-forced estimate read from free keypoints.
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
     config.train.update(steps=1500, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
                         remat="none")
