@@ -129,29 +129,23 @@ class PixelKeypoints(nnx.Module):
     x = jax.nn.gelu(x + self.conv_bias[...].astype(self.dtype))
     return x.reshape(x.shape[0], -1, x.shape[-1])
 
-  def heatmaps(self, images: jax.Array, queries: jax.Array | None = None) -> jax.Array:
-    """Detector logits [n, h * w, K (+ Q)]; `queries` [n, Q, KEYPOINT_HIDDEN] add Q detectors of each
-    image's own (e.g. chosen by the instruction: where is the object it names)."""
-    x = self.features(images)
-    logits = self.detectors(x).astype(jnp.float32)
-    if queries is not None:
-      logits = jnp.concatenate([logits, jnp.einsum("nph,nqh->npq", x, queries.astype(x.dtype)).astype(jnp.float32)], -1)
-    return logits
+  def heatmaps(self, images: jax.Array) -> jax.Array:
+    """Detector logits [n, h * w, K] over the pixel grid (pixel_patch 1) or the patch grid."""
+    return self.detectors(self.features(images)).astype(jnp.float32)
 
-  def coordinates(self, images: jax.Array, queries: jax.Array | None = None, *,
-                  logits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """-> (expected (x, y) in [-1, 1] [n, K, 2], strength [n, K]: log mean exp of the logits)."""
-    logits = self.heatmaps(images, queries) if logits is None else logits
+  def coordinates(self, images: jax.Array, *, logits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """-> (expected (x, y) in [-1, 1] [n, K, 2], strength [n, K]: log mean exp of `logits` (default:
+    the detectors'; any [n, cells, K] over this image grid, e.g. instruction-chosen ones))."""
+    logits = self.heatmaps(images) if logits is None else logits
     weights = jax.nn.softmax(logits, axis=1)
     grid = [size // self.pixel_patch for size in images.shape[1:3]]
     coords = jnp.einsum("npk,pd->nkd", weights, jnp.asarray(pixel_grid(*grid)))
     strength = jax.nn.logsumexp(logits, axis=1) - np.log(logits.shape[1])
     return coords, strength
 
-  def summary(self, images: jax.Array, queries: jax.Array | None = None, *,
-              logits: jax.Array | None = None) -> jax.Array:
-    """[n, (K + Q) * 3]: every keypoint's (x, y) and strength, flat (what a small head reads)."""
-    coords, strength = self.coordinates(images, queries, logits=logits)
+  def summary(self, images: jax.Array, *, logits: jax.Array | None = None) -> jax.Array:
+    """[n, K * 3]: every keypoint's (x, y) and strength, flat (what a small head reads)."""
+    coords, strength = self.coordinates(images, logits=logits)
     return jnp.concatenate([coords, strength[..., None]], -1).reshape(images.shape[0], -1)
 
   def __call__(self, images: jax.Array) -> jax.Array:

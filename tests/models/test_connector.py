@@ -161,7 +161,7 @@ def test_instruction_chosen_heatmaps_learn_where_each_instruction_points():
     step(model, optimizer, batch(16)[0])
   test, labels = batch(32)
   head = model.action_head
-  queries = head._heatmap_queries(model.instruction_embedding(test))
-  coords, _ = head.aux_keypoints.coordinates(normalize_images(test["images"], jnp.float32), queries)
+  images = normalize_images(test["images"], jnp.float32)
+  coords, _ = head.aux_keypoints.coordinates(images, logits=head.heatmap_logits(images, model.instruction_embedding(test)))
   error = np.abs(np.asarray(coords[:, -1]) - labels).max(axis=1)
   assert np.median(error) < 1 / 16 and np.mean(error < 2 / 16) > 0.9   # within a 2-pixel patch
