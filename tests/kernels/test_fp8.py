@@ -66,6 +66,14 @@ def test_gemm_gaussian_matches_fp32_and_the_kernel_matches_its_reference(gaussia
                              jax.jit(fp8_matmul_reference)(a_odd, b_odd), rtol=1e-5, atol=1e-4)
 
 
+def test_kernel_takes_the_backward_pass_mixed_e5m2_e4m3_operands(gaussian):
+  # dX = dY . W^T: e5m2 gradient tiles against e4m3 weight blocks, as fp8_dot's backward feeds it.
+  a, b = gaussian
+  d_out, w = quantize_blockwise(jnp.asarray(a[:100]), (1, 128), E5M2), quantize_blockwise(jnp.asarray(b))
+  np.testing.assert_allclose(fp8_matmul_pallas(d_out, w, interpret=INTERPRET),
+                             jax.jit(fp8_matmul_reference)(d_out, w), rtol=1e-5, atol=1e-4)
+
+
 @jax.jit
 def _blockwise_and_per_tensor(a, b):
   blockwise = fp8_matmul_reference(quantize_activations(a), quantize_blockwise(b))

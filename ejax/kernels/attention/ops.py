@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from ejax.kernels import platform
 from ejax.kernels.attention import pallas_gpu, xla
 from ejax.kernels.attention.reference import MASK_KINDS, attention_mask, attention_reference
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
@@ -78,8 +79,8 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 def _cudnn_attention(q, k, v, scale: float, **mask_kwargs):
-  if jax.default_backend() != "gpu":
-    raise ValueError(f"attention impl='cudnn' needs a GPU, the backend is {jax.default_backend()!r}; "
+  if not platform.on_gpu():
+    raise ValueError(f"attention impl='cudnn' needs a GPU, the backend is {platform.target_backend()!r}; "
                      "use impl='auto'")
   batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
   mask = attention_mask(q_len, kv_len, batch=batch, **mask_kwargs)
@@ -95,7 +96,7 @@ def choose_impl(q, k, impl: str = "auto") -> str:
     raise ValueError(f"attention impl={impl!r} is not one of {IMPLS}")
   if impl != "auto":
     return impl
-  if jax.default_backend() == "gpu":
+  if platform.on_gpu():
     return "pallas" if pallas_gpu.supports(q, k) else "xla"
   return "reference" if q.shape[1] * k.shape[1] <= _TINY_PAIRS else "xla"
 
@@ -142,7 +143,7 @@ def flash_attention(
 
   mask, ordered = normalise_mask(batch, q_len, kv_len, mask_kind, q_segment_ids, kv_segment_ids,
                                  q_positions, kv_positions, q_block_ids, kv_block_ids)
-  on_gpu = jax.default_backend() == "gpu"
+  on_gpu = platform.on_gpu()
   if block_sizes is None:
     if impl == "pallas":
       block_sizes = GPU_BLOCK_SIZES

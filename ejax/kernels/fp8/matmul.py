@@ -7,7 +7,8 @@ is how DeepSeek-V3 keeps block-wise scaling exact across k (a single fp8 dot ove
 only apply one scale). `a` is usually activations (1x128 tiles), `b` weights (128x128 blocks).
 
 The Pallas kernel (Triton lowering) runs one (block_m x 128) output tile per program and loops over
-k; `fp8_matmul_reference` is its specification.
+k; `fp8_matmul_reference` is its specification. Operands of two formats (the backward GEMMs' e5m2
+gradients against e4m3) run as an fp16 dot of the same values: exact, at fp16 tensor-core speed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ejax.kernels import platform
 from ejax.kernels.fp8.quantize import Fp8Tensor
 
 IMPLS = ("auto", "reference", "pallas")
@@ -67,7 +69,12 @@ def _kernel(a_ref, b_ref, a_scale_ref, b_scale_ref, out_ref, *, block_k: int):
 
   def k_block(i, acc):
     ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-    partial = pl.dot(a_ref[:, ks], b_ref[ks, :])  # fp8 x fp8, fp32 accumulation
+    a_blk, b_blk = a_ref[:, ks], b_ref[ks, :]
+    if a_blk.dtype != b_blk.dtype:
+      # The backward GEMMs mix e5m2 (dY) with e4m3, and the Triton lowering takes one element type
+      # per dot: both formats embed exactly in fp16, so this dot gives the same sums at fp16 speed.
+      a_blk, b_blk = a_blk.astype(jnp.float16), b_blk.astype(jnp.float16)
+    partial = pl.dot(a_blk, b_blk)  # fp32 accumulation
     return acc + partial * a_scale_ref[i, :][:, None] * b_scale_ref[i, :][None, :]
 
   acc = lax.fori_loop(0, a_ref.shape[1] // block_k, k_block,
@@ -108,7 +115,7 @@ def fp8_matmul(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.float32, *, impl: str =
   """a @ b on block-quantised operands. impl "auto": the Pallas kernel on GPU, else the reference."""
   if impl not in IMPLS:
     raise ValueError(f"fp8_matmul impl={impl!r} is not one of {IMPLS}")
-  on_gpu = jax.default_backend() == "gpu"
+  on_gpu = platform.on_gpu()
   if impl == "auto":
     impl = "pallas" if on_gpu else "reference"
   if impl == "reference":
