@@ -1,0 +1,81 @@
+"""The whole GR00T-N1.5 and pi0.5 train steps and policy inference lower for CUDA on this CPU-only
+machine at runlocal size, with every attention on the Pallas kernel and GR00T's DiT feed-forward
+on the FP8 GEMM (tests/cuda_lowering.py): no jnp/XLA stand-in is traced anywhere in them.
+
+pi0.5 has no FP8 switch (config.model.fp8 is GR00T's DiT only).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ejax.models.registry import get_model_spec
+from ejax.parallel import make_mesh
+from ejax.parallel.data import batch_sharding
+from ejax.train.optim import make_optimizer
+from ejax.train.state import abstract_train_state, model_parts
+from ejax.train.step import jit_train_step, make_train_step
+from tests.cuda_lowering import TRITON, custom_calls, forbid_fallbacks, lower_for_cuda, triton_kernels  # noqa: F401
+from tests.train.helpers import load_config
+
+ATTENTION = {"ejax_varlen_attention_fwd"}
+ATTENTION_GRAD = ATTENTION | {"ejax_varlen_attention_dq", "ejax_varlen_attention_dkv"}
+FP8 = {"ejax_fp8_blockwise_matmul"}
+# config path -> (overrides, kernels the train step must call, kernels sampling must call)
+MODELS = {
+    "configs/groot.py": (dict(fp8=True), ATTENTION_GRAD | FP8, ATTENTION | FP8),
+    "configs/pi05.py": (dict(attention_impl="pallas"), ATTENTION_GRAD, ATTENTION),
+}
+BATCH = 4
+
+
+def _config(path):
+  config = load_config(path, "runlocal")
+  config.model.update(MODELS[path][0])
+  return config
+
+
+def _abstract_batch(config, mesh=None, rules=()):
+  example = get_model_spec(config.model.name).example_batch(config.model, BATCH, 0)
+  sharding = lambda v: batch_sharding(mesh, rules, v.ndim, leading=v.shape[0]) if mesh else None
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding(v))
+          for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
+
+
+@pytest.mark.parametrize("path", MODELS)
+def test_train_step_lowers_with_the_gpu_kernels(forbid_fallbacks, path):
+  # The trainer's own step (ejax/train/step.py) with its shardings, on a one-device mesh.
+  config = _config(path)
+  mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  rules = [tuple(rule) for rule in config.sharding_rules]
+  tx, schedule = make_optimizer(config.train)
+  abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  batch = _abstract_batch(config, mesh, rules)
+  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train),
+                        shardings, {k: v.sharding for k, v in batch.items()}, mesh)
+  with mesh:
+    module = lower_for_cuda(step, state, batch)
+  assert set(custom_calls(module)) == {TRITON}
+  assert set(triton_kernels(module)) == MODELS[path][1]
+
+
+@pytest.mark.parametrize("path", MODELS)
+def test_sample_actions_lowers_with_the_gpu_kernels(forbid_fallbacks, path):
+  # What CheckpointPolicy jits: the restored model's sample_actions over a collated batch.
+  config = _config(path)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: get_model_spec(config.model.name).create(config.model,
+                                                                                              nnx.Rngs(0))))
+  batch = _abstract_batch(config)
+  horizon = config.model.action_horizon
+  action_dim = config.model.get("max_action_dim", config.model.get("action_dim"))
+  noise = jax.ShapeDtypeStruct((BATCH, horizon, action_dim), jnp.float32)
+
+  def sample(state, batch, noise):
+    return nnx.merge(graphdef, state).sample_actions(batch, jax.random.key(0), noise=noise)
+
+  module = lower_for_cuda(jax.jit(sample), state, batch, noise)
+  assert set(custom_calls(module)) == {TRITON}
+  assert set(triton_kernels(module)) == MODELS[path][2]
