@@ -3,7 +3,8 @@ traced for a GPU (ejax.kernels.platform.lowering_for), and readers of the lowere
 
 Lowering is the whole GPU path up to XLA's GPU compiler: Pallas kernels become Triton custom calls
 carrying their Triton IR, cuDNN attention a cuDNN custom call. It does not compile the Triton IR to
-machine code nor run anything, so it proves the programs build, not that they are fast.
+machine code (benchmarks/triton_sm90.py does, with a pip-installed Triton) nor run anything: it
+proves the programs build, not that they are fast.
 """
 
 from __future__ import annotations
@@ -49,31 +50,6 @@ def triton_kernels(module: str) -> collections.Counter:
   """
   return collections.Counter(re.findall(
       r'custom_call @__gpu\$xla\.gpu\.triton\(.*?\bname = "([^"]+)"', module))
-
-
-def triton_ir(module: str) -> dict[str, bytes]:
-  """The serialised Triton IR (MLIR bytecode) of each Triton kernel, by kernel name."""
-  kernels = {}
-  for ir, name in re.findall(r'\bir = "((?:[^"\\]|\\.)*)", name = "([^"]+)"', module):
-    kernels[name] = _unescape_mlir_string(ir)
-  return kernels
-
-
-def _unescape_mlir_string(text: str) -> bytes:
-  # MLIR prints non-printable bytes of a string attribute as \XX (hex) and a backslash as \\.
-  out, i = bytearray(), 0
-  while i < len(text):
-    if text[i] == "\\":
-      if text[i + 1] == "\\":
-        out.append(0x5C)
-        i += 2
-      else:
-        out.append(int(text[i + 1:i + 3], 16))
-        i += 3
-    else:
-      out.extend(text[i].encode("latin-1"))
-      i += 1
-  return bytes(out)
 
 
 @pytest.fixture
