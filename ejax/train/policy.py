@@ -182,3 +182,29 @@ def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool =
   params = state.ema_params if (use_ema and state.ema_params is not None) else state.params
   model = nnx.merge(model_parts(config.model).graphdef, params, state.frozen, state.rest)
   return CheckpointPolicy(model, config, meta.get("norm_stats"))
+
+
+def load_imported_policy(weights_dir: str, config: ConfigDict) -> CheckpointPolicy:
+  """Released weights imported by the convert job (--config.convert.direction=import writes the
+  model's parameters alone: no config, no statistics) as a policy. What a train checkpoint carries
+  comes from `config` instead, as the train job would use it: the model from config.model; cameras,
+  state key, image size and normalisation mode from config.data; the statistics from the stats.json
+  at config.data.stats_path (the stats job writes one; LeRobot datasets ship meta/stats.json)."""
+  from ejax.data.stats import load_stats
+  from ejax.models.io.convert import restore_params
+  mode, stats_path = config.data.get("normalization", "none"), config.data.get("stats_path")
+  norm_stats = None
+  if mode != "none":
+    if not stats_path or not os.path.isfile(stats_path):
+      missing = f"data.stats_path={stats_path} does not exist" if stats_path else "no data.stats_path is set"
+      raise CheckpointError(f"imported weights {weights_dir} carry no normalisation statistics and {missing}: pass "
+                            "--config.data.stats_path=<stats.json> (the stats job writes one; a LeRobot dataset has "
+                            "meta/stats.json), or data.normalization=none")
+    norm_stats = load_stats(stats_path)
+  try:
+    model = restore_params(config.model, weights_dir)
+  except (ValueError, KeyError, TypeError) as error:
+    reason = " ".join(str(error).split()).split(". ")[0][:200]  # orbax goes on to list every key
+    raise CheckpointError(f"weights in {weights_dir} do not fit config.model ({config.model.name}): {reason}; serve "
+                          "them with the model config they were imported with", kind="layout") from None
+  return CheckpointPolicy(model, config, norm_stats)
