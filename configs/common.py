@@ -81,10 +81,15 @@ def base_config() -> ConfigDict:
 
 
 def serve_defaults() -> ConfigDict:
-  """Job `serve` (ejax/serve/server.py, README "Deploy"): a train-job checkpoint behind openpi's
-  websocket protocol, concurrent clients batched on the device."""
+  """Job `serve` (ejax/serve/server.py, README "Deploy"): a policy behind openpi's websocket
+  protocol, concurrent clients batched on the device. serve.checkpoint is any of (ejax/serve/load.py
+  tells them apart on disk): a train job's <workdir>/checkpoints; an rl job's <workdir>/rl_checkpoints
+  of a GR00T actor (state-based actors are refused: they read privileged simulator state); or weights
+  imported by the convert job, built from this config's model and data with the statistics at
+  data.stats_path. A workdir holding checkpoints/ or rl_checkpoints/ stands for it."""
   return ConfigDict(dict(
-      checkpoint="",              # a train job's checkpoint directory; "": <workdir>/checkpoints
+      checkpoint="",              # train checkpoints, rl_checkpoints or imported weights; "": the workdir's
+      version=-1,                 # the train step or RL version to serve (-1: the newest)
       host="127.0.0.1",           # any other address (0.0.0.0: every interface) needs api_key
       port=8000,                  # openpi's default; 0 picks a free port
       api_key="",                 # clients send "Authorization: Api-Key <key>"; others are refused

@@ -3,6 +3,10 @@
     python -m ejax.main --config=configs/groot.py:runlocal --config.job=serve \
         --config.serve.checkpoint=runs/groot_runlocal/checkpoints
 
+serve.checkpoint may also be an RL job's rl_checkpoints of a GR00T actor (serve.version picks the
+version) or released weights imported by the convert job (with the config's data.stats_path):
+ejax/serve/load.py tells them apart by what is on disk.
+
 Any client written against `openpi_client.websocket_client_policy.WebsocketClientPolicy` drives it
 unchanged. Per connection:
   1. the server sends its metadata (msgpack): the observation keys with shapes and dtypes
@@ -24,7 +28,6 @@ import asyncio
 import hmac
 import http
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -176,34 +179,22 @@ class PolicyServer:
     return wire.packb({"actions": result["actions"], "server_timing": timing})
 
 
-def load_served_policy(serve_config, workdir: str):
-  """The policy job `serve` serves: a train-job checkpoint through the eval job's loader, with its
-  weights optionally turned into block-FP8 values."""
-  from ejax.rl.inference import inference_weights
-  from ejax.train.policy import load_policy
-  checkpoint = serve_config.checkpoint or os.path.join(workdir, "checkpoints")
-  policy = load_policy(checkpoint)
-  transform = inference_weights(serve_config.weights, setting="serve.weights")
-  if transform is not None:
-    policy.map_weights(transform)
-  return policy, checkpoint
-
-
 def run_job(config, workdir: str) -> None:
   serve = config.serve
   check_binding(serve.host, serve.api_key)  # before minutes of loading and compiling
   from ejax.config.runtime import enable_compilation_cache
   enable_compilation_cache(config.get("compilation_cache_dir"))  # a restarted server skips compiling
-  policy, checkpoint = load_served_policy(serve, workdir)
+  from ejax.serve.load import load_served_policy
+  policy, source = load_served_policy(config, workdir)
   server = PolicyServer(policy, host=serve.host, port=int(serve.port), api_key=serve.api_key,
                         max_batch=int(serve.max_batch), max_wait_ms=float(serve.max_wait_ms),
                         max_message_bytes=int(serve.max_message_bytes), seed=int(serve.seed),
-                        info={"checkpoint": os.path.abspath(checkpoint), "model": str(policy.config.model.name),
-                              "weights": serve.weights})
+                        info={"checkpoint": source.path, "checkpoint_kind": source.kind, "version": source.version,
+                              "model": str(policy.config.model.name), "weights": serve.weights})
   if serve.warmup:
     server.batcher.warmup()
   keys = ", ".join(f"{key} {field.describe()}" for key, field in server.spec.fields.items())
-  print(f"serving {checkpoint} (expects {keys})", flush=True)
+  print(f"serving {source.kind} {source.path} (expects {keys})", flush=True)
   server.start()
   print(f"ready on ws://{serve.host}:{server.port}", flush=True)
   try:
