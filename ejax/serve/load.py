@@ -38,7 +38,7 @@ STATE_BASED_KINDS = ("mlp_flow", "tiny_flow")
 class Source:
   kind: str              # TRAIN | RL | IMPORTED
   path: str              # the checkpoints / rl_checkpoints / imported weights directory
-  version: int | None    # the train step or RL version (None: the newest; imported weights have none)
+  version: int | None    # the train step or RL version (imported weights have none)
 
 
 def _numbered(path: str) -> list[int]:
@@ -61,7 +61,7 @@ def _kind_of(path: str) -> str | None:
 
 
 def find_source(path: str, version: int = -1) -> Source:
-  """The Source `path` holds (see the module docstring); version -1: the newest step / version.
+  """The Source `path` holds (see the module docstring); version -1 picks the newest step / version.
   Anything else is a CheckpointError naming the path and the accepted kinds."""
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.exists(path):
@@ -89,7 +89,7 @@ def find_source(path: str, version: int = -1) -> Source:
   if chosen is not None and chosen not in saved:
     what = "step" if kind == TRAIN else "version"
     raise CheckpointError(f"{path} holds no {what} {chosen}; saved: {saved}")
-  return Source(kind, path, chosen)
+  return Source(kind, path, saved[-1] if chosen is None else chosen)
 
 
 def load_rl_groot_policy(directory: str, version: int | None = None):

@@ -105,7 +105,7 @@ def imported(groot_checkpoint, sft_policy, tmp_path_factory):
 def test_an_rl_version_of_a_groot_actor_is_served_like_its_train_checkpoint(rl_run, sft_policy):
   directory, flow_policy, params = rl_run
   policy, source = load_served_policy(serve_config(directory), workdir="/nonexistent")
-  assert (source.kind, source.path, source.version) == ("rl", directory, None)
+  assert (source.kind, source.path, source.version) == ("rl", directory, RL_VERSION)
   obs = observations(2, seed=11)
   rng = jax.random.key(5)
   # EvalPolicy (the RL and eval jobs' way of acting) draws its noise [n, horizon, max_action_dim] from rng.
