@@ -84,8 +84,9 @@ def get_config(arg: str | None = None):
     if args.task not in registry.list_tasks():
       raise ConfigError(f"rl_vla3 task={args.task!r} is not a registered ejax.sim task; "
                                f"use one of {registry.list_tasks()} or point_reach")
-    # MJX physics in the env shards (jit + vmap); demos and judging run batched on the native backend.
-    rl.env = ConfigDict(dict(name=args.task, kwargs={}, demo_backend="native"))
+    # Native MuJoCo physics in the env shards, the demos and the judging: several times faster than
+    # MJX on a CPU ("mjx": jit + vmap of the pure env, the GPU-batched choice).
+    rl.env = ConfigDict(dict(name=args.task, kwargs={}, backend="native", demo_backend="native"))
     # 11-d proprioception + 7-d object state in, [dx, dy, dz, gripper] chunks out; global task ids.
     rl.policy = ConfigDict(dict(kind="mlp_flow", state_dim=18, action_dim=4, horizon=4,
                                 num_tasks=len(registry.list_tasks()), num_steps=4, hidden=128, noise_level=0.5))

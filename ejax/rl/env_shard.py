@@ -81,6 +81,45 @@ def env_functions(env, actions_per_step: int, auto_reset: bool) -> tuple[Callabl
   return cache[key]
 
 
+class NativeSimEnv:
+  """An ejax.sim task stepped by native MuJoCo in the env shards (rl.env.backend="native").
+
+  The MJX env is one pure env that every shard jits and vmaps; native physics keeps one MjData per
+  env, so each shard builds its own batch (`functions`). Same tasks, controller and task maths as MJX
+  (ejax.sim.native), several times faster on a CPU, and no MJX solver loop on the learner's host.
+  """
+
+  def __init__(self, task: str, *, cameras: bool = False, image_size=(64, 64), num_threads: int | None = None):
+    self.task, self.cameras, self.image_size, self.num_threads = task, cameras, tuple(image_size), num_threads
+
+  def functions(self, num_envs: int, actions_per_step: int, auto_reset: bool) -> tuple[Callable, Callable]:
+    """(reset(keys [n]) -> state, chunk_step(state, chunks [n, h, a], keys [n]) -> (state, reward_sum,
+    done, success)) over a new batch of `num_envs` native envs: make_chunk_step's contract."""
+    from ejax.sim.batched import make_batched
+    batch = make_batched(self.task, num_envs, backend="native", cameras=self.cameras, image_size=self.image_size,
+                         num_threads=self.num_threads)
+
+    def reset(keys):
+      return batch.reset(keys=keys)
+
+    def chunk_step(state, chunks, keys):
+      chunks = np.asarray(chunks, np.float32)
+      reward_sum = np.zeros((num_envs,), np.float32)
+      ended, succeeded = np.zeros((num_envs,), bool), np.zeros((num_envs,), bool)
+      for k in range(min(actions_per_step, chunks.shape[1])):
+        next_state = batch.step(state, chunks[:, k])
+        reward_sum += np.where(ended, 0.0, np.asarray(next_state.reward, np.float32))
+        succeeded |= ~ended & np.asarray(next_state.success, bool)
+        state = jax.tree.map(lambda old, new: np.where(ended.reshape(ended.shape + (1,) * (np.ndim(new) - 1)), old, new),
+                             state, next_state)
+        ended |= np.asarray(next_state.done, bool)
+      if auto_reset and ended.any():
+        state = batch.reset(keys=keys, state=state, where=ended)
+      return state, reward_sum, ended, succeeded
+
+    return reset, chunk_step
+
+
 class EnvShard:
   """One thread driving `num_envs` environments through segments of `segment_length` steps.
 

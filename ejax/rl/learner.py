@@ -33,8 +33,14 @@ def _flatten_time(tree: Any) -> Any:
 def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm: str, gamma: float, gae_lambda: float,
                    clip_epsilon: float, behaviour_weight_threshold: float | None, dual_clip: float | None,
                    value_coef: float, num_epochs: int, num_minibatches: int, group_size: int,
-                   normalize_advantages: bool = True, train_actor: bool = True) -> Callable:
+                   normalize_advantages: bool = True, train_actor: bool = True,
+                   target_kl: float | None = None) -> Callable:
   """(params, opt_state, batch, rng) -> (params, opt_state, metrics): one policy version's update.
+
+  target_kl: PPO's early stop. Once a minibatch finds the policy more than target_kl (approx KL)
+  from the proximal policy, that and every later gradient step of this update is skipped
+  (metric "stopped_fraction"). Flow-SDE log-probs are sharp: a few steps too many can move the
+  policy far, and the clip only stops the gradient of samples already outside the trust region.
 
   train_actor=False is the critic warm-up: the same update with the policy loss left out of the
   gradient (it is still reported), so the value head learns the SFT policy's returns before its
@@ -84,18 +90,24 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
       return total, dict(metrics, policy_loss=policy_loss, value_loss=value_error)
 
     def minibatch_step(carry, minibatch):
-      params, opt_state = carry
+      params, opt_state, stopped = carry
       (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, minibatch)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      return (params, opt_state), dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+      updates, new_opt_state = optimizer.update(grads, opt_state, params)
+      new_params = optax.apply_updates(params, updates)
+      if target_kl is not None and train_actor:
+        stopped = stopped | (metrics["approx_kl_proximal"] > target_kl)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(stopped, b, a), new, old)
+        new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+      metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), stopped_fraction=stopped.astype(jnp.float32))
+      return (new_params, new_opt_state, stopped), metrics
 
     def epoch(carry, epoch_rng):
       order = jax.random.permutation(epoch_rng, num_samples)[:minibatch_size * num_minibatches]
       shuffled = jax.tree.map(lambda x: x[order].reshape((num_minibatches, minibatch_size) + x.shape[1:]), samples)
       return jax.lax.scan(minibatch_step, carry, shuffled)
 
-    (params, opt_state), metrics = jax.lax.scan(epoch, (params, opt_state), jax.random.split(rng, num_epochs))
+    (params, opt_state, _), metrics = jax.lax.scan(epoch, (params, opt_state, jnp.zeros((), bool)),
+                                                   jax.random.split(rng, num_epochs))
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics["value_mean"] = jnp.mean(values)
     metrics["advantage_abs_mean"] = jnp.sum(jnp.abs(advantages) * valid) / jnp.maximum(jnp.sum(valid), 1.0)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
@@ -29,7 +30,7 @@ from ejax.parallel import ACT_BATCH, logical_to_spec, make_mesh, tree_shardings
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.coordination import ParamStore, RequestBoard, SegmentTickets
 from ejax.rl.delays import DelaySampler, DelaySpec, delay_spec_from_config
-from ejax.rl.env_shard import EnvShard, env_functions
+from ejax.rl.env_shard import EnvShard, NativeSimEnv, env_functions
 from ejax.rl.inference import InferenceServer, inference_weights
 from ejax.rl.learner import Learner, make_update_fn
 from ejax.rl.timeline import ActivityLog, plot_timeline
@@ -91,6 +92,7 @@ def default_config() -> ConfigDict:
       dual_clip=3.0, value_coef=0.5, num_epochs=2, num_minibatches=4, learning_rate=3e-4, grad_clip_norm=1.0,
       critic_learning_rate=0.0,  # 0: learning_rate; actor and critic are clipped and stepped separately
       critic_warmup_updates=0,   # first updates train only the value head (PPO)
+      target_kl=0.0,             # > 0: skip an update's remaining gradient steps once approx KL exceeds it
       noise_level=0.5,
       # Device indexes; empty / -1 = the default device. Several learner devices form learner_mesh.
       placement=ConfigDict(dict(env_devices=[], inference_device=-1, learner_devices=[],
@@ -116,7 +118,8 @@ class RLPipeline:
   def __init__(self, config: ConfigDict, env, policy, *, checkpoint_dir: str | None = None,
                fault_injector: Callable[[int, int, np.ndarray], np.ndarray] | None = None,
                update_wrapper: Callable[[Callable], Callable] | None = None, sharding_rules=None):
-    """env: pure reset(rng) / step(state, action) (ejax.sim's Env interface), shared by the shards;
+    """env: pure reset(rng) / step(state, action) (ejax.sim's Env interface), shared by the shards,
+    or an ejax.rl.env_shard.NativeSimEnv (native MuJoCo, one batch per shard);
     policy: a FlowPolicy. fault_injector(shard_id, step, reward) -> reward runs after each shard
     step (tests raise from it or return NaNs); update_wrapper wraps the learner's jitted update (tests make it fail); sharding_rules: the
     logical-axis table (config.sharding_rules) for a learner on several devices."""
@@ -157,9 +160,14 @@ class RLPipeline:
     self.segment_queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
 
     delays = shard_delay_specs(config)
-    functions = env_functions(env, config.actions_per_step, auto_reset=config.algorithm != "grpo")
+    auto_reset = config.algorithm != "grpo"
+    if isinstance(env, NativeSimEnv):  # one native batch per shard (each holds its own MjData)
+      functions = lambda shard_id: env.functions(config.envs_per_shard, config.actions_per_step, auto_reset)
+    else:  # one pure env, jitted once and shared by every shard
+      shared = env_functions(env, config.actions_per_step, auto_reset)
+      functions = lambda shard_id: shared
     self.shards = [EnvShard(
-        shard_id, functions, num_envs=config.envs_per_shard, segment_length=config.segment_length,
+        shard_id, functions(shard_id), num_envs=config.envs_per_shard, segment_length=config.segment_length,
         actions_per_step=config.actions_per_step, mode="grpo" if config.algorithm == "grpo" else "gae",
         group_size=config.group_size, tickets=self.tickets, board=self.board, segment_queue=self.segment_queue,
         param_store=self.param_store, delay=DelaySampler(delays[shard_id], config.seed * 1000 + shard_id),
@@ -193,7 +201,8 @@ class RLPipeline:
     hyper = dict(algorithm=config.algorithm, gamma=config.gamma, gae_lambda=config.gae_lambda,
                  clip_epsilon=config.clip_epsilon, behaviour_weight_threshold=config.behaviour_weight_threshold,
                  dual_clip=config.dual_clip, value_coef=config.value_coef, num_epochs=config.num_epochs,
-                 num_minibatches=config.num_minibatches, group_size=config.group_size, train_actor=train_actor)
+                 num_minibatches=config.num_minibatches, group_size=config.group_size, train_actor=train_actor,
+                 target_kl=config.get("target_kl") or None)
     key = ("update", config.learning_rate, config.critic_learning_rate, config.grad_clip_norm,
            tuple(sorted(hyper.items())))
     if key not in policy.compiled:
@@ -242,6 +251,11 @@ class RLPipeline:
     self.stop.set()
 
   def _on_update(self, version: int, params, opt_state, record: dict) -> None:
+    logging.info("RL update %d: %d episodes ended, success %.3f (with exploration), reward %.3f, approx KL %.3f, "
+                 "clip %.2f, stopped %.2f, value loss %.3g, lag max %d", version, record["episodes"],
+                 record["success_rate"], record["reward_mean"], record.get("approx_kl_behaviour", 0.0),
+                 record.get("clip_fraction", 0.0), record.get("stopped_fraction", 0.0), record.get("value_loss", 0.0),
+                 record["lag_max"])
     every = self.config.checkpoint_every_updates
     if self.checkpointer is not None and every and version % every == 0:
       self.save_checkpoint()

@@ -40,12 +40,17 @@ from ejax.rl.pipeline import RLPipeline
 
 
 def make_env(env_config: ConfigDict):
-  """"point_reach" (ejax.rl.point_env) or any task name of ejax.sim.registry."""
+  """"point_reach" (ejax.rl.point_env) or any task name of ejax.sim.registry, with MJX physics
+  (backend "mjx": one pure env the shards jit) or native MuJoCo (backend "native": ejax.rl.env_shard.NativeSimEnv)."""
   kwargs = dict(env_config.get("kwargs", {}))
   if env_config.name == "point_reach":
     from ejax.rl.point_env import PointReach
     return PointReach(**kwargs)
   from ejax.sim import registry
+  if env_config.get("backend", "mjx") == "native":
+    from ejax.rl.env_shard import NativeSimEnv
+    registry.get_spec(env_config.name)  # an unknown task fails here, before any thread starts
+    return NativeSimEnv(env_config.name, **kwargs)
   return registry.make(env_config.name, **kwargs)
 
 

@@ -105,14 +105,29 @@ class NativeBatchedEnv(BatchedEnv):
     self._map(lambda i: self._caster.cast(i, plan))
     return data, kinematics, self._caster.hits()
 
-  def reset(self, rng: jax.Array) -> env_lib.EnvState:
+  def reset(self, rng: jax.Array | None = None, *, keys: jax.Array | None = None,
+            state: env_lib.EnvState | None = None, where: np.ndarray | None = None) -> env_lib.EnvState:
+    """New episodes from `rng` (split over the envs) or from per-env `keys` [num_envs]. Given `state`
+    and `where` (bool [num_envs]), only the envs where `where` is set start a new episode and the
+    others carry on from `state` (an RL env shard's auto-reset after some episodes end)."""
     reset, _ = _mjx_functions(None)
-    initial = jax.device_get(reset(self._env_keys(rng), jax.tree.map(jnp.asarray, self.task_rows)))
+    keys = self._env_keys(rng) if keys is None else keys
+    initial = jax.device_get(reset(keys, jax.tree.map(jnp.asarray, self.task_rows)))
+    fresh = np.ones((self.num_envs,), bool) if state is None else np.asarray(where, bool)
+    if state is not None:
+      pick = lambda new, old: np.where(fresh.reshape(fresh.shape + (1,) * (np.ndim(new) - 1)), new, np.asarray(old))
+      initial = initial.replace(success=pick(initial.success, state.success), done=pick(initial.done, state.done),
+                                info=jax.tree.map(pick, initial.info, state.info))
     geom_size = np.asarray(initial.info["geom_size"], np.float64)
     geom_rgba = np.asarray(initial.info["geom_rgba"], np.float32)
 
     def load(i):
       model, data = self._models[i], self._datas[i]
+      if not fresh[i]:  # carries on: its MjData holds exactly the state's physics
+        for field in _PHYSICS_FIELDS:
+          getattr(data, field)[:] = state.data[field][i]
+        mujoco.mj_kinematics(model, data)
+        return
       model.geom_size[:] = geom_size[i]
       model.geom_rgba[:] = geom_rgba[i]  # so MuJoCo's own renderer shows this episode's colours
       mujoco.mj_resetData(model, data)
