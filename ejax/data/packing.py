@@ -340,3 +340,38 @@ def vla_length_mix(num_samples: int, seed: int = 0) -> np.ndarray:
   cameras = rng.integers(1, 4, num_samples)
   instruction = rng.integers(8, 97, num_samples)
   return cameras * 64 + instruction + 1 + 16
+
+
+def collate_per_shard(collate: Callable[[list], dict], shards: int) -> Callable[[list], dict]:
+  """`collate` applied to each of `shards` equal runs of a batch's samples, the results concatenated.
+
+  The trainer splits each process's batch over its devices (the ACT_BATCH mesh axes): packed per
+  device, every sample's rows and image slots lie on the sample's own device, so the model indexes
+  them locally (ejax.parallel.shard_local) instead of gathering the global batch onto each device.
+  Model collates write sample -> row indices relative to each sample's home row, so concatenated
+  batches stay valid (as processes' batches do in a multi-host global batch).
+  """
+  if shards <= 1:
+    return collate
+
+  def per_shard(samples: list) -> dict:
+    if len(samples) % shards:
+      raise BatchError(f"a batch of {len(samples)} samples does not split over the {shards} devices that "
+                       f"hold this process's share: make the batch a multiple of {shards}")
+    size = len(samples) // shards
+    return concatenate_batches([collate(samples[i * size:(i + 1) * size]) for i in range(shards)])
+
+  return per_shard
+
+
+def concatenate_batches(parts: Sequence[Mapping[str, Any]]) -> dict:
+  """Batches joined along their leading axis (arrays and lists; other values from the first)."""
+  out = {}
+  for key, value in parts[0].items():
+    if isinstance(value, np.ndarray) and value.ndim:
+      out[key] = np.concatenate([part[key] for part in parts])
+    elif isinstance(value, list):
+      out[key] = [item for part in parts for item in part[key]]
+    else:
+      out[key] = value
+  return out

@@ -24,6 +24,7 @@ from ejax.kernels.attention import attention
 from ejax.models import layers
 from ejax.parallel import constrain
 from ejax.parallel.axes import ACT_BATCH, ACT_EMBED, ACT_LEN, EMBED, IN_FEATURES, MLP
+from ejax.parallel.shard_local import take_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +125,11 @@ class TransformerBlock(nnx.Module):
     h = self._norm1(x, temb)
     if self.is_cross:
       q = self.attn1.q_proj(h)
-      k = self.attn1.k_proj(vl_tokens)[sample_row]          # one projection per row, gathered per sample
-      v = self.attn1.v_proj(vl_tokens)[sample_row]
+      # One projection per row, gathered per sample on the sample's own device (shard_local).
+      k = take_rows(self.attn1.k_proj(vl_tokens), sample_row)
+      v = take_rows(self.attn1.v_proj(vl_tokens), sample_row)
       q_segments = jnp.broadcast_to(sample_segment[:, None], h.shape[:2])
-      out = attention(q, k, v, q_segment_ids=q_segments, kv_segment_ids=vl_segment_ids[sample_row])
+      out = attention(q, k, v, q_segment_ids=q_segments, kv_segment_ids=take_rows(vl_segment_ids, sample_row))
       attn_out = self.attn1.o_proj(out)
     else:
       attn_out = self.attn1(h, q_segment_ids=segment_ids)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ejax.models import layers
-from ejax.parallel.axes import EMBED, EMBODIMENT, IN_FEATURES, MLP
+from ejax.parallel import constrain
+from ejax.parallel.axes import ACT_BATCH, EMBED, EMBODIMENT, IN_FEATURES, MLP
 
 
 class CategorySpecificLinear(nnx.Module):
@@ -29,8 +30,12 @@ class CategorySpecificLinear(nnx.Module):
     self.b = layers.make_param(rngs, layers.ZEROS, (num_categories, out_features), (EMBODIMENT, axes[1]), param_dtype)
 
   def __call__(self, x: jax.Array, category_ids: jax.Array) -> jax.Array:
-    w = jnp.take(self.W[...], category_ids, axis=0).astype(self.dtype)   # [n, in, out]
-    b = jnp.take(self.b[...], category_ids, axis=0).astype(self.dtype)   # [n, out]
+    # Each sample's table lives with the sample (batch-sharded): XLA gathers the FSDP-sharded tables
+    # whole, as it gathers any weight, and takes each device's samples' ones locally. Left to itself
+    # it kept the tables' FSDP sharding on the taken copies and gathered the activations of the whole
+    # global batch onto every device instead (GBs per device at 1,024 devices).
+    w = constrain(jnp.take(self.W[...], category_ids, axis=0).astype(self.dtype), (ACT_BATCH, None, None))  # [n, in, out]
+    b = constrain(jnp.take(self.b[...], category_ids, axis=0).astype(self.dtype), (ACT_BATCH, None))  # [n, out]
     return jnp.einsum("nli,nio->nlo", x.astype(self.dtype), w) + b[:, None, :]
 
 

@@ -32,6 +32,7 @@ from ejax.models.qwen3 import Qwen3, Qwen3Config
 from ejax.models.registry import ModelSpec
 from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
 from ejax.parallel.axes import EMBED, IN_FEATURES, MLP
+from ejax.parallel.shard_local import take_rows
 
 # Parameter path prefixes of each reported component (ejax.models.summary).
 COMPONENTS = {
@@ -206,7 +207,7 @@ class GrootBackbone(nnx.Module):
       index = image_token_indices(batch, image_tokens.shape[1], xp=jnp)
       is_image = batch["vl_tokens"] == self.image_token_id
       index = jnp.clip(jnp.where(is_image, index, 0), 0, flat.shape[0] - 1)
-      embeddings = jnp.where(is_image[..., None], jnp.take(flat, index, axis=0), embeddings)
+      embeddings = jnp.where(is_image[..., None], take_rows(flat, index), embeddings)
     return self.llm(embeddings, batch["vl_segment_ids"], batch["vl_positions"])
 
 

@@ -34,6 +34,7 @@ from ejax.models import flow, gemma, layers, pi05_inputs
 from ejax.models.registry import ModelSpec
 from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
 from ejax.parallel import axes as ax
+from ejax.parallel.shard_local import set_rows, take_rows
 
 # Parameter path prefixes per reported component (ejax.models.summary).
 COMPONENTS = {
@@ -145,7 +146,7 @@ class Pi05(nnx.Module):
     is_image = batch["prefix_is_image"]
     index = pi05_inputs.image_token_indices(batch, patches, xp=jnp)
     index = jnp.clip(jnp.where(is_image, index, 0), 0, image_tokens.shape[0] - 1)
-    x = jnp.where(is_image[..., None], jnp.take(image_tokens, index, axis=0).astype(dtype), text)
+    x = jnp.where(is_image[..., None], take_rows(image_tokens, index).astype(dtype), text)
     segment_ids = batch["prefix_segment_ids"]
     # ar flag 0 everywhere: the prefix is one bidirectional block (block id 0).
     return gemma.Stream(x=x, positions=batch["prefix_positions"], segment_ids=segment_ids,
@@ -167,10 +168,10 @@ class Pi05(nnx.Module):
     tokens = self.action_in_proj(noisy_actions.astype(dtype))  # [n, H, W]
     cond = time_embedding(t, tokens.shape[-1]).astype(dtype)
     cond = jax.nn.swish(self.time_mlp_out(jax.nn.swish(self.time_mlp_in(cond))))  # [n, W]
-    sample_row, sample_slot = pi05_inputs.sample_rows(batch, xp=jnp), batch["sample_slot"]
+    slot = pi05_inputs.sample_rows(batch, xp=jnp) * slots + batch["sample_slot"]  # [n] into rows x slots
     width = tokens.shape[-1]
-    x = jnp.zeros((rows, slots, horizon, width), dtype).at[sample_row, sample_slot].set(tokens)
-    slot_cond = jnp.zeros((rows, slots, width), dtype).at[sample_row, sample_slot].set(cond)
+    x = set_rows(jnp.zeros((rows * slots, horizon, width), dtype), slot, tokens)
+    slot_cond = set_rows(jnp.zeros((rows * slots, width), dtype), slot, cond).reshape(rows, slots, width)
     segment_ids = batch["suffix_segment_ids"]
     # ar flag 1 on each chunk's first token: the prefix (block 0) cannot see it, it sees the prefix.
     # The prefix's flags are all 0, so the running sum over [prefix | suffix] restarts at the suffix:
@@ -183,8 +184,8 @@ class Pi05(nnx.Module):
 
   def _velocity_from_suffix(self, batch, suffix_out: jax.Array) -> jax.Array:
     rows, slots, horizon = self._suffix_layout(batch)
-    sample_row = pi05_inputs.sample_rows(batch, xp=jnp)
-    out = suffix_out.reshape(rows, slots, horizon, -1)[sample_row, batch["sample_slot"]]
+    slot = pi05_inputs.sample_rows(batch, xp=jnp) * slots + batch["sample_slot"]
+    out = take_rows(suffix_out.reshape(rows * slots, horizon, -1), slot)
     return self.action_out_proj(out).astype(jnp.float32)  # [n, H, A]
 
   # -- the registry interface -------------------------------------------------------------------

@@ -38,6 +38,12 @@ def process_batch_size(global_batch_size: int, mesh: Mesh, rules: Rules) -> int:
   return global_batch_size // count
 
 
+def process_batch_shards(mesh: Mesh, rules: Rules) -> int:
+  """Into how many devices' shards this process's batch is split (each packed on its own)."""
+  ways, count = _batch_ways(mesh, rules), jax.process_count()
+  return ways // count if ways % count == 0 else 1
+
+
 def _batch_ways(mesh: Mesh, rules: Rules) -> int:
   spec = logical_to_spec((ACT_BATCH,), rules, mesh=mesh)
   axes = spec[0] if spec else None

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
+from ejax.data.packing import collate_per_shard
 from ejax.errors import UserError
 from ejax.models.registry import get_model_spec
 
@@ -42,25 +43,29 @@ class StackedMicroBatches:
     return getattr(self.iterator, name)
 
 
-def make_input(config: ConfigDict, *, local_batch_size: int) -> Any:
+def make_input(config: ConfigDict, *, local_batch_size: int, shards: int = 1) -> Any:
   """An iterator of process-local numpy batches with get_state()/set_state() for checkpoints.
 
   With train.grad_accum_steps = k > 1, each element holds k micro-batches stacked: [k, ...].
+  `shards`: the devices this process's batch is split over; a packing model's collate packs each
+  device's samples into its own rows (ejax.data.packing.collate_per_shard).
   """
   accum = config.train.grad_accum_steps
   if local_batch_size % accum:
     raise UserError(f"this process's batch of {local_batch_size} samples does not split into "
                     f"train.grad_accum_steps={accum} micro-batches: make the batch a multiple")
-  iterator = _make_source(config, local_batch_size=local_batch_size // accum)
+  iterator = _make_source(config, local_batch_size=local_batch_size // accum, shards=shards)
   return StackedMicroBatches(iterator, accum) if accum > 1 else iterator
 
 
-def _make_source(config: ConfigDict, *, local_batch_size: int) -> Any:
+def _make_source(config: ConfigDict, *, local_batch_size: int, shards: int = 1) -> Any:
   data = config.data
   name = data.get("name", "synthetic")
   spec = get_model_spec(config.model.name)
   # The model's input assembly (tokenisation, packing); None stacks the per-sample fields.
   collate = spec.make_collate(config.model, data) if spec.make_collate else None
+  if collate is not None:
+    collate = collate_per_shard(collate, shards)
   if name == "synthetic":
     from ejax.data import synthetic
     return synthetic.make_iterator(config.model, data, batch_size=local_batch_size, seed=config.seed,

@@ -22,6 +22,7 @@ from ml_collections import ConfigDict
 from ejax.checkpoint import Checkpointer, abstract_target
 from ejax.config.runtime import enable_compilation_cache
 from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
+from ejax.parallel.data import process_batch_shards
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
 from ejax.errors import UserError
@@ -108,7 +109,9 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
                  if config.checkpoint.resume else None)
   changes = resume.check(checkpointer, resume_step, config) if resume_step is not None else []
   stop.phase = "reading the dataset"
-  data_iter = make_input(config, local_batch_size=local_batch_size)
+  # Each device's samples are packed into its own rows, so the model indexes them without
+  # gathering the global batch (ejax/parallel/shard_local.py).
+  data_iter = make_input(config, local_batch_size=local_batch_size, shards=process_batch_shards(mesh, rules))
   if hasattr(data_iter, "close"):
     cleanup.push(_closing(data_iter.close))
   pretrained_vision = None

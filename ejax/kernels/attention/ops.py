@@ -19,12 +19,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ejax.kernels import platform
 from ejax.kernels.attention import pallas_gpu, xla
 from ejax.kernels.attention.reference import MASK_KINDS, attention_mask, attention_reference
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           BlockSizes, MaskInputs, normalise_mask, pad_to_blocks)
+from ejax.parallel.axes import ACT_BATCH, ACT_HEADS
+from ejax.parallel.rules import current_context, logical_to_spec
 
 IMPLS = ("auto", "reference", "xla", "pallas", "cudnn")
 # Below this many (query, key) pairs per head the dense reference is the fastest path off GPU.
@@ -178,7 +181,42 @@ def attention(
   q [batch, q_len, q_heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim]. The semantics are
   reference.py's; `impl` picks the implementation (module docstring). Returns q's shape and dtype.
   """
-  return flash_attention(
-      q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, mask_kind=mask_kind,
-      q_positions=q_positions, kv_positions=kv_positions, q_block_ids=q_block_ids,
-      kv_block_ids=kv_block_ids, scale=scale, impl=impl)
+  rows = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_positions=q_positions,
+              kv_positions=kv_positions, q_block_ids=q_block_ids, kv_block_ids=kv_block_ids)
+  rows = {name: value for name, value in rows.items() if value is not None}
+  run = functools.partial(flash_attention, mask_kind=mask_kind, scale=scale, impl=impl)
+  return _per_shard(lambda q, k, v, rows: run(q, k, v, **rows), q, k, v, rows)
+
+
+def _four(spec: P) -> tuple:
+  return tuple(spec) + (None,) * (4 - len(spec))
+
+
+def _per_shard(run, q, k, v, rows):
+  """run(q, k, v, rows) on each device's rows (and heads) when a sharding context is active.
+
+  Attention is independent per batch row, but neither its loops (the XLA path's data-dependent
+  tile loops) nor its custom calls (Pallas, cuDNN) say so to XLA's SPMD partitioner, which then
+  gathers q, k and v of the whole global batch onto every device and computes all of it there.
+  Under jax.shard_map each device attends its own rows: batch over the ACT_BATCH mesh axes, heads
+  over ACT_HEADS's where both q's and k's head counts split (k and v stay whole for one kv head).
+  """
+  context = current_context()
+  if context is None:
+    return run(q, k, v, rows)
+  mesh, rules = context
+  names = (ACT_BATCH, None, ACT_HEADS, None)
+  q_spec = _four(logical_to_spec(names, rules, shape=q.shape, mesh=mesh))
+  k_spec = _four(logical_to_spec(names, rules, shape=k.shape, mesh=mesh))
+  heads = kv_heads = q_spec[2]
+  if k.shape[2] == 1:
+    kv_heads = None  # one kv head (MQA): every device's query heads read it whole
+  elif k_spec[2] != heads:
+    heads = kv_heads = None  # grouped heads that do not split alike: keep the heads whole
+  q_spec = (q_spec[0], None, heads, None)
+  kv_spec = (q_spec[0], None, kv_heads, None)
+  if q_spec == (None,) * 4:
+    return run(q, k, v, rows)
+  row_spec = P(q_spec[0])
+  return jax.shard_map(run, mesh=mesh, in_specs=(P(*q_spec), P(*kv_spec), P(*kv_spec), {n: row_spec for n in rows}),
+                       out_specs=P(*q_spec))(q, k, v, rows)
