@@ -321,8 +321,11 @@ def run_block(block: nnx.Module, *args, remat: str = "none", **kwargs):
 
   The block is closed over rather than passed through nnx.remat: nnx.remat splits and merges the
   module, which fails inside a sampling loop (lax.fori_loop) that reads it from an outer trace.
+  Blocks run in a Python loop, not a scan, so the recomputation keeps jax.checkpoint's guard against
+  common-subexpression elimination: without it XLA merged each recomputed forward with the stored
+  one and kept every block's activations (pi0.5's trained SigLIP: 27 blocks of MLP activations).
   """
   if remat == "none":
     return block(*args, **kwargs)
   from ejax.parallel import remat_policy
-  return jax.checkpoint(lambda *a: block(*a, **kwargs), policy=remat_policy(remat), prevent_cse=False)(*args)
+  return jax.checkpoint(lambda *a: block(*a, **kwargs), policy=remat_policy(remat))(*args)

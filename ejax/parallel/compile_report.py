@@ -27,11 +27,16 @@ import sys
 import time
 from typing import Any
 
+from ejax.parallel import hlo
+
+# XLA:CPU's default scheduler orders independent work for thread parallelism, not memory: it ran
+# all of pi0.5's rematerialised SigLIP forwards before their backwards (108 GB of temporaries per
+# device instead of 43 GB). A GPU schedules under a memory limit; XLA's memory-minimising scheduler is
+# closer to it.
+MEMORY_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
 # Skipping LLVM's expensive passes on the CPU code changes nothing that is reported here (buffer
 # assignment and the partitioned HLO come before code generation) and saves compile time.
 FAST_COMPILE_FLAGS = ("--xla_llvm_disable_expensive_passes=true", "--xla_backend_optimization_level=0")
-NODE_SIZE = 8  # GPUs per node of the simulated cluster (an 8-GPU NVLink domain)
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
 def use_fake_devices(count: int, fast_compile: bool = True) -> None:
@@ -39,8 +44,8 @@ def use_fake_devices(count: int, fast_compile: bool = True) -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
   flags += f" --xla_force_host_platform_device_count={count}"
-  if fast_compile:
-    flags += " " + " ".join(f for f in FAST_COMPILE_FLAGS if f.split("=")[0] not in flags)
+  wanted = MEMORY_FLAGS + (FAST_COMPILE_FLAGS if fast_compile else ())
+  flags += " " + " ".join(f for f in wanted if f.split("=")[0] not in flags)
   os.environ["XLA_FLAGS"] = flags.strip()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -134,146 +139,6 @@ def memory_per_device(compiled) -> dict[str, int]:
   return fields
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
-                "s4": 0.5, "u4": 0.5}
-_SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-
-
-def _shape_bytes(text: str) -> int:
-  """Bytes of every array shape written in `text` (a tuple shape counts each element)."""
-  total = 0
-  for dtype, dims in _SHAPE.findall(text):
-    if dtype not in _DTYPE_BYTES:
-      continue
-    count = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-    total += count * _DTYPE_BYTES[dtype]
-  return int(total)
-
-
-def _replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
-  """The device groups of a collective, from either HLO spelling of replica_groups."""
-  import numpy as np
-  iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attributes)
-  if iota:
-    groups = [int(x) for x in iota.group(1).split(",")]
-    dims = [int(x) for x in iota.group(2).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if iota.group(3):
-      ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
-    return ids.reshape(groups[0], -1).tolist()
-  listed = re.search(r"replica_groups=\{(\{[0-9,\s]*\}(?:,\s*\{[0-9,\s]*\})*)\}", attributes)
-  if listed:
-    return [[int(x) for x in group.split(",") if x.strip()] for group in re.findall(r"\{([0-9,\s]*)\}", listed.group(1))]
-  return [list(range(num_devices))]  # no groups written: every device
-
-
-@dataclasses.dataclass
-class Collective:
-  kind: str          # all-gather | reduce-scatter | all-reduce | ...
-  buffer_bytes: int  # the full buffer per device: gathered output, scattered input, reduced buffer
-  group_size: int
-  crosses_nodes: bool  # a group spans devices of more than one node (NODE_SIZE devices each)
-  count: int         # executions per step (while-loop bodies run their trip count)
-
-  @property
-  def wire_bytes(self) -> float:
-    """Bytes each device sends (ring algorithms): (n-1)/n of the buffer, twice for an all-reduce."""
-    n = self.group_size
-    if n <= 1:
-      return 0.0
-    share = (n - 1) / n * self.buffer_bytes
-    return 2 * share if self.kind == "all-reduce" else share
-
-
-def collectives(hlo_text: str, num_devices: int, node_size: int = NODE_SIZE) -> list[Collective]:
-  """Every collective of a compiled (partitioned) HLO module, with how often one step runs it.
-
-  Computations called from a while loop run its known trip count (XLA writes known_trip_count on
-  loops it can count, e.g. a scan over layers); other called computations (calls, conditionals'
-  branches) run once per call.
-  """
-  bodies: dict[str, list[str]] = {}
-  current = None
-  entry = None
-  for line in hlo_text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header and not line.startswith(" "):
-      current = header.group(1)
-      bodies[current] = []
-      if line.startswith("ENTRY"):
-        entry = current
-      continue
-    if current is not None and line.strip() and line.strip() != "}":
-      bodies[current].append(line)
-  calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
-  for name, lines in bodies.items():
-    for line in lines:
-      trips = 1
-      if " while(" in line:
-        known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-        trips = int(known.group(1)) if known else 1
-      for callee in re.findall(r"(?:body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)", line):
-        if callee in bodies and not any(k in line for k in (" reduce(", " all-reduce(", " reduce-scatter(",
-                                                                 " scatter(", " sort(", " map(", " reduce-window(",
-                                                                 " select-and-scatter(", " all-reduce-start(")):
-          calls[name].append((callee, trips if "body=" in line and f"body=%{callee}" in line or
-                              f"body={callee}" in line else 1))
-      branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-      if branches:
-        calls[name] += [(b.strip().lstrip("%"), 1) for b in branches.group(1).split(",")]
-  multiplicity: dict[str, int] = {}
-
-  def visit(name: str, times: int) -> None:
-    multiplicity[name] = multiplicity.get(name, 0) + times
-    for callee, trips in calls.get(name, ()):
-      visit(callee, times * trips)
-
-  visit(entry or next(iter(bodies)), 1)
-  found: dict[tuple, Collective] = {}
-  for name, lines in bodies.items():
-    times = multiplicity.get(name, 0)
-    if not times:
-      continue
-    for line in lines:
-      match = _INSTRUCTION.match(line)
-      if not match:
-        continue
-      result, op, rest = match.group(2), match.group(3), match.group(4)
-      kind = op.removesuffix("-start")
-      if kind not in COLLECTIVES or op.endswith("-done"):
-        continue
-      operands = rest.split(")", 1)[0]
-      # A reduce-scatter's full buffer is its operand; the others' is their result.
-      buffer = _shape_bytes(operands) if kind == "reduce-scatter" else _shape_bytes(result)
-      if op.endswith("-start") and kind != "reduce-scatter":
-        buffer = _shape_bytes(result) - _shape_bytes(operands) if kind == "all-gather" else _shape_bytes(operands)
-      groups = _replica_groups(rest, num_devices)
-      group = groups[0]
-      crosses = len({device // node_size for device in group}) > 1
-      key = (kind, buffer, len(group), crosses)
-      if key in found:
-        found[key].count += times
-      else:
-        found[key] = Collective(kind, buffer, len(group), crosses, times)
-  return list(found.values())
-
-
-def collective_summary(found: list[Collective]) -> dict[str, dict[str, float]]:
-  """kind -> {count, buffer_bytes, wire_bytes, wire_bytes_inter_node} summed over one step."""
-  summary: dict[str, dict[str, float]] = {}
-  for c in found:
-    row = summary.setdefault(c.kind, dict(count=0, buffer_bytes=0.0, wire_bytes=0.0, wire_bytes_inter_node=0.0))
-    row["count"] += c.count
-    row["buffer_bytes"] += c.count * c.buffer_bytes
-    row["wire_bytes"] += c.count * c.wire_bytes
-    if c.crosses_nodes:
-      row["wire_bytes_inter_node"] += c.count * c.wire_bytes
-  return summary
-
-
 # --- Report ------------------------------------------------------------------------------------
 
 
@@ -319,41 +184,49 @@ def report(config_path: str, mesh_sizes: dict[str, int], per_device_batch: int |
     config.train.grad_accum_steps = grad_accum
   mesh = make_mesh(mesh_sizes)
   batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
-  per_device = per_device_batch or max(1, config.train.global_batch_size // NODE_SIZE)
-  global_batch = per_device * batch_ways
-  step = compile_train_step(config, mesh, global_batch)
-  found = collectives(step.compiled.as_text(), mesh.size)
+  per_device = per_device_batch or max(1, config.train.global_batch_size // hlo.NODE_SIZE)
+  step = compile_train_step(config, mesh, per_device * batch_ways)
+  text = step.compiled.as_text()
+  found = hlo.collectives(text, mesh.size)
   cost = step.compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return dict(
       config=config_path, mesh={k: int(v) for k, v in mesh.shape.items()}, devices=mesh.size,
-      global_batch=global_batch, per_device_batch=per_device, grad_accum_steps=int(config.train.grad_accum_steps),
+      global_batch=per_device * batch_ways, per_device_batch=per_device,
+      grad_accum_steps=int(config.train.grad_accum_steps),
       memory=memory_per_device(step.compiled), state=state_bytes_per_device(step),
-      collectives=collective_summary(found), collective_ops=[dataclasses.asdict(c) for c in found],
-      flops_per_device=float((cost or {}).get("flops", 0.0)),
+      collectives=hlo.collective_summary(found), collective_ops=[dataclasses.asdict(c) for c in found],
+      matmul_flops_per_device=hlo.matmul_flops(text),
+      xla_cost_analysis_flops_per_device=float((cost or {}).get("flops", 0.0)),
       lower_seconds=round(step.lower_seconds, 1), compile_seconds=round(step.compile_seconds, 1),
       jax=jax.__version__)
 
 
+TABLE_HEADER = ("| config | mesh | samples / device | state GiB: params + frozen + Adam + EMA | arguments GiB | "
+                "temporaries GiB | peak GiB | all-gather n / GiB | all-reduce n / GiB | all-to-all n / GiB | "
+                "sent GiB: NVLink / InfiniBand | lower + compile s |\n|" + "---|" * 12)
+
+
 def format_row(result: dict) -> str:
+  """One row of TABLE_HEADER's table (GiB per device; collectives per step)."""
   gib = 2**30
-  m, c = result["memory"], result["collectives"]
+  memory, summary, state = result["memory"], result["collectives"], result["state"]
   mesh = " x ".join(f"{k}={v}" for k, v in result["mesh"].items() if v > 1)
+  samples = str(result["per_device_batch"])
+  if result["grad_accum_steps"] > 1:
+    samples += f" ({result['grad_accum_steps']} x {result['per_device_batch'] // result['grad_accum_steps']})"
 
-  def coll(kind):
-    row = c.get(kind)
-    return f"{int(row['count'])} / {row['buffer_bytes'] / gib:.2f}" if row else "0"
+  def collective(kind):
+    row = summary.get(kind)
+    return f"{int(row['count'])} / {row['buffer_bytes'] / gib:.1f}" if row else "0"
 
-  return (f"| {result['config']} | {mesh} | {result['per_device_batch']} | {m['argument'] / gib:.2f} | "
-          f"{m['output'] / gib:.2f} | {m['temp'] / gib:.2f} | {m['total'] / gib:.2f} | {coll('all-gather')} | "
-          f"{coll('reduce-scatter')} | {coll('all-reduce')} | "
-          f"{sum(r['wire_bytes_inter_node'] for r in c.values()) / gib:.2f} | "
+  sent = sum(r["sent_bytes"] for r in summary.values())
+  inter = sum(r["sent_bytes_inter_node"] for r in summary.values())
+  parts = " + ".join(f"{state[k] / gib:.2f}" for k in ("params", "frozen", "opt_state", "ema_params"))
+  return (f"| {result['config']} | {mesh} | {samples} | {parts} | {memory['argument'] / gib:.1f} | "
+          f"{memory['temp'] / gib:.1f} | {memory['total'] / gib:.1f} | {collective('all-gather')} | "
+          f"{collective('all-reduce')} | {collective('all-to-all')} | {(sent - inter) / gib:.1f} / {inter / gib:.1f} | "
           f"{result['lower_seconds']:.0f} + {result['compile_seconds']:.0f} |")
-
-
-TABLE_HEADER = ("| config | mesh | samples / device | arguments GiB | outputs GiB | temporaries GiB | peak GiB | "
-                "all-gather n / GiB | reduce-scatter n / GiB | all-reduce n / GiB | inter-node GiB sent | "
-                "lower + compile s |\n|" + "---|" * 12)
 
 
 def main(argv=None) -> None:
@@ -373,7 +246,6 @@ def main(argv=None) -> None:
   result = report(path, sizes, args.per_device_batch or None, arg or None, args.grad_accum)
   print(TABLE_HEADER)
   print(format_row(result))
-  print(json.dumps({k: v for k, v in result.items() if k != "collective_ops"}, indent=1))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)

@@ -12,7 +12,8 @@ from ejax.data.packing import collate_per_shard, concatenate_batches
 from ejax.models import groot, pi05
 from ejax.models.registry import get_model_spec
 from ejax.parallel import batch_sharding, make_mesh, sharding_context
-from ejax.parallel.compile_report import collective_summary, collectives, compile_train_step
+from ejax.parallel.compile_report import compile_train_step
+from ejax.parallel.hlo import collective_summary, collectives
 from ejax.parallel.shard_local import set_rows, take_rows
 from tests.train.helpers import load_config
 
