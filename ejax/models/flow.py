@@ -142,17 +142,21 @@ def flow_sde_sample(
     convention: str,
     noise_level: float = 0.5,
     action_mask: jax.Array | None = None,
+    noisy_steps: int = 0,
 ) -> SDESample:
   """Samples with one Gaussian transition at a random step per sample (all others are Euler).
 
   `action_mask` ([n, horizon, dim] or broadcastable, 1 = real) restricts the log-prob to real
-  action entries; padded entries still move but do not count.
+  action entries; padded entries still move but do not count. `noisy_steps` > 0 draws the
+  stochastic step from the first `noisy_steps` steps only: their noise scale is the largest
+  (sigma_tau shrinks with tau), so the log-prob of a chain is less sharp in the policy's
+  parameters and RL's trust region allows larger moves for the same exploration.
   """
   _check(convention)
   velocity = _tau_velocity(velocity_fn, convention)
   n = noise.shape[0]
   step_rng, eps_rng = jax.random.split(rng)
-  step_index = jax.random.randint(step_rng, (n,), 0, num_steps, dtype=jnp.int32)
+  step_index = jax.random.randint(step_rng, (n,), 0, min(noisy_steps or num_steps, num_steps), dtype=jnp.int32)
   eps = jax.random.normal(eps_rng, noise.shape, jnp.float32)
   dt = 1.0 / num_steps
   mask = None if action_mask is None else jnp.broadcast_to(action_mask, noise.shape).astype(jnp.float32)

@@ -348,6 +348,12 @@ class Groot(nnx.Module):
 
   def context(self, batch, rng=None):
     """VL tokens after the action head's VL transformer, and the state token, per sample."""
+    vl, state = self.context_inputs(batch, rng)
+    return vl, self.action_head.state_encoder(state[:, None, :], batch["embodiment_id"])
+
+  def context_inputs(self, batch, rng=None):
+    """(VL tokens after the VL transformer, the state vector the state encoder reads [n, max_state_dim]
+    with the keypoints and the estimate in their slots): everything upstream of the flow."""
     features = self.backbone(batch)
     if not (self.config.tune_llm or self.config.tune_visual):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
@@ -378,8 +384,7 @@ class Groot(nnx.Module):
           estimate = jnp.where(forced[:, None], target, estimate)
       end = state.shape[-1] - keypoint_slots
       state = state.at[:, end - self.config.aux_state_dim:end].add(estimate.astype(state.dtype))
-    state_tokens = self.action_head.state_encoder(state[:, None, :], batch["embodiment_id"])
-    return vl, state_tokens
+    return vl, state
 
   def aux_estimate(self, vl: jax.Array, batch) -> jax.Array:
     """The auxiliary head's estimate [n, aux_state_dim]; with aux_keypoints it reads the instruction

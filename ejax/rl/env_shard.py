@@ -253,7 +253,8 @@ class EnvShard:
       steps.append({"observation": observation, "chain": sample["chain"], "step_index": sample["step_index"],
                     "log_prob": sample["log_prob"], "value": sample["value"],
                     "policy_version": np.full((self.num_envs,), version, np.int32),
-                    "reward": reward.astype(np.float32), "done": done, "success": success, "valid": alive.copy()})
+                    "reward": reward.astype(np.float32), "done": done, "success": success, "valid": alive.copy(),
+                    **({"context": sample["context"]} if "context" in sample else {})})
       if self.mode == "grpo":
         alive &= ~done
 

@@ -53,7 +53,7 @@ def split_rows(result: dict[str, np.ndarray], sizes: list[int]) -> list[dict[str
   """The inverse of concat_rows on a (padded) result: each request's rows, padding dropped."""
   parts, offset = [], 0
   for size in sizes:
-    parts.append({key: value[offset:offset + size] for key, value in result.items()})
+    parts.append(jax.tree.map(lambda value, start=offset: value[start:start + size], result))  # nested: a cached context
     offset += size
   return parts
 

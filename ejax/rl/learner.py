@@ -57,8 +57,9 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
     steps, envs = batch["reward"].shape
     observation = _flatten_time(batch["observation"])
     chain, step_index = _flatten_time(batch["chain"]), _flatten_time(batch["step_index"])
+    context = _flatten_time(batch["context"]) if "context" in batch else None  # an actor's cached context
     valid = batch["valid"].astype(jnp.float32)
-    proximal_log_prob, values = policy.evaluate(params, observation, chain, step_index)
+    proximal_log_prob, values = policy.evaluate(params, observation, chain, step_index, context)
 
     if algorithm == "ppo":
       bootstrap_value = policy.value(params, batch["bootstrap_observation"])
@@ -72,7 +73,7 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
       advantages = jnp.broadcast_to(losses.grpo_advantages(episode_success, group_size=group_size), (steps, envs)) * valid
       returns = jnp.zeros_like(advantages)
 
-    samples = {"observation": observation, "chain": chain, "step_index": step_index,
+    samples = {"observation": observation, "chain": chain, "step_index": step_index, "context": context,
                "behaviour_log_prob": _flatten_time(batch["log_prob"]), "proximal_log_prob": proximal_log_prob,
                "old_value": values, "advantage": advantages.reshape(-1), "return": returns.reshape(-1),
                "valid": valid.reshape(-1)}
@@ -80,7 +81,8 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
     minibatch_size = num_samples // num_minibatches
 
     def loss_fn(params, minibatch):
-      log_prob, value = policy.evaluate(params, minibatch["observation"], minibatch["chain"], minibatch["step_index"])
+      log_prob, value = policy.evaluate(params, minibatch["observation"], minibatch["chain"], minibatch["step_index"],
+                                        minibatch["context"])
       policy_loss, metrics = losses.decoupled_ppo_loss(
           log_prob, minibatch["proximal_log_prob"], minibatch["behaviour_log_prob"], minibatch["advantage"],
           clip_epsilon=clip_epsilon, behaviour_weight_threshold=behaviour_weight_threshold, dual_clip=dual_clip,

@@ -163,11 +163,12 @@ class FlowPolicy:
                convention: str, noise_level: float = 0.5, actor_inputs: ActorInputs = state_and_task,
                action_mask: Any = None, env_actions: Callable[[jax.Array], jax.Array] | None = None,
                trainable: Any = None, observation_keys: tuple[str, ...] = STATE_OBSERVATIONS,
-               observation_prefixes: tuple[str, ...] = ()):
+               observation_prefixes: tuple[str, ...] = (), noisy_steps: int = 0):
     self.graphdef, params = nnx.split(model)
     self.initial_params = params
     self.horizon, self.action_dim, self.num_steps = horizon, action_dim, num_steps
     self.convention, self.noise_level, self.actor_inputs = convention, noise_level, actor_inputs
+    self.noisy_steps = noisy_steps  # > 0: the stochastic step is one of the first noisy_steps (flow_sde_sample)
     self.action_mask = None if action_mask is None else jnp.asarray(action_mask, jnp.float32)
     self.env_actions = env_actions or (lambda actions: actions)
     self.trainable_mask = None if trainable is None else trainable_mask(model, params, trainable)
@@ -186,26 +187,39 @@ class FlowPolicy:
     prepare = getattr(model.actor, "prepare", None)
     return inputs if prepare is None else prepare(*inputs)
 
-  def _velocity_fn(self, model: ActorCritic, observation: dict):
+  def _velocity_fn(self, model: ActorCritic, observation: dict, context: dict | None = None):
+    if context is not None:  # the actor's cached context (see `sample`): the flow alone
+      return lambda x, t: model.actor.velocity_from_context(x, t, context)
     inputs = self.velocity_inputs(model, observation)
     return lambda x, t: model.actor.velocity(x, t, *inputs)
+
+  def caches_context(self, model: ActorCritic | None = None) -> bool:
+    model = model if model is not None else nnx.merge(self.graphdef, self.initial_params)
+    return bool(getattr(model.actor, "cache_context", False))
 
   def _noise(self, rng: jax.Array, observation: dict) -> jax.Array:
     n = observation["observation.state"].shape[0]
     return jax.random.normal(rng, (n, self.horizon, self.action_dim), jnp.float32)
 
   def sample(self, params: Any, observation: dict, rng: jax.Array) -> dict[str, jax.Array]:
+    """An actor with cache_context (a frozen, expensive context: ejax.rl.vla.GrootActor) returns it
+    as "context"; the learner hands it back to `evaluate`, which then runs only the flow."""
     model = nnx.merge(self.graphdef, params)
     noise_rng, sde_rng = jax.random.split(rng)
-    result = flow.flow_sde_sample(self._velocity_fn(model, observation), self._noise(noise_rng, observation),
+    context = model.actor.context(*self.actor_inputs(observation)) if self.caches_context(model) else None
+    result = flow.flow_sde_sample(self._velocity_fn(model, observation, context), self._noise(noise_rng, observation),
                                   self.num_steps, sde_rng, convention=self.convention, noise_level=self.noise_level,
-                                  action_mask=self.action_mask)
-    return {"actions": self.env_actions(result.actions), "chain": result.chain, "step_index": result.step_index,
-            "log_prob": result.log_prob, "value": model.critic(observation)}
+                                  action_mask=self.action_mask, noisy_steps=self.noisy_steps)
+    out = {"actions": self.env_actions(result.actions), "chain": result.chain, "step_index": result.step_index,
+           "log_prob": result.log_prob, "value": model.critic(observation)}
+    if context is not None:
+      out["context"] = context
+    return out
 
-  def evaluate(self, params: Any, observation: dict, chain: jax.Array, step_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def evaluate(self, params: Any, observation: dict, chain: jax.Array, step_index: jax.Array,
+               context: dict | None = None) -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(self.graphdef, params)
-    log_prob = flow.flow_sde_log_prob(self._velocity_fn(model, observation), chain, step_index,
+    log_prob = flow.flow_sde_log_prob(self._velocity_fn(model, observation, context), chain, step_index,
                                       convention=self.convention, noise_level=self.noise_level,
                                       action_mask=self.action_mask)
     return log_prob, model.critic(observation)
@@ -240,10 +254,11 @@ def tiny_flow_policy(model_config, *, rngs: nnx.Rngs, value_hidden: int = 64, no
 
 
 def mlp_flow_policy(*, state_dim: int, action_dim: int, horizon: int, num_tasks: int, num_steps: int,
-                    hidden: int, rngs: nnx.Rngs, convention: str = "groot", noise_level: float = 0.5) -> FlowPolicy:
+                    hidden: int, rngs: nnx.Rngs, convention: str = "groot", noise_level: float = 0.5,
+                    noisy_steps: int = 0) -> FlowPolicy:
   """MlpFlowActor + ValueHead: the CPU-sized flow policy of the RL tests and the `runlocal` run."""
   actor = MlpFlowActor(state_dim=state_dim, action_dim=action_dim, horizon=horizon, num_tasks=num_tasks,
                        hidden=hidden, rngs=rngs)
   critic = ValueHead(state_dim, num_tasks, hidden, rngs)
   return FlowPolicy(ActorCritic(actor, critic), horizon=horizon, action_dim=action_dim, num_steps=num_steps,
-                    convention=convention, noise_level=noise_level)
+                    convention=convention, noise_level=noise_level, noisy_steps=noisy_steps)

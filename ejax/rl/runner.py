@@ -61,7 +61,8 @@ def make_policy(policy_config: ConfigDict, seed: int):
     return policies.mlp_flow_policy(state_dim=policy_config.state_dim, action_dim=policy_config.action_dim,
                                     horizon=policy_config.horizon, num_tasks=policy_config.num_tasks,
                                     num_steps=policy_config.num_steps, hidden=policy_config.hidden, rngs=rngs,
-                                    noise_level=policy_config.noise_level)
+                                    noise_level=policy_config.noise_level,
+                                    noisy_steps=policy_config.get("noisy_steps", 0))
   if policy_config.kind == "tiny_flow":
     from ejax.models.tiny import default_config
     model_config = default_config()

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
+from ejax.models import flow
 from ejax.models import groot as groot_lib
 from ejax.models import groot_inputs
 from ejax.models.qwen_tokenizer import load_tokenizer
@@ -150,15 +151,38 @@ class GrootObservations:
     return actions * self.action_scale + self.action_center
 
 
+# What RL trains when the context is cached (GrootActor(cache_context=True)): the flow part of the
+# action head, downstream of the cached context (and the critic beside it).
+FLOW_PARTS = ("state_encoder", "action_encoder", "action_decoder", "dit", "future_tokens", "position_embedding")
+# The batch entries the DiT reads besides the VL tokens (one sample per row: ejax.rl.vla.GrootObservations).
+_ROW_KEYS = ("vl_tokens", "vl_segment_ids", "embodiment_id", "sample_row_offset", "sample_segment")
+
+
 class GrootActor(nnx.Module):
   """A Groot behind FlowPolicy's actor interface, with the once-per-sample context split out.
 
   prepare(batch) -> (batch, vl, state_tokens): backbone + VL transformer + state encoder;
   velocity(x, t, batch, vl, state_tokens): the DiT only (GR00T time convention).
+
+  cache_context=True (RL trains FLOW_PARTS only): context(batch) returns what the flow reads (VL
+  tokens after the VL transformer, the state vector, the row layout), computed once when the
+  inference server samples and stored with the sample; the learner's log-probs then run only
+  velocity_from_context (state encoder + DiT), never the vision tower or the LLM.
   """
 
-  def __init__(self, groot: groot_lib.Groot):
+  def __init__(self, groot: groot_lib.Groot, cache_context: bool = False):
     self.groot = groot
+    self.cache_context = cache_context
+
+  def context(self, batch: dict) -> dict:
+    vl, state = self.groot.context_inputs(batch)
+    return {"vl": vl, "state": state, **{key: batch[key] for key in _ROW_KEYS}}
+
+  def velocity_from_context(self, noisy_actions: jax.Array, t: jax.Array, context: dict) -> jax.Array:
+    head = self.groot.action_head
+    state_tokens = head.state_encoder(context["state"][:, None, :], context["embodiment_id"])
+    buckets = flow.groot_timestep_buckets(t, self.groot.config.num_timestep_buckets)
+    return head.velocity(noisy_actions, buckets, state_tokens, context["vl"], context)
 
   def prepare(self, batch: dict) -> tuple:
     vl, state_tokens = self.groot.context(batch)  # no rng: no dropout (see the module docstring)
@@ -227,16 +251,25 @@ def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolic
   step = int(policy_config.get("step", -1))
   model, sft = load_sft(policy_config.checkpoint, None if step < 0 else step)
   c = model.config
+  cache = bool(policy_config.get("cache_context", False))
+  if cache or not policy_config.get("train_backbone", True):
+    # RL moves the action head only: the vision tower and LLM (and the keypoint detectors) stay as
+    # SFT left them, and Groot.context stops their gradient, so the learner skips their backward.
+    c.tune_llm, c.tune_visual = False, False
   observations = observations_for(sft, list(policy_config.instructions))
   if observations.num_tasks != policy_config.num_tasks:
     raise ValueError(f"rl.policy.instructions has {observations.num_tasks} entries but num_tasks="
                      f"{policy_config.num_tasks}: give one instruction per task index")
   critic = ValueHead(policy_config.state_dim, policy_config.num_tasks, policy_config.hidden, rngs)
   observation_keys = tuple(dict.fromkeys(STATE_OBSERVATIONS + (sft.state_key,)))  # + the cameras (prefix)
-  return FlowPolicy(ActorCritic(GrootActor(model), critic), horizon=c.action_horizon, action_dim=c.max_action_dim,
+  trainable = groot_lib.trainable_filter(c)
+  if cache:  # the context is frozen: only the flow part (and the critic) can move
+    trainable = nnx.All(trainable, nnx.Any(*[nnx.PathContains(name) for name in FLOW_PARTS + ("critic",)]))
+  return FlowPolicy(ActorCritic(GrootActor(model, cache_context=cache), critic), horizon=c.action_horizon,
+                    action_dim=c.max_action_dim,
                     num_steps=int(policy_config.get("num_steps", 0)) or c.num_inference_steps, convention="groot",
-                    noise_level=policy_config.noise_level,
+                    noise_level=policy_config.noise_level, noisy_steps=policy_config.get("noisy_steps", 0),
                     actor_inputs=lambda observation: (observations(observation),),
                     action_mask=observations.action_mask, env_actions=observations.env_actions,
-                    trainable=groot_lib.trainable_filter(c), observation_keys=observation_keys,
+                    trainable=trainable, observation_keys=observation_keys,
                     observation_prefixes=(IMAGE_PREFIX,))

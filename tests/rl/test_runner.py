@@ -105,20 +105,17 @@ def test_rl_job_on_a_sim_task_is_judged_by_the_eval_job_and_rejudged_from_checkp
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_runlocal_rl_improves_success_on_the_sim_task(tmp_path):
-  """Acceptance 2 as the README states it (`configs/rl_vla3.py:runlocal`, 6-7 minutes): opt-in, -m slow."""
+@pytest.mark.timeout(3600)
+def test_runlocal_rl_lifts_a_weak_state_based_start_to_the_issue_bar(tmp_path):
+  """Issue 14's bar for the state-based actor, as the README runs it (`configs/rl_vla3.py:runlocal`,
+  ~30 minutes on 2 cores): from <= 50 % to >= 90 %, with Wilson intervals that do not overlap.
+  Seen 2026-11-26: 0.500 -> 0.930 (128 judged episodes each)."""
+  from ejax.eval.stats import wilson_interval
   summary = run_job(rl_vla3.get_config("runlocal"), str(tmp_path / "run"))
   assert summary["lag_max"] <= summary["eta"] and summary["threads_alive"] == []
-  # Seen on 2 cores: 0.180 -> 0.289 (128 judged episodes; weak 12-demo SFT start).
-  assert summary["success_after"] > summary["success_before"] + 0.05
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-@pytest.mark.xfail(reason="issue 14 point 4 not reached yet: seen 0.180 -> 0.289 in the runlocal budget", strict=False)
-def test_runlocal_rl_lifts_a_weak_state_based_start_to_the_issue_bar(tmp_path):
-  """Issue 14's bar for the state-based actor: from <= 50 % to >= 90 %."""
-  summary = run_job(rl_vla3.get_config("runlocal"), str(tmp_path / "run"))
   assert summary["success_before"] <= 0.5
   assert summary["success_after"] >= 0.9
+  episodes = rl_vla3.get_config("runlocal").rl.judge.episodes
+  before = wilson_interval(round(summary["success_before"] * episodes), episodes)
+  after = wilson_interval(round(summary["success_after"] * episodes), episodes)
+  assert before[1] < after[0]

@@ -140,6 +140,37 @@ def test_log_probs_agree_and_the_backbone_runs_once_per_call(policy, monkeypatch
                              rtol=1e-5, atol=1e-5)
 
 
+def test_cached_context_scores_the_same_without_the_backbone(sft_checkpoint, policy, monkeypatch):
+  from ejax.rl.vla import FLOW_PARTS
+  config = rl_config(sft_checkpoint).rl.policy
+  config.cache_context = True
+  cached = runner.make_policy(config, seed=0)
+  obs = cached.select_observations(observations(4, IMAGE_SIZE, seed=1))
+  sample = jax.jit(cached.sample)(cached.initial_params, obs, jax.random.key(0))
+  reference = jax.jit(policy.sample)(policy.initial_params, obs, jax.random.key(0))
+  np.testing.assert_allclose(sample["actions"], reference["actions"], rtol=1e-5, atol=1e-5)
+  calls = {"backbone": 0}
+
+  def counting(self, *args, **kwargs):
+    out = backbone_call(self, *args, **kwargs)
+    jax.debug.callback(lambda x: calls.__setitem__("backbone", calls["backbone"] + 1), jnp.sum(out))
+    return out
+
+  backbone_call = groot_lib.GrootBackbone.__call__
+  monkeypatch.setattr(groot_lib.GrootBackbone, "__call__", counting)
+  log_prob, value = jax.jit(cached.evaluate)(cached.initial_params, obs, sample["chain"], sample["step_index"],
+                                             sample["context"])
+  jax.block_until_ready(log_prob)
+  assert calls["backbone"] == 0  # the learner's log-probs run the flow alone
+  np.testing.assert_allclose(log_prob, sample["log_prob"], rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(value, sample["value"], rtol=1e-6)
+  # Only the flow part (and the critic) may train: everything upstream of the cached context is frozen.
+  flat = jax.tree_util.tree_flatten_with_path(cached.trainable_mask)[0]
+  trained = [jax.tree_util.keystr(path) for path, trainable in flat if trainable]
+  assert trained and all(any(part in path for part in FLOW_PARTS + ("critic",)) for path in trained)
+  assert any("dit" in path for path in trained) and not any("llm" in path or "vision" in path for path in trained)
+
+
 def policy_action_stats(policy):
   env_actions = policy.env_actions
   zero = env_actions(jnp.zeros((1, 1, MAX_ACTION_DIM)))[0, 0]
