@@ -217,6 +217,16 @@ def _per_shard(run, q, k, v, rows):
   kv_spec = (q_spec[0], None, kv_heads, None)
   if q_spec == (None,) * 4:
     return run(q, k, v, rows)
+  body = run
+  if heads is not None and kv_heads is None:
+    # Every device's query heads read the one kv head: typed as varying over the head axes, its
+    # gradient is summed over them on the way back (the transpose of the cast is a psum).
+    head_axes = (heads,) if isinstance(heads, str) else tuple(heads)
+
+    def body(q, k, v, rows):
+      cast = lambda x: jax.lax.pcast(x, head_axes, to="varying")
+      return run(q, cast(k), cast(v), rows)
+
   row_spec = P(q_spec[0])
-  return jax.shard_map(run, mesh=mesh, in_specs=(P(*q_spec), P(*kv_spec), P(*kv_spec), {n: row_spec for n in rows}),
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(*q_spec), P(*kv_spec), P(*kv_spec), {n: row_spec for n in rows}),
                        out_specs=P(*q_spec))(q, k, v, rows)
