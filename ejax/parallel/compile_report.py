@@ -11,8 +11,8 @@ starts):
   python -m ejax.parallel.compile_report --config=configs/pi05.py --mesh=data=64,fsdp=8,tensor=2
 
 The batch: the config's global_batch_size is the batch of one 8-GPU node (the configs' launch
-line), so each device of the data and fsdp axes gets global_batch_size / 8 samples
-(--per_device_batch to change it); tensor-parallel devices share theirs.
+line), so the global batch is global_batch_size / 8 samples per device (--per_device_batch to
+change it); a data shard of a tensor-parallel mesh holds the samples of its tensor-parallel GPUs.
 """
 
 from __future__ import annotations
@@ -183,16 +183,17 @@ def report(config_path: str, mesh_sizes: dict[str, int], per_device_batch: int |
   if grad_accum:
     config.train.grad_accum_steps = grad_accum
   mesh = make_mesh(mesh_sizes)
-  batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+  # Samples per GPU as the config has them on one 8-GPU node; tensor-parallel GPUs share their
+  # data shard's samples, so every mesh of the same devices trains the same global batch.
   per_device = per_device_batch or max(1, config.train.global_batch_size // hlo.NODE_SIZE)
-  step = compile_train_step(config, mesh, per_device * batch_ways)
+  step = compile_train_step(config, mesh, per_device * mesh.size)
   text = step.compiled.as_text()
   found = hlo.collectives(text, mesh.size)
   cost = step.compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return dict(
       config=config_path, mesh={k: int(v) for k, v in mesh.shape.items()}, devices=mesh.size,
-      global_batch=per_device * batch_ways, per_device_batch=per_device,
+      global_batch=per_device * mesh.size, per_device_batch=per_device,
       grad_accum_steps=int(config.train.grad_accum_steps),
       memory=memory_per_device(step.compiled), state=state_bytes_per_device(step),
       collectives=hlo.collective_summary(found), collective_ops=[dataclasses.asdict(c) for c in found],
@@ -234,7 +235,7 @@ def main(argv=None) -> None:
   parser.add_argument("--config", required=True, help="a config file, e.g. configs/groot.py (':arg' allowed)")
   parser.add_argument("--mesh", required=True, help="axis sizes, e.g. data=128,fsdp=8 or data=64,fsdp=8,tensor=2")
   parser.add_argument("--per_device_batch", type=int, default=0,
-                      help="samples per data/fsdp device (0: the config's global_batch_size / 8)")
+                      help="samples per device (0: the config's global_batch_size / 8)")
   parser.add_argument("--grad_accum", type=int, default=0,
                       help="micro-batches per step (0: the config's train.grad_accum_steps)")
   parser.add_argument("--json", default="", help="also write the result here")
