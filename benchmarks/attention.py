@@ -136,7 +136,8 @@ def main():
         print(f"GPU {name:7s} unavailable for this case: {type(error).__name__}: {str(error)[:120]}")
   else:
     print("GPU TFLOP/s (pallas, cudnn, xla): pending: no GPU")
-  print(f"varlen/dense attention speedup (forward+backward): {dense_train / var_train:.2f}x "
+  print(f"varlen/dense attention speedup (forward+backward): {dense_train / var_train:.2f}x; bound from the work at "
+        f"equal FLOP rates {tile_ratio:.2f}x (dense pairs / active tile pairs at {blocks.block_q}x{blocks.block_kv}) "
         f"(goal {ideal:.2f}x, the ideal FLOP ratio)")
 
 
