@@ -121,6 +121,7 @@ def test_collate_per_shard_packs_each_device_alone():
     collate(list(range(6)))
 
 
+@pytest.mark.slow  # two compiles, ~2 minutes: the 1,024-device memory guard runs with the slow suite (CI budget)
 @pytest.mark.parametrize("path", ["configs/groot.py", "configs/pi05.py"])
 def test_gathered_bytes_barely_grow_with_the_batch(path):
   # What the trainer's step gathers is weights, plus a few per-sample vectors ([n, width]: GR00T's
