@@ -193,10 +193,6 @@ class FlowPolicy:
     inputs = self.velocity_inputs(model, observation)
     return lambda x, t: model.actor.velocity(x, t, *inputs)
 
-  def caches_context(self, model: ActorCritic | None = None) -> bool:
-    model = model if model is not None else nnx.merge(self.graphdef, self.initial_params)
-    return bool(getattr(model.actor, "cache_context", False))
-
   def _noise(self, rng: jax.Array, observation: dict) -> jax.Array:
     n = observation["observation.state"].shape[0]
     return jax.random.normal(rng, (n, self.horizon, self.action_dim), jnp.float32)
@@ -206,7 +202,8 @@ class FlowPolicy:
     as "context"; the learner hands it back to `evaluate`, which then runs only the flow."""
     model = nnx.merge(self.graphdef, params)
     noise_rng, sde_rng = jax.random.split(rng)
-    context = model.actor.context(*self.actor_inputs(observation)) if self.caches_context(model) else None
+    caches = getattr(model.actor, "cache_context", False)
+    context = model.actor.context(*self.actor_inputs(observation)) if caches else None
     result = flow.flow_sde_sample(self._velocity_fn(model, observation, context), self._noise(noise_rng, observation),
                                   self.num_steps, sde_rng, convention=self.convention, noise_level=self.noise_level,
                                   action_mask=self.action_mask, noisy_steps=self.noisy_steps)
