@@ -7,6 +7,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
@@ -16,8 +18,14 @@ from flax import nnx  # noqa: E402
 from ejax.config.runtime import enable_compilation_cache  # noqa: E402
 
 nnx.use_eager_sharding(False)
-# Many tests compile the same small programs (a train step per mesh, say): compile each once.
-enable_compilation_cache(os.environ.get("EJAX_TEST_XLA_CACHE", os.path.join(tempfile.gettempdir(), "ejax-test-xla-cache")), 0.5)
+# Many tests compile the same small programs (a train step per mesh, say): compile each once per
+# session, in a fresh directory. A cache kept across sessions in the system's temp directory once
+# held an entry that aborted the process when run (CI died mid-suite, exit 134, and a stale local
+# cache did the same until cleared); EJAX_TEST_XLA_CACHE=DIR keeps one across sessions on purpose.
+_session_cache = os.environ.get("EJAX_TEST_XLA_CACHE") or tempfile.mkdtemp(prefix="ejax-test-xla-")
+enable_compilation_cache(_session_cache, 0.5)
+if "EJAX_TEST_XLA_CACHE" not in os.environ:
+  atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
 
 @pytest.fixture
@@ -25,3 +33,12 @@ def tmp_workdir(tmp_path):
   path = tmp_path / "workdir"
   path.mkdir()
   return path
+
+
+@pytest.fixture(scope="session")
+def groot_sft_checkpoint(tmp_path_factory):
+  """One small GR00T checkpoint of the train job, shared by the RL-actor and serve tests (each made
+  its own before, ~75 s apiece on 2 cores); tests/train/helpers.py: SFT_* says what it holds."""
+  from tests.train.helpers import SFT_IMAGE_SIZE, SFT_MAX_ACTION_DIM, SFT_TASK, groot_sim_checkpoint
+  return groot_sim_checkpoint(tmp_path_factory.mktemp("groot_sft"), task=SFT_TASK, image_size=SFT_IMAGE_SIZE,
+                              max_action_dim=SFT_MAX_ACTION_DIM)
