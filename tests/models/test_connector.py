@@ -45,9 +45,11 @@ def test_keypoints_add_image_tokens_and_freeze_with_the_vision_tower():
   base = groot_inputs.tokens_per_image(c)
   c.connector.keypoints = 8
   assert groot_inputs.tokens_per_image(c) == base + 8
-  model = groot.create(c, nnx.Rngs(0))
+  model = nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0)))  # shapes only: no weights to make
   batch = groot.example_batch(c, 2, seed=0)
-  assert model.backbone.encode_images(batch).shape[1] == base + 8
+  graphdef, state = nnx.split(model)
+  encoded = jax.eval_shape(lambda s, b: nnx.merge(graphdef, s).backbone.encode_images(b), state, batch)
+  assert encoded.shape[1] == base + 8
   trainable = nnx.state(model, groot.trainable_filter(c))
   assert not [p for p, _ in nnx.to_flat_state(trainable) if "keypoints" in p]   # tune_visual=False
 
@@ -87,24 +89,28 @@ def test_auxiliary_keypoints_read_the_pixels_and_train_from_the_target():
   assert model.action_head.aux_keypoints.conv.shape == (1, 1, 12, KEYPOINT_HIDDEN)
   batch = groot.example_batch(c, 2, seed=3)
   labelled = dict(batch, aux_state=np.ones((2, 3), np.float32), aux_mask=np.ones(2, np.float32))
-  vl, _ = model.context(labelled)
-  before = np.asarray(model.aux_estimate(vl, labelled))
+  # Jitted (op by op this took ~50 s on 2 cores); each call reads the model's current weights.
+  context = nnx.jit(lambda m, b: m.context(b)[0])
+  estimate = nnx.jit(lambda m, v, b: m.aux_estimate(v, b))
+  vl = context(model, labelled)
+  before = np.asarray(estimate(model, vl, labelled))
   moved = dict(labelled, images=labelled["images"].copy())
   moved["images"][3] = np.roll(moved["images"][3], 9, axis=1)          # sample 1's second camera
   model.backbone.vision.patch_embedding.kernel[...] *= 0.0              # isolate the keypoint path
-  vl, _ = model.context(labelled)
-  vl_moved, _ = model.context(moved)
+  vl, vl_moved = context(model, labelled), context(model, moved)
   np.testing.assert_allclose(vl, vl_moved, atol=1e-6)
-  after, after_moved = (np.asarray(model.aux_estimate(v, b)) for v, b in ((vl, labelled), (vl_moved, moved)))
+  after, after_moved = (np.asarray(estimate(model, v, b)) for v, b in ((vl, labelled), (vl_moved, moved)))
   np.testing.assert_allclose(after[0], after_moved[0], rtol=1e-6)
   assert np.abs(after[1] - after_moved[1]).max() > 1e-4
-  grads = nnx.grad(lambda m: m.compute_loss(labelled, jax.random.key(1), train=False)[1]["aux_state_loss"])(model)
+  time, noise = jnp.full((2,), 0.5), jnp.zeros(batch["actions"].shape)
+  grads = nnx.jit(nnx.grad(lambda m, b: m.compute_loss(b, jax.random.key(1), time=time, noise=noise,
+                                                        train=False)[1]["aux_state_loss"]))(model, labelled)
   assert float(jnp.abs(grads.action_head.aux_keypoints.detectors.kernel[...]).sum()) > 0
   assert float(jnp.abs(grads.action_head.aux_keypoint_in.kernel[...]).sum()) > 0
   assert before.shape == (2, 3)
   # The arm's state is an input too (the wrist camera sees the object relative to the hand).
   shifted = dict(labelled, state=labelled["state"] + np.eye(c.max_state_dim, dtype=np.float32)[0])
-  assert np.abs(np.asarray(model.aux_estimate(vl, shifted)) - after).max() > 1e-4
+  assert np.abs(np.asarray(estimate(model, vl, shifted)) - after).max() > 1e-4
 
 
 def test_heatmap_loss_picks_the_labelled_cell_and_skips_points_out_of_view():

@@ -81,27 +81,27 @@ def test_auxiliary_state_target_adds_a_masked_regression_to_the_loss():
   labelled = dict(batch, aux_state=target, aux_mask=np.array([1, 1, 0, 1], np.float32))
   time, noise = jnp.full((4,), 0.5), jnp.zeros(batch["actions"].shape)
 
+  @nnx.jit  # jitted: op by op, this tiny model's loss and gradient took a minute on 2 cores
   def loss(m, b):
     return m.compute_loss(b, jax.random.key(1), time=time, noise=noise, train=False)
 
+  readout = nnx.jit(lambda m, b: m.action_head.aux_state(m.context(b)[0], b))
   total, metrics = loss(model, labelled)
-  vl, _ = model.context(labelled)
-  predicted = model.action_head.aux_state(vl, labelled)
+  predicted = readout(model, labelled)
   expected = np.mean((np.asarray(predicted) - target) ** 2, axis=-1)[[0, 1, 3]].mean()
   np.testing.assert_allclose(metrics["aux_state_loss"], expected, rtol=1e-5)
   np.testing.assert_allclose(total, metrics["flow_loss"] + 0.5 * expected, rtol=1e-5)
   unlabelled_total, unlabelled = loss(model, batch)
   np.testing.assert_allclose(unlabelled_total, unlabelled["flow_loss"], rtol=1e-6)
   # The target trains the head and the VL path (vision tower included), and not the DiT.
-  grads = nnx.grad(lambda m: loss(m, labelled)[1]["aux_state_loss"])(model)
+  grads = nnx.jit(nnx.grad(lambda m: loss(m, labelled)[1]["aux_state_loss"]))(model)
   assert float(jnp.abs(grads.action_head.aux_state_out.kernel[...]).sum()) > 0
   assert float(jnp.abs(grads.backbone.vision.patch_embedding.kernel[...]).sum()) > 0
   assert float(jnp.abs(grads.action_head.dit.proj_out_2.kernel[...]).sum()) == 0
   # Each sample's readout is the mean over its own VL tokens only (packed rows hold two samples).
   unpacked = _unpack(labelled, c)
   assert unpacked["vl_tokens"].shape[0] == 4 and labelled["vl_tokens"].shape[0] == 2
-  np.testing.assert_allclose(model.action_head.aux_state(model.context(unpacked)[0], unpacked), predicted,
-                             rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(readout(model, unpacked), predicted, rtol=1e-4, atol=1e-5)
   # Sampling never looks at it.
   sample = nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(2), noise=noise))
   a, b = sample(model, batch), sample(model, labelled)

@@ -1,7 +1,7 @@
 """GR00T as the RL actor (ejax.rl.vla): the RL policy is the SFT policy, seen and scored consistently.
 
-One module-scoped SFT checkpoint: scripted demos of one ejax.sim task recorded at the model's image
-size (32 px), then configs/groot.py:runlocal trained on them for 2 steps, with max_action_dim 6 so
+The SFT checkpoint is the session's shared small one (tests/conftest.py: groot_sft_checkpoint):
+32 px demos of one ejax.sim task, configs/groot.py:runlocal trained 2 steps, max_action_dim 6 so
 the chain has padded action dims (the env's actions are 4-d).
 """
 
@@ -17,18 +17,15 @@ from ejax.models import groot as groot_lib
 from ejax.models import groot_inputs
 from ejax.rl import runner
 from ejax.sim import registry
-from tests.train.helpers import groot_sim_checkpoint
+from tests.train.helpers import SFT_IMAGE_SIZE, SFT_MAX_ACTION_DIM, SFT_TASK
 
-TASK = "goal_lift_green_block"
-IMAGE_SIZE = 32  # runlocal GR00T's vision image size: the demos need no resize
-MAX_ACTION_DIM = 6
+TASK, IMAGE_SIZE, MAX_ACTION_DIM = SFT_TASK, SFT_IMAGE_SIZE, SFT_MAX_ACTION_DIM
 ACTION_DIM = 4
 
 
 @pytest.fixture(scope="module")
-def sft_checkpoint(tmp_path_factory):
-  return groot_sim_checkpoint(tmp_path_factory.mktemp("vla"), task=TASK, image_size=IMAGE_SIZE,
-                              max_action_dim=MAX_ACTION_DIM)
+def sft_checkpoint(groot_sft_checkpoint):
+  return groot_sft_checkpoint
 
 
 def rl_config(sft_checkpoint: str, arg: str = ""):

@@ -20,7 +20,9 @@ from websockets.sync.client import connect
 from ejax.errors import UserError
 from ejax.serve.server import PolicyServer, check_binding
 from ejax.train.policy import load_policy
-from tests.serve.conftest import IMAGE_SIZE
+from tests.serve.conftest import IMAGE_SIZE, TASK
+
+PROMPT = "lift the green block"  # TASK's instruction
 from tests.train.helpers import REPO
 
 API_KEY = "test-key"
@@ -53,7 +55,7 @@ def observation(seed: int, noise_shape=None) -> dict:
   obs = {"observation.state": rng.normal(0.0, 0.3, 11).astype(np.float32),
          "observation.images.agentview": rng.integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8),
          "observation.images.wrist": rng.integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8),
-         "prompt": "open the drawer"}
+         "prompt": PROMPT}
   if noise_shape is not None:
     obs["noise"] = rng.standard_normal(noise_shape).astype(np.float32)
   return obs
@@ -71,18 +73,19 @@ def test_metadata_lists_the_observation_keys_and_an_example_to_send(server, poli
   spec = metadata["observation_spec"]
   for key, (shape, dtype) in SPEC.items():
     assert spec[key]["shape"] == shape and spec[key]["dtype"] == dtype and spec[key]["required"], key
-  assert spec["noise"] == {"shape": [8, 4], "dtype": "float32", "required": False}
+  # The noise is the model's: every action dim it predicts, padding included (max_action_dim 6).
+  assert spec["noise"] == {"shape": [8, 6], "dtype": "float32", "required": False}
   assert metadata["action_horizon"] == 8 and metadata["action_dim"] == 4
-  assert metadata["trained_tasks"] == ["goal_open_drawer"] and metadata["camera_size"] == [IMAGE_SIZE, IMAGE_SIZE]
+  assert metadata["trained_tasks"] == [TASK] and metadata["camera_size"] == [IMAGE_SIZE, IMAGE_SIZE]
   example = metadata["example_observation"]
-  assert sorted(example) == sorted(SPEC) and example["prompt"] == "open the drawer"
+  assert sorted(example) == sorted(SPEC) and example["prompt"] == PROMPT
   assert example["observation.images.wrist"].dtype == np.uint8
   reply = client(server).infer(example)  # the example is a valid observation as it is
   assert reply["actions"].shape == (8, 4)
 
 
 def test_infer_returns_the_checkpoints_denormalised_chunk_and_timing(server, policy):
-  obs = observation(1, noise_shape=(8, 4))
+  obs = observation(1, noise_shape=(8, 6))
   reply = client(server).infer(obs)
   assert reply["actions"].shape == (8, 4) and reply["actions"].dtype == np.float32
   np.testing.assert_allclose(reply["actions"], in_process(policy, [obs])[0], rtol=1e-5, atol=1e-5)
@@ -126,7 +129,7 @@ def test_a_wrong_or_missing_api_key_is_refused_before_any_inference(server, api_
 
 def test_two_concurrent_clients_are_batched_and_each_gets_its_own_rows(server, policy):
   clients = [client(server) for _ in range(2)]
-  observations = [[observation(100 * c + i, noise_shape=(8, 4)) for i in range(4)] for c in range(2)]
+  observations = [[observation(100 * c + i, noise_shape=(8, 6)) for i in range(4)] for c in range(2)]
   replies = [[None] * 4 for _ in range(2)]
   start = threading.Barrier(2)
 

@@ -30,6 +30,15 @@ def tiny_config(steps: int = 4, batch: int = 16, mesh=(-1, 1, 1)):
   return config
 
 
+# The session's shared small GR00T checkpoint (tests/conftest.py: groot_sft_checkpoint): scripted
+# demos of one ejax.sim task at 32 px (runlocal GR00T's vision size: no resize), configs/groot.py:
+# runlocal trained 2 steps, max_action_dim 6 so that the chain has padded action dims (the env's
+# actions are 4-d).
+SFT_TASK = "goal_lift_green_block"
+SFT_IMAGE_SIZE = 32
+SFT_MAX_ACTION_DIM = 6
+
+
 def groot_sim_checkpoint(root, *, task: str, image_size: int, episodes: int = 2, steps: int = 2,
                          max_action_dim: int | None = None) -> str:
   """A small GR00T checkpoint of the train job: scripted demos of one ejax.sim task recorded at

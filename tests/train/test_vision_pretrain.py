@@ -13,7 +13,7 @@ from ejax.train.state import create_train_state
 def _model_config():
   config = groot_config.get_config("runlocal")
   config.model.vision.update(posemb_init="sincos2d")
-  config.model.vision_pretrain.update(layouts=12, steps_per_layout=2, steps=60, batch_size=8,
+  config.model.vision_pretrain.update(layouts=8, steps_per_layout=2, steps=16, batch_size=8,
                                       tasks="goal_lift_green_block+goal_open_drawer")
   return config
 
