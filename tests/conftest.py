@@ -4,6 +4,13 @@ import os
 
 # Before JAX initialises: 8 fake CPU devices so that sharding tests see a real mesh.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA:CPU aborts the process ("Termination timeout ... of 40 seconds exceeded, only 3 of 8 threads
+# arrived") when the fake devices of one program reach a collective that far apart; on a loaded
+# 2-core machine (two test workers, a GR00T train step per device) they can. A real deadlock still
+# ends, through pytest-timeout's limit.
+if "collective_call_terminate" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += (" --xla_cpu_collective_call_terminate_timeout_seconds=900"
+                              " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
