@@ -51,7 +51,9 @@ another seed (23 % on the lift when replanning every 4),
       --workdir=runs/rl_groot
 Seen 2026-11-26 (2 cores, with test jobs beside it: load 2-4): "lift the green block" 0.23 [0.16, 0.32]
 -> 0.64 [0.54, 0.73] (100 judged episodes each, replanning every 4), 60 updates of 1024 chunk samples,
-24 minutes in all (RL 22.5), 181 env steps/s with the inference server busy 82 % of the time. Before
+24 minutes in all (RL 22.5), 181 env steps/s with the inference server busy 82 % of the time; a second
+run from the same start (the slow test, machine otherwise idle): 0.23 -> 0.55 [0.45, 0.64] in 19.5
+minutes, 221 env steps/s. Before
 (lr 2e-5, no KL stop, replanning every 2): 0.30 -> 0.41 in the same time at 89 env steps/s; lr 1e-4
 without the KL stop lost half the success.
 """
