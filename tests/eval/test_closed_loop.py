@@ -167,16 +167,10 @@ def overfit_groot(tmp_path, *, task: str, episodes: int, steps: int, replan_ever
   """GR00T runlocal (the quickstart's model) trained on `episodes` recorded demos of one task, then
   judged by the eval job on exactly the recorded layouts (the demos' seed, tasks and env count).
   Both run as a user runs them, `python -m ejax.main` in a process of their own."""
-  import os
-  import subprocess
-  import sys
-
-  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  from tests.test_main import run_main
 
   def main(*args):
-    result = subprocess.run([sys.executable, "-m", "ejax.main", *args], cwd=repo, env=env, capture_output=True,
-                            text=True, timeout=1500)
+    result = run_main(*args, timeout=1500)
     assert result.returncode == 0, result.stderr[-3000:]
 
   main("--config=configs/groot.py:runlocal", f"--workdir={tmp_path / 'train'}",

@@ -110,15 +110,20 @@ def test_runlocal_rl_lifts_a_weak_state_based_start_to_the_issue_bar(tmp_path):
   """Issue 14's bar for the state-based actor, as the README runs it (`configs/rl_vla3.py:runlocal`,
   ~30 minutes on 2 cores): from <= 50 % to >= 90 %, with Wilson intervals that do not overlap.
   Seen 2026-11-26: 0.500 -> 0.930 (128 judged episodes each)."""
-  from ejax.eval.stats import wilson_interval
-  summary = run_job(rl_vla3.get_config("runlocal"), str(tmp_path / "run"))
+  config = rl_vla3.get_config("runlocal")
+  summary = run_job(config, str(tmp_path / "run"))
   assert summary["lag_max"] <= summary["eta"] and summary["threads_alive"] == []
   assert summary["success_before"] <= 0.5
   assert summary["success_after"] >= 0.9
-  episodes = rl_vla3.get_config("runlocal").rl.judge.episodes
+  assert_intervals_disjoint(summary, config.rl.judge.episodes)
+
+
+def assert_intervals_disjoint(summary: dict, episodes: int) -> None:
+  """The judged success before and after RL differ beyond sampling noise (95 % Wilson intervals)."""
+  from ejax.eval.stats import wilson_interval
   before = wilson_interval(round(summary["success_before"] * episodes), episodes)
   after = wilson_interval(round(summary["success_after"] * episodes), episodes)
-  assert before[1] < after[0]
+  assert before[1] < after[0], (before, after)
 
 
 @pytest.mark.slow
@@ -129,29 +134,20 @@ def test_runlocal_rl_lifts_a_weak_groot_start_by_twenty_points(tmp_path):
   `configs/rl_vla3.py:runlocal,actor=groot` (<= 30 minutes on 2 cores): >= 20 points more, Wilson
   intervals disjoint. Seen 2026-11-26: 0.23 -> 0.64 (100 judged episodes each, 24 minutes) and, in
   this test's own run, 0.23 -> 0.55 [0.45, 0.64] (RL job 19.5 minutes; the whole test 25)."""
-  import subprocess
-  import sys
-
-  from ejax.eval.stats import wilson_interval
-  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+  from tests.test_main import run_main
 
   def main(*args, timeout):
-    result = subprocess.run([sys.executable, "-m", "ejax.main", *args], cwd=repo, env=env, capture_output=True,
-                            text=True, timeout=timeout)
+    result = run_main(*args, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
 
   main("--config=configs/groot.py:runlocal", "--config.seed=1", "--config.train.stop_at=1000",
        "--config.metrics.progress_bar=False", f"--workdir={tmp_path / 'sft'}", timeout=1800)
   start = time.perf_counter()
-  main(f"--config=configs/rl_vla3.py:runlocal,actor=groot,sft={tmp_path / 'sft' / 'checkpoints'}",
-       f"--workdir={tmp_path / 'rl'}", timeout=2700)
+  rl_arg = f"runlocal,actor=groot,sft={tmp_path / 'sft' / 'checkpoints'}"
+  main(f"--config=configs/rl_vla3.py:{rl_arg}", f"--workdir={tmp_path / 'rl'}", timeout=2700)
   minutes = (time.perf_counter() - start) / 60
   summary = json.load(open(tmp_path / "rl" / "rl_summary.json"))
   assert summary["lag_max"] <= summary["eta"] and summary["threads_alive"] == []
-  episodes = rl_vla3.get_config(f"runlocal,actor=groot,sft={tmp_path}").rl.judge.episodes
-  before = wilson_interval(round(summary["success_before"] * episodes), episodes)
-  after = wilson_interval(round(summary["success_after"] * episodes), episodes)
   assert summary["success_after"] - summary["success_before"] >= 0.2, summary
-  assert before[1] < after[0], (before, after)
+  assert_intervals_disjoint(summary, rl_vla3.get_config(rl_arg).rl.judge.episodes)
   print(f"GR00T RL: {summary['success_before']:.2f} -> {summary['success_after']:.2f} in {minutes:.1f} minutes")
