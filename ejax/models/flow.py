@@ -133,6 +133,33 @@ def _gaussian_log_prob(sample: jax.Array, mean: jax.Array, std: jax.Array, mask:
   return jnp.sum(per_element.reshape(per_element.shape[0], -1), axis=-1)
 
 
+def per_row_keys(rng: jax.Array) -> bool:
+  """Whether `rng` is a batch of typed keys [n], one per sample, rather than one key for the batch.
+  Per-row keys make a sample's draws depend on its own key only, not on which other samples share
+  its batch (an RL inference server batches whichever env shards are ready)."""
+  return jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.ndim == 1
+
+
+def normal_per_row(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """N(0, 1) draws of `shape` [n, ...]: from one key, or row i from key i of a batch of keys [n]."""
+  if per_row_keys(rng):
+    return jax.vmap(lambda key: jax.random.normal(key, shape[1:], jnp.float32))(rng)
+  return jax.random.normal(rng, shape, jnp.float32)
+
+
+def _sde_draws(rng: jax.Array, shape: tuple[int, ...], num_choices: int) -> tuple[jax.Array, jax.Array]:
+  """The stochastic step index [n] and its Gaussian noise [n, ...] (per row for a batch of keys)."""
+  if per_row_keys(rng):
+    def one(key):
+      step_key, eps_key = jax.random.split(key)
+      return (jax.random.randint(step_key, (), 0, num_choices, dtype=jnp.int32),
+              jax.random.normal(eps_key, shape[1:], jnp.float32))
+    return jax.vmap(one)(rng)
+  step_rng, eps_rng = jax.random.split(rng)
+  return (jax.random.randint(step_rng, shape[:1], 0, num_choices, dtype=jnp.int32),
+          jax.random.normal(eps_rng, shape, jnp.float32))
+
+
 def flow_sde_sample(
     velocity_fn: VelocityFn,
     noise: jax.Array,
@@ -151,13 +178,12 @@ def flow_sde_sample(
   stochastic step from the first `noisy_steps` steps only: their noise scale is the largest
   (sigma_tau shrinks with tau), so the log-prob of a chain is less sharp in the policy's
   parameters and RL's trust region allows larger moves for the same exploration.
+  `rng`: one key, or a batch of keys [n] (one per sample: see `per_row_keys`).
   """
   _check(convention)
   velocity = _tau_velocity(velocity_fn, convention)
   n = noise.shape[0]
-  step_rng, eps_rng = jax.random.split(rng)
-  step_index = jax.random.randint(step_rng, (n,), 0, min(noisy_steps or num_steps, num_steps), dtype=jnp.int32)
-  eps = jax.random.normal(eps_rng, noise.shape, jnp.float32)
+  step_index, eps = _sde_draws(rng, noise.shape, min(noisy_steps or num_steps, num_steps))
   dt = 1.0 / num_steps
   mask = None if action_mask is None else jnp.broadcast_to(action_mask, noise.shape).astype(jnp.float32)
 

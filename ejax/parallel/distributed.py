@@ -71,3 +71,40 @@ def broadcast_flag(value: bool) -> bool:
   from jax.experimental import multihost_utils
   import numpy as np
   return bool(multihost_utils.broadcast_one_to_all(np.int32(bool(value))))
+
+
+# -- the coordination service's key-value store --------------------------------------------------
+# Control messages between processes (who is ready, who stopped and why) go through jax.distributed's
+# coordination service rather than collectives: a key can be waited on for as long as a peer needs
+# (gloo collectives give up when a peer is ~30 s late), and polling it never blocks the devices.
+
+
+def _client():
+  from jax._src import distributed as jax_distributed
+  client = jax_distributed.global_state.client
+  if client is None:
+    raise RuntimeError("jax.distributed is not initialised: key-value messages need a multi-process run")
+  return client
+
+
+def kv_set(key: str, value: str) -> None:
+  """Publishes `value` under `key` to every process (a key is written once)."""
+  _client().key_value_set(key, value)
+
+
+def kv_try_get(key: str) -> str | None:
+  """The value under `key`, or None if no process has set it yet (never blocks)."""
+  try:
+    return _client().key_value_try_get(key)
+  except Exception:  # NOT_FOUND
+    return None
+
+
+def kv_wait(key: str, timeout_s: float) -> str:
+  """Blocks until some process sets `key` (at most timeout_s; then TimeoutError naming the key)."""
+  try:
+    return _client().blocking_key_value_get(key, int(timeout_s * 1000))
+  except Exception as error:
+    if "DEADLINE_EXCEEDED" in str(error) or "timed out" in str(error).lower():
+      raise TimeoutError(f"no process set {key!r} within {timeout_s:.0f} s") from error
+    raise

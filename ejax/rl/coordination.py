@@ -80,25 +80,49 @@ class SegmentTickets:
   failed goes back into the pool, so the learner's ticket sequence never has a hole.
   """
 
-  def __init__(self, total_segments: int, segments_per_update: int, eta: int, first_ticket: int = 0):
+  def __init__(self, total_segments: int, segments_per_update: int, eta: int, first_ticket: int = 0,
+               fixed_shards: list[int] | None = None):
+    """fixed_shards (the shard ids, in order): segment j always goes to shard fixed_shards[j % S]
+    (the synchronous baseline: which shard collects which segment, and so the learner's batch order,
+    no longer depends on thread timing). None: any shard takes the next free segment (async)."""
     self.total_segments = total_segments
     self.segments_per_update = segments_per_update
     self.eta = eta
     self._next = first_ticket
+    self._fixed = list(fixed_shards) if fixed_shards else None
+    self._shard_next: dict[int, int] = {}  # fixed_shards: each shard's next own segment
     self._returned: list[int] = []
     self._lock = threading.Lock()
     self.in_flight = 0  # segments taken and not yet finished or returned
 
-  def take(self) -> int | None:
-    """The next segment number, or None when every segment of the run has been handed out."""
+  def _owner(self, ticket: int) -> int | None:
+    return None if self._fixed is None else self._fixed[ticket % len(self._fixed)]
+
+  def _next_of(self, shard_id: int) -> int:
+    """fixed_shards: the shard's next segment, the first at or after the start that it owns."""
+    position, count = self._fixed.index(shard_id), len(self._fixed)
+    return self._shard_next.get(shard_id, self._next + (position - self._next) % count)
+
+  def take(self, shard_id: int | None = None) -> int | None:
+    """The next segment number for `shard_id`, or None when every segment of the run (of this shard,
+    with fixed_shards) has been handed out."""
     with self._lock:
-      if self._returned:
-        ticket = min(self._returned)
+      if self._fixed is None:
+        mine = self._returned
+      else:
+        mine = [ticket for ticket in self._returned if self._owner(ticket) == shard_id]
+      if mine:
+        ticket = min(mine)
         self._returned.remove(ticket)
-      elif self._next < self.total_segments:
+      elif self._fixed is None:
+        if self._next >= self.total_segments:
+          return None
         ticket, self._next = self._next, self._next + 1
       else:
-        return None
+        ticket = self._next_of(shard_id)
+        if ticket >= self.total_segments:
+          return None
+        self._shard_next[shard_id] = ticket + len(self._fixed)
       self.in_flight += 1
       return ticket
 
@@ -116,6 +140,8 @@ class SegmentTickets:
 
   def exhausted(self) -> bool:
     with self._lock:
+      if self._fixed is not None:
+        return not self._returned and min(map(self._next_of, self._fixed)) >= self.total_segments
       return not self._returned and self._next >= self.total_segments
 
 
@@ -126,6 +152,7 @@ class InferenceRequest:
   instructions: list[str] | None
   reply: "queue.Queue"         # maxsize 1: the shard waits on it for its actions
   posted_at: float
+  keys: Any = None             # uint32 key data [num_envs, 2]: one sampling key per env (None: the server's)
 
 
 class RequestBoard:

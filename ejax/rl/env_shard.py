@@ -196,7 +196,7 @@ class EnvShard:
       try:
         state = self._reset_all()
         while True:
-          ticket = self.tickets.take()
+          ticket = self.tickets.take(self.shard_id)
           if ticket is None:
             return
           state = self._collect(ticket, state)
@@ -226,7 +226,9 @@ class EnvShard:
     steps = []
     for step in range(self.segment_length):
       observation = {key: np.asarray(value) for key, value in self.observation_filter(state.obs).items()}
-      self.board.post(InferenceRequest(self.shard_id, observation, None, self._reply, time.perf_counter()))
+      # The shard's own sampling key per env: a chunk does not depend on who shares the server's batch.
+      keys = np.asarray(jax.random.key_data(jax.random.split(self._next_rng(), self.num_envs)))
+      self.board.post(InferenceRequest(self.shard_id, observation, None, self._reply, time.perf_counter(), keys))
       (version, sample), waited = get_until_stopped(self._reply, self.stop)
       self.activity.wait("env_inference", waited)
       if step == self.segment_length - 1:

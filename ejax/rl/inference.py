@@ -105,10 +105,15 @@ class InferenceServer:
         start = self.activity.now()
         version, params = self.param_store.latest()
         observation, sizes = concat_rows([request.observation for request in requests])
+        keys = None
+        if all(request.keys is not None for request in requests):  # the shards' own per-env keys
+          keys = pad_rows({"keys": np.concatenate([request.keys for request in requests])}, self.buckets)["keys"]
         observation = pad_rows(observation, self.buckets)
         if self.device is not None:
           observation = jax.device_put(observation, self.device)
         self._rng, rng = jax.random.split(self._rng)
+        if keys is not None:
+          rng = jax.random.wrap_key_data(keys if self.device is None else jax.device_put(keys, self.device))
         # One host copy of the whole result, then numpy slices: cheaper than one device slice per leaf and shard.
         result = jax.device_get(self._sample(params, observation, rng))
         self.activity.busy("inference", start, self.activity.now())

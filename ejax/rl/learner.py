@@ -19,6 +19,7 @@ import optax
 
 from ejax.rl import losses
 from ejax.rl.coordination import ParamStore, Stopped, get_until_stopped
+from ejax.rl.multihost import ProcessGroup, merge_statistics
 from ejax.rl.timeline import ActivityLog
 
 
@@ -124,9 +125,10 @@ def segment_statistics(batch: dict[str, np.ndarray], update: int) -> dict[str, f
   lag = update - batch["policy_version"][valid]
   finished = batch["done"] & valid
   episodes = int(finished.sum())
+  successes = int((batch["success"] & finished).sum())
   return {"lag_mean": float(lag.mean()), "lag_p95": float(np.percentile(lag, 95)), "lag_max": int(lag.max()),
-          "episodes": episodes, "success_rate": float((batch["success"] & finished).sum() / max(episodes, 1)),
-          "reward_mean": float(batch["reward"][valid].mean())}
+          "episodes": episodes, "successes": successes, "success_rate": successes / max(episodes, 1),
+          "reward_mean": float(batch["reward"][valid].mean()), "samples": int(valid.sum())}
 
 
 class Learner:
@@ -136,17 +138,25 @@ class Learner:
                put_batch: Callable[[dict], dict] = lambda batch: batch,
                on_update: Callable[[int, Any, Any, dict], None] | None = None,
                on_fatal: Callable[[BaseException], None] | None = None,
-               warmup_update_fn: Callable | None = None, warmup_updates: int = 0):
-    """put_batch places a host batch on the learner's devices; on_update(version, params, opt_state,
-    metrics) runs after each publish (metrics logging, periodic checkpoints). The first
-    `warmup_updates` versions use warmup_update_fn (the critic warm-up) instead of update_fn."""
+               warmup_update_fn: Callable | None = None, warmup_updates: int = 0,
+               put_rng: Callable[[np.ndarray], Any] = lambda key_data: key_data,
+               group: ProcessGroup | None = None, on_peer_stop: Callable[[str], None] | None = None,
+               stop_reason: Callable[[], str] = lambda: "stopped"):
+    """put_batch places a host batch on the learner's devices (several processes: this process's
+    segments become its rows of the global batch); put_rng the update's key data likewise.
+    on_update(version, params, opt_state, metrics) runs after each publish (metrics logging,
+    periodic checkpoints). The first `warmup_updates` versions use warmup_update_fn (the critic
+    warm-up) instead of update_fn. group (several processes): before each update every process's
+    learner reports ready or stopped (ejax.rl.multihost); all run the update together, or all stop
+    and on_peer_stop(reason) hears why when the stop came from another process."""
     self._update = update_fn  # jitted by the caller (no donation: see ejax.rl.pipeline)
     self._warmup_update, self.warmup_updates = warmup_update_fn, warmup_updates
     self.params, self.opt_state = params, opt_state
     self.version, self.num_updates = start_version, num_updates
     self.segments_per_update, self.eta = segments_per_update, eta
     self.segment_queue, self.param_store, self.activity, self.stop = segment_queue, param_store, activity, stop
-    self.put_batch, self.on_update, self.on_fatal = put_batch, on_update, on_fatal
+    self.put_batch, self.put_rng, self.on_update, self.on_fatal = put_batch, put_rng, on_update, on_fatal
+    self.group, self.on_peer_stop, self.stop_reason = group or ProcessGroup(), on_peer_stop, stop_reason
     self._rng = jax.random.fold_in(jax.random.key(seed), start_version)
     self._buffer: dict[int, dict] = {}
     self.history: list[dict] = []
@@ -174,26 +184,56 @@ class Learner:
                                                   *[a["bootstrap_observation"] for a in arrays])
     return batch
 
+  def _agree(self, update: int, statistics: dict | None, reason: str) -> dict | None:
+    """Several processes: every learner's report for `update` -> the global batch's statistics,
+    or None when any process stopped (all of them then stop here, before the update)."""
+    if not self.group.multi:
+      return statistics
+    self._reported = update
+    reports = self.group.exchange(f"update/{update}", {"ready": statistics is not None, "reason": reason,
+                                                      "statistics": statistics})
+    stopped = [(q, report["reason"]) for q, report in enumerate(reports) if not report["ready"]]
+    if stopped:
+      peers = [f"process {q}: {why}" for q, why in stopped if q != self.group.index]
+      if peers and self.on_peer_stop is not None:
+        self.on_peer_stop(peers[0])
+      self.stop.set()
+      return None
+    return merge_statistics([report["statistics"] for report in reports])
+
   def _run(self) -> None:
+    self._reported = -1
     try:
       while self.version < self.num_updates:
         update = self.version
-        batch = self._gather(update)
-        statistics = segment_statistics(batch, update)
-        self.lags.append(update - batch["policy_version"][batch["valid"].astype(bool)])
-        if statistics["lag_max"] > self.eta or statistics["lag_mean"] < 0:
-          raise StalenessError(f"update {update} got samples {statistics['lag_max']} versions old, more than eta={self.eta}")
+        try:
+          batch = self._gather(update)
+        except Stopped:
+          if not self.group.multi:
+            return
+          batch = None
+        local = None
+        if batch is not None:
+          local = segment_statistics(batch, update)
+          self.lags.append(update - batch["policy_version"][batch["valid"].astype(bool)])
+          if local["lag_max"] > self.eta or local["lag_mean"] < 0:
+            raise StalenessError(f"update {update} got samples {local['lag_max']} versions old, more than eta={self.eta}")
+        statistics = self._agree(update, local, self.stop_reason())
+        if statistics is None:
+          return
         start = self.activity.now()
         self._rng, rng = jax.random.split(self._rng)
         device_batch = self.put_batch({key: value for key, value in batch.items() if key != "policy_version"})
         update_fn = self._warmup_update if update < self.warmup_updates and self._warmup_update else self._update
-        params, opt_state, metrics = update_fn(self.params, self.opt_state, device_batch, rng)
+        params, opt_state, metrics = update_fn(self.params, self.opt_state, device_batch,
+                                               self.put_rng(np.asarray(jax.random.key_data(rng))))
         self.param_store.publish(params, update + 1)  # blocks until the arrays are ready (see ParamStore)
         self.params, self.opt_state, self.version = params, opt_state, update + 1
         end = self.activity.now()
         self.activity.busy("learner", start, end)
         self.samples_consumed += int(batch["valid"].sum())
         record = {"version": self.version, "time": end, "update_seconds": end - start,
+                  "batch_envs": int(device_batch["reward"].shape[1]),  # global: every process's segments
                   **statistics, **{key: float(value) for key, value in jax.device_get(metrics).items()}}
         self.history.append(record)
         if self.on_update is not None:
@@ -204,3 +244,6 @@ class Learner:
       self.error = error
       if self.on_fatal is not None:
         self.on_fatal(error)
+      if self.group.multi and self._reported < self.version:  # peers wait for this update's report
+        self.group.exchange(f"update/{self.version}", {"ready": False, "reason": f"error: {error!r}",
+                                                       "statistics": None})

@@ -6,7 +6,14 @@
     env shards --segments (bounded queue)--> learner --versioned params--> param store --> server
 
 The synchronous baseline is this same code with eta = 0 and a barrier (the server waits for every
-shard each step): `mode="sync"`. Everything blocking waits in short slices on one stop event, so
+shard each step): `mode="sync"`, where segment j is always collected by shard j mod S and every env
+samples with its own key, so a sync run is the same on any number of processes.
+
+Several processes (jax.distributed, the same config on each): every process runs its share of the
+shards (rl.num_shards and rl.segments_per_update are global) and its own inference server on its
+local devices; the learner is one SPMD program over every process's learner devices, its batch the
+global array of every process's segments; each new version is published to every process's server;
+the processes agree before every update and stop together (ejax.rl.multihost). Everything blocking waits in short slices on one stop event, so
 the end of the run, an error in any component or a SIGTERM shuts every thread down; the learner's
 last good state is checkpointed on the way out.
 """
@@ -23,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
 from ejax.parallel import ACT_BATCH, logical_to_spec, make_mesh, tree_shardings
@@ -33,6 +40,7 @@ from ejax.rl.delays import DelaySampler, DelaySpec, delay_spec_from_config
 from ejax.rl.env_shard import EnvShard, NativeSimEnv, env_functions
 from ejax.rl.inference import InferenceServer, inference_weights
 from ejax.rl.learner import Learner, make_update_fn
+from ejax.rl import multihost
 from ejax.rl.timeline import ActivityLog, plot_timeline
 
 JOIN_TIMEOUT_S = 30.0
@@ -133,30 +141,40 @@ class RLPipeline:
     self.errors: list[BaseException] = []
     self._error_lock = threading.Lock()
     self.stop_reason: str | None = None
-    devices = jax.devices()
+    self.group = multihost.ProcessGroup()
+    self.shard_ids = self.group.shard_ids(config.num_shards)  # this process's shards (global ids)
+    segments_per_update = self.group.share(config.segments_per_update, "rl.segments_per_update")
+    local = jax.local_devices()
     placement = config.placement
-    env_devices = [devices[i] for i in placement.env_devices] or [None]
-    inference_device = devices[placement.inference_device] if placement.inference_device >= 0 else None
-    learner_devices = [devices[i] for i in placement.learner_devices]
+    env_devices = [local[i] for i in placement.env_devices] or [None]
+    inference_device = local[placement.inference_device] if placement.inference_device >= 0 else None
+    learner_devices = (multihost.global_devices(list(placement.learner_devices)) if self.group.multi
+                       else [local[i] for i in placement.learner_devices])
 
-    # Learner state, resumed from the newest checkpoint when there is one.
+    # Learner state, placed, then resumed from the newest checkpoint when there is one (restored
+    # straight into this run's layout, whatever the process count that wrote it).
     self.policy = policy
     self.optimizer = make_optimizer(config, getattr(policy, "trainable_mask", None))
     params = policy.initial_params
     opt_state = self.optimizer.init(params)
+    params, opt_state, put_batch, put_rng, self._replicate = self._place_learner(
+        params, opt_state, learner_devices, placement, sharding_rules)
     self.checkpointer = RLCheckpointer(checkpoint_dir) if checkpoint_dir else None
     start_version, self.resumed_metadata = 0, None
     if self.checkpointer is not None and self.checkpointer.latest_version() is not None:
       params, opt_state, self.resumed_metadata = self.checkpointer.restore(params, opt_state)
       start_version = int(self.resumed_metadata["version"])
-    params, opt_state, put_batch = self._place_learner(params, opt_state, learner_devices, placement, sharding_rules)
     self.start_version = start_version
 
-    self.param_store = ParamStore(params, start_version, device_put=self._inference_weights(config, inference_device))
-    total_segments = config.num_updates * config.segments_per_update
-    self.tickets = SegmentTickets(total_segments, config.segments_per_update, self.eta,
-                                  first_ticket=start_version * config.segments_per_update)
-    self.board = RequestBoard(lambda: self.param_store.version, range(config.num_shards))
+    # The server's copy: on this process's own device (gathered from the learner's layout first).
+    serve = self._inference_weights(config, inference_device) or (lambda tree: tree)
+    self.param_store = ParamStore(params, start_version,
+                                  device_put=lambda tree: serve(multihost.localize(tree, self._replicate)))
+    total_segments = config.num_updates * segments_per_update
+    self.tickets = SegmentTickets(total_segments, segments_per_update, self.eta,
+                                  first_ticket=start_version * segments_per_update,
+                                  fixed_shards=self.shard_ids if sync else None)
+    self.board = RequestBoard(lambda: self.param_store.version, self.shard_ids)
     self.segment_queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
 
     delays = shard_delay_specs(config)
@@ -175,9 +193,9 @@ class RLPipeline:
         max_restarts=config.max_restarts, device=env_devices[shard_id % len(env_devices)],
         on_fatal=self._fatal, fault_injector=fault_injector, success_bonus=config.success_bonus,
         observation_filter=getattr(policy, "select_observations", None))
-        for shard_id in range(config.num_shards)]
+        for shard_id in self.shard_ids]
     self.server = InferenceServer(policy.jit_sample, board=self.board, param_store=self.param_store,
-                                  num_shards=config.num_shards, envs_per_shard=config.envs_per_shard, barrier=sync,
+                                  num_shards=len(self.shard_ids), envs_per_shard=config.envs_per_shard, barrier=sync,
                                   activity=self.activity, stop=self.stop, seed=config.seed + 17 + start_version,
                                   device=inference_device, full_batch_only=config.inference_full_batch_only,
                                   on_fatal=self._fatal)
@@ -186,11 +204,12 @@ class RLPipeline:
       update_fn = update_wrapper(update_fn)
     warmup_fn = self._jitted_update(policy, config, train_actor=False) if config.critic_warmup_updates else None
     self.learner = Learner(update_fn, params, opt_state, start_version=start_version, num_updates=config.num_updates,
-                           segments_per_update=config.segments_per_update, eta=self.eta,
+                           segments_per_update=segments_per_update, eta=self.eta,
                            segment_queue=self.segment_queue, param_store=self.param_store, activity=self.activity,
                            stop=self.stop, seed=config.seed + 29, put_batch=put_batch, on_update=self._on_update,
                            on_fatal=self._fatal, warmup_update_fn=warmup_fn,
-                           warmup_updates=config.critic_warmup_updates)
+                           warmup_updates=config.critic_warmup_updates, put_rng=put_rng, group=self.group,
+                           on_peer_stop=self._stop_from_peer, stop_reason=lambda: self.stop_reason or "stopped")
     self.wall_seconds = 0.0
 
   def _jitted_update(self, policy, config: ConfigDict, train_actor: bool = True) -> Callable:
@@ -206,7 +225,10 @@ class RLPipeline:
     key = ("update", config.learning_rate, config.critic_learning_rate, config.grad_clip_norm,
            tuple(sorted(hyper.items())))
     if key not in policy.compiled:
-      policy.compiled[key] = jax.jit(make_update_fn(policy, self.optimizer, **hyper))
+      update = make_update_fn(policy, self.optimizer, **hyper)
+      # The key travels as raw data (uint32 [2]): placed like any other array on a multi-process mesh.
+      policy.compiled[key] = jax.jit(lambda params, opt_state, batch, key_data: update(
+          params, opt_state, batch, jax.random.wrap_key_data(key_data)))
     return policy.compiled[key]
 
   @staticmethod
@@ -218,24 +240,48 @@ class RLPipeline:
 
   @staticmethod
   def _place_learner(params, opt_state, devices, placement: ConfigDict, sharding_rules):
-    """Learner state and batches on the learner's devices. Several devices form a (data, fsdp,
-    tensor) mesh sharded by the same logical-axis rules as SFT training: parameters and optimizer
-    moments by their axis names, batches along the env axis."""
+    """Learner state and batches on the learner's devices -> (params, opt_state, put_batch, put_rng,
+    replicate). Several devices form a (data, fsdp, tensor) mesh sharded by the same logical-axis
+    rules as SFT training: parameters and optimizer moments by their axis names, batches along the
+    env axis. Over several processes the mesh is global: each process fills its own devices' shards
+    of the state, and its segments are its rows of the batch. replicate (or None) gathers the
+    parameters for a server where the mesh shards them across processes."""
+    keep = lambda tree: tree
     if not devices:
-      return params, opt_state, lambda batch: batch
+      return params, opt_state, keep, keep, None
     if len(devices) == 1:
-      return (*jax.device_put((params, opt_state), devices[0]), lambda batch: jax.device_put(batch, devices[0]))
+      put = lambda tree: jax.device_put(tree, devices[0])
+      return *put((params, opt_state)), put, keep, None
     if sharding_rules is None:
-      raise ValueError("rl.placement.learner_devices names several devices: pass sharding_rules "
-                       "(config.sharding_rules) so the learner can be sharded like SFT training")
+      raise ValueError("rl.placement.learner_devices names several devices (or several processes run): pass "
+                       "sharding_rules (config.sharding_rules) so the learner can be sharded like SFT training")
     mesh = make_mesh(dict(placement.learner_mesh), devices=devices)
-    params = jax.device_put(params, tree_shardings(params, mesh, sharding_rules))
-    opt_state = jax.device_put(opt_state, tree_shardings(opt_state, mesh, sharding_rules))
+    param_shardings = tree_shardings(params, mesh, sharding_rules)
+    opt_shardings = tree_shardings(opt_state, mesh, sharding_rules)
     time_major = NamedSharding(mesh, logical_to_spec((None, ACT_BATCH), sharding_rules, mesh=mesh))  # [T, N, ...]
     env_major = NamedSharding(mesh, logical_to_spec((ACT_BATCH,), sharding_rules, mesh=mesh))       # [N, ...]
-    return params, opt_state, lambda batch: {
-        key: jax.device_put(value, env_major if key == "bootstrap_observation" else time_major)
-        for key, value in batch.items()}
+    layout = lambda key: (env_major, 0) if key == "bootstrap_observation" else (time_major, 1)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    if jax.process_count() == 1:
+      return (jax.device_put(params, param_shardings), jax.device_put(opt_state, opt_shardings),
+              lambda batch: {key: jax.device_put(value, layout(key)[0]) for key, value in batch.items()}, keep, None)
+
+    def put_batch(batch):
+      placed = {}
+      for key, value in batch.items():
+        sharding, axis = layout(key)
+        placed[key] = multihost.from_process_parts(value, jax.tree.map(lambda _: sharding, value),
+                                                   jax.tree.map(lambda _: axis, value))
+      return placed
+
+    replicate = jax.jit(lambda tree: tree, out_shardings=replicated)
+    return (multihost.to_global(params, param_shardings), multihost.to_global(opt_state, opt_shardings),
+            put_batch, lambda key_data: multihost.to_global(key_data, replicated), replicate)
+
+  def local_learner_params(self) -> Any:
+    """The learner's current parameters on this process's device (every process calls it at the
+    same point: where the learner's mesh spans processes, this gathers them)."""
+    return multihost.localize(self.learner.params, self._replicate)
 
   # -- control -------------------------------------------------------------------------------
 
@@ -244,9 +290,17 @@ class RLPipeline:
       self.errors.append(error)
       self.stop_reason = self.stop_reason or f"error: {error!r}"
     self.stop.set()
+    self.group.announce_stop(self.stop_reason)
 
   def request_stop(self, reason: str) -> None:
-    """From a signal handler or another thread: stop at the next wait slice, then checkpoint."""
+    """From a signal handler or another thread: stop at the next wait slice, then checkpoint
+    (every process of a multi-process run stops with this one)."""
+    self.stop_reason = self.stop_reason or reason
+    self.stop.set()
+    self.group.announce_stop(self.stop_reason)
+
+  def _stop_from_peer(self, reason: str) -> None:
+    """Another process stopped (its reason): stop here too, at the same version."""
     self.stop_reason = self.stop_reason or reason
     self.stop.set()
 
@@ -283,6 +337,7 @@ class RLPipeline:
     start = time.perf_counter()
     for component in [self.learner, self.server, *self.shards]:
       component.start()
+    self.group.watch(self.stop, self._stop_from_peer)
     try:
       while self.learner.thread.is_alive() and not self.stop.is_set():
         self.learner.thread.join(timeout=0.1)
@@ -294,6 +349,8 @@ class RLPipeline:
       hanging = [thread.name for thread in self.threads if thread.is_alive()]
       if self.checkpointer is not None and self.learner.version > self.start_version:
         self.save_checkpoint()  # the last good state: at the end, on error and on SIGTERM alike
+      # Every process's counters, for the run's summary (a no-op with one process).
+      self.process_reports = self.group.exchange("summary", self._process_report())
       if hanging:
         raise RLRunError(f"threads still running after shutdown: {hanging}")
     if self.errors:
@@ -303,17 +360,34 @@ class RLPipeline:
 
   # -- metrics -------------------------------------------------------------------------------
 
+  def _process_report(self) -> dict:
+    lags = np.concatenate(self.learner.lags).astype(np.int64) if self.learner.lags else np.zeros((0,), np.int64)
+    return {"env_steps": int(sum(shard.env_steps for shard in self.shards)),
+            "samples_consumed": int(self.learner.samples_consumed),
+            "lag_counts": np.bincount(lags - lags.min(initial=0)).tolist(), "lag_min": int(lags.min(initial=0)),
+            "segments": {str(shard.shard_id): shard.segments for shard in self.shards},
+            "restarts": {str(shard.shard_id): shard.restarts for shard in self.shards}}
+
   def summary(self) -> dict:
+    """The run's figures over every process (lags of every consumed sample, env steps of every shard)."""
     wall = max(self.wall_seconds, 1e-9)
     history = self.learner.history
-    lags = np.concatenate(self.learner.lags) if self.learner.lags else np.zeros((1,))
-    env_steps = sum(shard.env_steps for shard in self.shards)
+    reports = getattr(self, "process_reports", None) or [self._process_report()]
+    lags = np.concatenate([np.repeat(np.arange(len(r["lag_counts"])) + r["lag_min"], r["lag_counts"]) for r in reports])
+    lags = lags if lags.size else np.zeros((1,))
+    env_steps = sum(report["env_steps"] for report in reports)
+    segments = {int(k): v for report in reports for k, v in report["segments"].items()}
+    restarts = {int(k): v for report in reports for k, v in report["restarts"].items()}
     result = {
         "mode": self.config.mode, "eta": self.eta, "wall_seconds": wall, "version": self.learner.version,
         "stop_reason": self.stop_reason, "env_steps": env_steps, "env_steps_per_s": env_steps / wall,
-        "learner_updates_per_s": len(history) / wall, "samples_consumed_per_s": self.learner.samples_consumed / wall,
+        "num_processes": self.group.count, "env_steps_per_process": [report["env_steps"] for report in reports],
+        "segments_per_shard": [segments[k] for k in sorted(segments)],
+        "learner_batch_envs": history[-1]["batch_envs"] if history else 0,
+        "learner_updates_per_s": len(history) / wall,
+        "samples_consumed_per_s": sum(report["samples_consumed"] for report in reports) / wall,
         "lag_mean": float(lags.mean()), "lag_p95": float(np.percentile(lags, 95)), "lag_max": int(lags.max()),
-        "shard_restarts": [shard.restarts for shard in self.shards],
+        "shard_restarts": [restarts[k] for k in sorted(restarts)],
         "inference_batches": self.server.batches,
         "inference_shards_per_batch": float(np.mean(self.server.batch_shards)) if self.server.batch_shards else 0.0,
         "busy_fraction": self.activity.busy_fractions(wall),

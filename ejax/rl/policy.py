@@ -195,13 +195,15 @@ class FlowPolicy:
 
   def _noise(self, rng: jax.Array, observation: dict) -> jax.Array:
     n = observation["observation.state"].shape[0]
-    return jax.random.normal(rng, (n, self.horizon, self.action_dim), jnp.float32)
+    return flow.normal_per_row(rng, (n, self.horizon, self.action_dim))
 
   def sample(self, params: Any, observation: dict, rng: jax.Array) -> dict[str, jax.Array]:
     """An actor with cache_context (a frozen, expensive context: ejax.rl.vla.GrootActor) returns it
     as "context"; the learner hands it back to `evaluate`, which then runs only the flow."""
     model = nnx.merge(self.graphdef, params)
-    noise_rng, sde_rng = jax.random.split(rng)
+    # One key, or one key per row [n] (the RL env shards send their own: a sample then does not
+    # depend on which shards share its inference batch, so sync runs repeat on any process count).
+    noise_rng, sde_rng = jax.vmap(jax.random.split, out_axes=1)(rng) if flow.per_row_keys(rng) else jax.random.split(rng)
     caches = getattr(model.actor, "cache_context", False)
     context = model.actor.context(*self.actor_inputs(observation)) if caches else None
     result = flow.flow_sde_sample(self._velocity_fn(model, observation, context), self._noise(noise_rng, observation),

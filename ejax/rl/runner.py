@@ -14,6 +14,9 @@
 4. Run the asynchronous pipeline (ejax.rl.pipeline) to config.rl.num_updates; SIGTERM stops it
    cleanly and checkpoints.
 5. Judge again (workdir/eval_after); write rl_summary.json, rl_history.jsonl and timeline.png.
+Several processes (jax.distributed, configured exactly as for SFT: config.distributed.* or the
+cluster's environment, the same command on every process) share the env shards and one SPMD learner
+(ejax.rl.pipeline); process 0 judges and writes the outputs, every process checkpoints together.
 Any saved version can be judged again later by the eval job itself:
     python -m ejax.main --config=configs/eval.py --config.eval.policy=rl \
         --config.eval.checkpoint=WORKDIR/rl_checkpoints --config.eval.tasks=TASK [--config.eval.version=0]
@@ -34,6 +37,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from ejax.checkpoint import CheckpointError
+from ejax.parallel import barrier, initialize_distributed
 from ejax.rl import warm_start
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.pipeline import RLPipeline
@@ -121,6 +125,8 @@ def judge_config(rl: ConfigDict) -> ConfigDict:
 
 def run_job(config: ConfigDict, workdir: str) -> dict:
   rl = config.rl
+  initialize_distributed(config.distributed)  # several processes: before anything touches a device
+  lead = jax.process_index() == 0  # judges and writes the outputs
   os.makedirs(workdir, exist_ok=True)
   env = make_env(rl.env)
   policy = make_policy(rl.policy, config.seed)
@@ -156,17 +162,29 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
         learning_rate=rl.warm_start.learning_rate, rng=jax.random.key(config.seed + 1))
     logging.info("SFT warm start: %d demo samples, %d steps, %.1f s", demos["actions"].shape[0],
                  rl.warm_start.steps, time.perf_counter() - start)
+    if jax.process_count() > 1:  # every process cloned the same demos; process 0's weights are the start
+      from jax.experimental import multihost_utils
+      barrier("rl_warm_start")
+      policy.initial_params = multihost_utils.broadcast_one_to_all(policy.initial_params)
 
   pipeline = RLPipeline(rl, env, policy, checkpoint_dir=checkpoint_dir, sharding_rules=config.sharding_rules)
   if not resuming:
     pipeline.save_checkpoint(starting_point=True)  # version 0: the SFT policy, for later judging
-  success_before = judge(pipeline.learner.params, "before")
-  logging.info("success rate before RL (version %d): %.3f", pipeline.start_version, success_before)
+  params = pipeline.local_learner_params()  # every process (a gather where the mesh spans them)
+  success_before = judge(params, "before") if lead else None
+  if lead:
+    logging.info("success rate before RL (version %d): %.3f", pipeline.start_version, success_before)
 
   # -- RL ------------------------------------------------------------------------------------
   with stop_on_sigterm(pipeline):
     summary = pipeline.run()
-  success_after = judge(pipeline.learner.params, "after")
+  params = pipeline.local_learner_params()
+  success_after = judge(params, "after") if lead else None
+  if not lead:
+    logging.info("RL done on process %d: %d env steps here, lag max %d (eta %d); process 0 writes the outputs",
+                 jax.process_index(), summary["env_steps_per_process"][jax.process_index()], summary["lag_max"],
+                 summary["eta"])
+    return summary
   logging.info("success rate after RL (version %d): %.3f", pipeline.learner.version, success_after)
 
   # -- outputs -------------------------------------------------------------------------------

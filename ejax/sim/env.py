@@ -64,8 +64,10 @@ class CameraConfig:
 @functools.lru_cache(maxsize=None)
 def mjx_model() -> mjx.Model:
   # Built eagerly even when first called inside a trace, so the cached model holds no tracers.
+  # On this process's own device: MJX's default, jax.devices()[0], belongs to process 0 in a
+  # multi-process run (arrays another process cannot read).
   with jax.ensure_compile_time_eval():
-    return mjx.put_model(scene.mj_model())
+    return mjx.put_model(scene.mj_model(), device=jax.local_devices()[0])
 
 
 def fixture_positions(mocap_pos: Any) -> Any:
@@ -184,7 +186,7 @@ def mjx_reset(rng: jax.Array, task_row: dict, cameras: CameraConfig | None) -> E
   info = dict(episode["info"], step=jnp.zeros((), jnp.int32), task_index=jnp.asarray(task_row["task_index"], jnp.int32),
               episode_length=jnp.asarray(task_row["episode_length"], jnp.int32))
   model = mjx_model().replace(geom_size=info["geom_size"])
-  data = mjx.make_data(mjx_model())
+  data = mjx.make_data(mjx_model(), device=jax.local_devices()[0])
   mocap_pos, mocap_quat = with_arm_pose(episode["mocap_pos"], data.mocap_quat, info)
   # No mjx.forward here: observations come from qpos and our own kinematics, the cameras run
   # mjx.kinematics, and the first mjx.step computes the rest. It keeps reset cheap to compile.
