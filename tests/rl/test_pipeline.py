@@ -12,6 +12,7 @@ from flax import nnx
 
 from configs.common import SHARDING_RULES
 from ejax.rl.checkpoint import RLCheckpointer
+from ejax.rl.coordination import SegmentTickets
 from ejax.rl.pipeline import RLPipeline, RLRunError, default_config
 from ejax.rl.point_env import PointReach
 from ejax.rl.policy import mlp_flow_policy
@@ -179,3 +180,30 @@ def test_shard_failing_past_max_restarts_stops_the_run(policy, env):
   with pytest.raises(RLRunError, match="env shard 0 failed 2 times"):
     pipeline.run()
   assert_all_joined(pipeline)
+
+
+def test_fixed_shard_tickets_give_each_shard_its_own_segments():
+  tickets = SegmentTickets(total_segments=8, segments_per_update=4, eta=0, fixed_shards=[2, 3])
+  assert [tickets.take(2), tickets.take(2), tickets.take(3)] == [0, 2, 1]
+  tickets.give_back(2)  # a failed segment goes back to the shard that owns it
+  assert tickets.take(3) == 3 and tickets.take(2) == 2
+  assert [tickets.take(2), tickets.take(2), tickets.take(2)] == [4, 6, None]
+  assert not tickets.exhausted() and [tickets.take(3), tickets.take(3), tickets.take(3)] == [5, 7, None]
+  assert tickets.exhausted()
+  resumed = SegmentTickets(total_segments=8, segments_per_update=4, eta=0, first_ticket=4, fixed_shards=[2, 3])
+  assert [resumed.take(3), resumed.take(2)] == [5, 4]
+
+
+def test_per_env_keys_make_a_sample_independent_of_its_batch(policy, env):
+  observation = {key: np.asarray(value) for key, value in
+                 jax.vmap(env.reset)(jax.random.split(jax.random.key(0), 8)).obs.items()}
+  keys = jax.random.split(jax.random.key(3), 8)
+  whole = policy.jit_sample(policy.initial_params, observation, keys)
+  halves = [policy.jit_sample(policy.initial_params, {k: v[rows] for k, v in observation.items()}, keys[rows])
+            for rows in (slice(0, 4), slice(4, 8))]
+  for key in ("actions", "chain", "step_index", "log_prob"):
+    np.testing.assert_allclose(np.concatenate([np.asarray(h[key]) for h in halves]), np.asarray(whole[key]),
+                               rtol=1e-5, atol=1e-6)
+  # One key for the batch (evaluation, warm start) still works, and differs from per-env keys.
+  single = policy.jit_sample(policy.initial_params, observation, jax.random.key(3))
+  assert not np.allclose(np.asarray(single["actions"]), np.asarray(whole["actions"]))
