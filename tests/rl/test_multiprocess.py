@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 
 # point_reach, 4 shards of 16 envs, 4 segments per update (runlocal): 2 shards and 2 segments a process.
 CONFIG = "--config=configs/rl_vla3.py:runlocal,task=point_reach,updates={updates}"
-COMMON = ["--config.rl.judge.episodes=64", "--config.rl.checkpoint_every_updates=1",
+COMMON = ["--config.rl.judge.episodes=64", "--config.rl.checkpoint_every_updates=1", "--config.rl.warm_start.steps=0",
           "--config.compilation_cache_dir="]  # two writers of one cache entry could tear it
 
 
