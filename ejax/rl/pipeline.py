@@ -381,7 +381,7 @@ class RLPipeline:
     result = {
         "mode": self.config.mode, "eta": self.eta, "wall_seconds": wall, "version": self.learner.version,
         "stop_reason": self.stop_reason, "env_steps": env_steps, "env_steps_per_s": env_steps / wall,
-        "num_processes": self.group.count, "env_steps_per_process": [report["env_steps"] for report in reports],
+        "num_processes": len(reports), "env_steps_per_process": [report["env_steps"] for report in reports],
         "segments_per_shard": [segments[k] for k in sorted(segments)],
         "learner_batch_envs": history[-1]["batch_envs"] if history else 0,
         "learner_updates_per_s": len(history) / wall,

@@ -12,6 +12,7 @@ from flax import nnx
 
 from configs.common import SHARDING_RULES
 from ejax.rl.checkpoint import RLCheckpointer
+from ejax.rl import multihost
 from ejax.rl.coordination import SegmentTickets
 from ejax.rl.pipeline import RLPipeline, RLRunError, default_config
 from ejax.rl.point_env import PointReach
@@ -207,3 +208,44 @@ def test_per_env_keys_make_a_sample_independent_of_its_batch(policy, env):
   # One key for the batch (evaluation, warm start) still works, and differs from per-env keys.
   single = policy.jit_sample(policy.initial_params, observation, jax.random.key(3))
   assert not np.allclose(np.asarray(single["actions"]), np.asarray(whole["actions"]))
+
+
+class _PeerFailsAt(multihost.ProcessGroup):
+  """This process alone, but talking to one imaginary peer whose shard fails before update `update`."""
+
+  def __init__(self, update):
+    super().__init__()
+    self.fail_at, self.sent = update, []
+
+  multi = True
+
+  def exchange(self, name, message):
+    self.sent.append((name, message))
+    if name == "summary":  # the end of the run: the peer's counters (here: a copy of this process's)
+      return [message, message]
+    peer_ready = name != f"update/{self.fail_at}"
+    return [message, {"ready": peer_ready, "reason": "error: env shard 3 failed 4 times",
+                      "statistics": message["statistics"] if peer_ready else None}]
+
+  def announce_stop(self, reason):
+    self.sent.append(("stop", reason))
+
+  def peer_stop(self):
+    return None
+
+
+def test_a_peer_that_stops_stops_this_process_before_the_next_update(policy, env, tmp_path, monkeypatch):
+  group = _PeerFailsAt(update=2)
+  monkeypatch.setattr(multihost, "ProcessGroup", lambda: group)
+  config = make_config(num_updates=6)
+  config.placement.learner_devices = [0]
+  pipeline = RLPipeline(config, env, policy, checkpoint_dir=str(tmp_path / "ckpt"))
+  summary = pipeline.run()
+  assert_all_joined(pipeline)
+  # Updates 0 and 1 ran after both processes reported ready; at update 2 the peer's failure stopped
+  # this one before the update, with the peer's reason, and the last good version was saved.
+  assert summary["version"] == 2 and summary["stop_reason"] == "process 1: error: env shard 3 failed 4 times"
+  assert [name for name, _ in group.sent if name.startswith("update/")] == ["update/0", "update/1", "update/2"]
+  assert all(message["ready"] for name, message in group.sent if name.startswith("update/"))
+  assert RLCheckpointer(str(tmp_path / "ckpt")).latest_version() == 2
+  assert summary["num_processes"] == 2 and summary["env_steps"] == 2 * summary["env_steps_per_process"][0]
