@@ -30,7 +30,7 @@ def get_config(arg: str | None = None):
   config.eval = ConfigDict(dict(
       policy="checkpoint",   # random | expert | checkpoint | rl | remote
       checkpoint="",         # checkpoint directory: the train job's (policy=checkpoint, ejax.train.policy)
-                             # or an rl job's rl_checkpoints (policy=rl, ejax.rl.runner.load_rl_policy)
+                             # or an rl job's rl_checkpoints (policy=rl, ejax.rl.build.load_rl_policy)
       version=-1,            # policy=rl: which saved policy version (-1: the newest)
       address="",            # policy=remote: host:port (or ws://...) of a serve job (ejax/serve)
       api_key="",            # policy=remote: the server's serve.api_key, when it has one

@@ -44,7 +44,7 @@ def make_policy(config, action_size: int):
   if kind == "rl":
     if not config.eval.checkpoint:
       raise ValueError("config.eval.policy='rl' needs --config.eval.checkpoint=<workdir of the rl job>/rl_checkpoints")
-    from ejax.rl.runner import load_rl_policy
+    from ejax.rl.build import load_rl_policy
     return load_rl_policy(config.eval.checkpoint, version=config.eval.get("version", -1))
   if kind == "remote":
     from ejax.serve.client import RemotePolicy

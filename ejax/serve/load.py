@@ -14,7 +14,7 @@
             load_imported_policy).
 A workdir holding one of the first two (checkpoints/ or rl_checkpoints/) stands for it; a numbered
 step / version directory inside one picks that step (as serve.version does). All three load through
-the eval job's loaders (ejax.train.policy.load_policy, ejax.rl.runner.load_rl_policy) into the
+the eval job's loaders (ejax.train.policy.load_policy, ejax.rl.build.load_rl_policy) into the
 same CheckpointPolicy, so the server treats them alike.
 """
 
@@ -97,7 +97,7 @@ def load_rl_groot_policy(directory: str, version: int | None = None):
   GR00T weights: the same observations, prompt and normalisation as the train checkpoint it started
   from, sampled with the RL policy's Euler steps (the eval job's policy=rl acts the same)."""
   from ejax.rl.checkpoint import RLCheckpointer
-  from ejax.rl.runner import load_rl_policy
+  from ejax.rl.build import load_rl_policy
   from ejax.train.policy import CheckpointPolicy
   from ejax.train.state import model_parts
   checkpointer = RLCheckpointer(directory)
