@@ -3,7 +3,8 @@
   losses.py       GAE, decoupled PPO (proximal ratio, behaviour-weight drop, dual clip), GRPO, value loss
   policy.py       FlowPolicy: Flow-SDE sampling and log-probs over a flow actor + value head
   vla.py          GR00T-N1.5 as the actor: a train-job checkpoint, in-jit inputs, backbone once per sample
-  delays.py       per-shard step-delay samplers (constant / uniform / exponential / lognormal)
+  delays.py       per-shard step-delay samplers (constant / uniform / exponential / lognormal / empirical)
+  trace.py        recorded stage timings of the real components replayed through the pipeline, and their bound
   coordination.py param store, segment tickets (the staleness gate), request board, stoppable queues
   env_shard.py    level 1: a batch of envs stepped by one jitted call, on its own thread
   inference.py    level 2: dynamic-batching inference server, samples tagged with the policy version

@@ -11,14 +11,16 @@ import dataclasses
 
 import numpy as np
 
-KINDS = ("none", "constant", "uniform", "exponential", "lognormal")
+KINDS = ("none", "constant", "uniform", "exponential", "lognormal", "empirical")
 
 
 @dataclasses.dataclass(frozen=True)
 class DelaySpec:
   """kind: one of KINDS. Parameters in seconds:
   constant: `mean`; uniform: [low, high]; exponential: `mean`;
-  lognormal: `median` and `sigma` (of the underlying normal), mean = median * exp(sigma^2 / 2).
+  lognormal: `median` and `sigma` (of the underlying normal), mean = median * exp(sigma^2 / 2);
+  empirical: `samples`, recorded delays replayed (each draw one of them, uniformly, with
+  replacement: the recorded distribution itself; see ejax.rl.trace).
   """
   kind: str = "none"
   mean: float = 0.0
@@ -26,10 +28,14 @@ class DelaySpec:
   high: float = 0.0
   median: float = 0.0
   sigma: float = 0.0
+  samples: tuple[float, ...] = ()
 
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"unknown delay kind {self.kind!r}: use one of {', '.join(KINDS)}")
+    object.__setattr__(self, "samples", tuple(float(x) for x in self.samples))  # lists from configs
+    if self.kind == "empirical" and (not self.samples or min(self.samples) < 0):
+      raise ValueError("an empirical delay needs a non-empty `samples` of delays >= 0 (seconds)")
     if self.kind == "uniform" and not 0 <= self.low <= self.high:
       raise ValueError(f"uniform delay needs 0 <= low <= high, got low={self.low}, high={self.high}")
 
@@ -41,6 +47,8 @@ class DelaySpec:
       return self.mean
     if self.kind == "uniform":
       return 0.5 * (self.low + self.high)
+    if self.kind == "empirical":
+      return float(np.mean(self.samples))
     return self.median * float(np.exp(0.5 * self.sigma**2))
 
 
@@ -50,6 +58,7 @@ class DelaySampler:
   def __init__(self, spec: DelaySpec, seed: int):
     self.spec = spec
     self._rng = np.random.default_rng(seed)
+    self._samples = np.asarray(spec.samples, np.float64)
 
   def sample(self, size: int | None = None) -> float | np.ndarray:
     spec = self.spec
@@ -62,6 +71,8 @@ class DelaySampler:
       value = self._rng.uniform(spec.low, spec.high, shape)
     elif spec.kind == "exponential":
       value = self._rng.exponential(spec.mean, shape)
+    elif spec.kind == "empirical":
+      value = self._samples[self._rng.integers(0, len(self._samples), shape)]
     else:
       value = spec.median * np.exp(spec.sigma * self._rng.standard_normal(shape))
     return float(value) if size is None else value

@@ -17,6 +17,7 @@ With one process every method here is trivial and nothing touches the key-value 
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from typing import Any
@@ -30,12 +31,16 @@ AGREE_TIMEOUT_S = 3600.0  # a peer that has not reported for an hour is gone (ja
 WATCH_INTERVAL_S = 0.2
 
 
-class ProcessGroup:
-  """This process's place in the run: its index, the process count, and the run's message keys."""
+_PIPELINES = itertools.count()  # every process builds its pipelines in the same order
 
-  def __init__(self, run_id: str = "rl", timeout_s: float = AGREE_TIMEOUT_S):
+
+class ProcessGroup:
+  """This process's place in the run: its index, the process count, and the run's message keys
+  (a new prefix for each pipeline a process builds: keys are written once)."""
+
+  def __init__(self, run_id: str | None = None, timeout_s: float = AGREE_TIMEOUT_S):
     self.index, self.count = jax.process_index(), jax.process_count()
-    self.prefix = f"ejax_rl/{run_id}"
+    self.prefix = f"ejax_rl/{run_id or f'pipeline{next(_PIPELINES)}'}"
     self.timeout_s = timeout_s
     self._announced = False
 
