@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 from ejax.models import flow, groot_inputs, layers
-from ejax.models.connector import KEYPOINT_HIDDEN, MLPConnector, PixelKeypoints, heatmap_loss, mlp_settings
+from ejax.models.connector import (KEYPOINT_HIDDEN, MLPConnector, PixelKeypoints, heatmap_loss, mlp_settings,
+                                   pixel_grid)
 from ejax.models.dit import DiT, DiTConfig, VLSelfAttentionTransformer, VLTransformerConfig
 from ejax.models.embodiment import CategorySpecificMLP, MultiEmbodimentActionEncoder
 from ejax.models.groot_inputs import image_token_indices, sample_rows, tokens_per_image  # noqa: F401
@@ -46,6 +47,9 @@ COMPONENTS = {
 }
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# aux_heatmap_position: logits gain this times w . (x, y), (x, y) in [-1, 1], so that an O(1) weight
+# moves a detector by a few nats across the image (learns at the detectors' learning rate).
+AUX_POSITION_SCALE = 10.0
 
 
 def model_config(variant: str = "full") -> ml_collections.ConfigDict:
@@ -128,6 +132,17 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # instruction's detectors, so that a detector sees a patch's neighbourhood (a dark bar on the
   # cabinet's front is a drawer handle; a dark disc on the table is not), not only its colour.
   c.aux_heatmap_context = False
+  # With aux_heatmap_context: more residual 3x3 convolutions after the first (each dilated by
+  # aux_heatmap_context_dilation), so a detector sees a larger neighbourhood: a bowl's rim and a
+  # plate's flat disc of the same random colour are told apart only over ~10 px (a probe on the
+  # 15 tasks' recorded frames: the goal keypoint 13-24 px off with no context, 2.5-16 px with one
+  # layer, ~1 px with two, the second dilated 2; BENCHMARKS.md).
+  c.aux_heatmap_context_layers = 1
+  c.aux_heatmap_context_dilation = 1
+  # With aux_heatmaps: a learnt position term per instruction-chosen detector and camera, logit +
+  # AUX_POSITION_SCALE * w . (x, y) with w read from the instruction (zero at initialisation), so a
+  # detector can prefer the leftmost / nearest of identical blocks (the spatial suite).
+  c.aux_heatmap_position = False
   # With aux_keypoints: the batch's images at this size (0: the vision tower's) for the keypoints,
   # average-pooled to vision.image_size for the tower (a multiple of it).
   c.aux_image_size = 0
@@ -236,7 +251,9 @@ class GrootActionHead(nnx.Module):
     self.aux_state_head = self.aux_state_out = self.aux_keypoints = self.aux_keypoint_in = nnx.data(None)
     self.aux_state_mid = self.aux_proprio_in = self.aux_queries = nnx.data(None)
     self.heatmap_context = self.heatmap_context_bias = nnx.data(None)
+    self.heatmap_context_more = self.heatmap_context_more_bias = self.aux_query_position = nnx.data(None)
     self.num_cameras = config.num_cameras
+    self.heatmap_context_dilation = int(config.get("aux_heatmap_context_dilation", 1))
     self.heatmap_points = config.get("aux_heatmaps", 0) if config.get("aux_keypoints", 0) else 0
     if config.get("aux_state_dim", 0) and config.get("aux_keypoints", 0) and config.num_cameras:
       # A keypoint readout needs depth and width: which keypoint (by instruction) and the camera's
@@ -252,6 +269,16 @@ class GrootActionHead(nnx.Module):
                                                    param_dtype)
           self.heatmap_context_bias = layers.make_param(rngs, nnx.initializers.zeros, (KEYPOINT_HIDDEN,), (MLP,),
                                                         param_dtype)
+          more = int(config.get("aux_heatmap_context_layers", 1)) - 1
+          if more > 0:
+            self.heatmap_context_more = layers.make_param(
+                rngs, nnx.initializers.lecun_normal(in_axis=(1, 2, 3), out_axis=4, batch_axis=(0,)),
+                (more, 3, 3, KEYPOINT_HIDDEN, KEYPOINT_HIDDEN), (None, None, None, None, MLP), param_dtype)
+            self.heatmap_context_more_bias = layers.make_param(rngs, nnx.initializers.zeros, (more, KEYPOINT_HIDDEN),
+                                                               (None, MLP), param_dtype)
+        if config.get("aux_heatmap_position", False):
+          self.aux_query_position = layers.Dense(vl_width, config.num_cameras * self.heatmap_points * 2,
+                                                 axes=(EMBED, None), kernel_init=nnx.initializers.zeros, **common)
       self.aux_keypoint_in = layers.Dense(config.num_cameras * (config.aux_keypoints + self.heatmap_points) * 3,
                                           width, axes=(None, MLP), **common)
       # and the arm's state: the wrist camera sees the object relative to the hand
@@ -289,16 +316,28 @@ class GrootActionHead(nnx.Module):
     hidden = self.aux_state_mid(jax.nn.gelu(hidden))
     return self.aux_state_out(jax.nn.gelu(hidden)).astype(jnp.float32)
 
+  @staticmethod
+  def _standardise(instruction: jax.Array) -> jax.Array:
+    # The mean byte embedding is small and alike across instructions, and the detectors it chose
+    # stayed flat for hundreds of steps (cross-entropy on the target 3.1 vs 1.7 at 300).
+    centred = instruction - jnp.mean(instruction, axis=-1, keepdims=True)
+    return centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + 1e-6)
+
   def _heatmap_queries(self, instruction: jax.Array) -> jax.Array | None:
     """The instruction's detectors [n images, points, KEYPOINT_HIDDEN] (each sample's cameras in turn)."""
     if self.aux_queries is None:
       return None
-    # Standardised first: the mean byte embedding is small and alike across instructions, and the
-    # detectors it chose stayed flat for hundreds of steps (cross-entropy on the target 3.1 vs 1.7 at 300).
-    centred = instruction - jnp.mean(instruction, axis=-1, keepdims=True)
-    centred = centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + 1e-6)
+    centred = self._standardise(instruction)
     queries = self.aux_queries(centred.astype(self.dtype)).reshape(instruction.shape[0], self.heatmap_points, -1)
     return jnp.repeat(queries, self.num_cameras, axis=0)
+
+  def heatmap_position_weights(self, instruction: jax.Array) -> jax.Array | None:
+    """aux_heatmap_position: the instruction's position weights [n images, points, 2] (each sample's
+    cameras in turn; each camera its own), or None."""
+    if self.aux_query_position is None:
+      return None
+    weights = self.aux_query_position(self._standardise(instruction).astype(self.dtype))
+    return weights.reshape(instruction.shape[0] * self.num_cameras, self.heatmap_points, 2)
 
   def heatmap_logits(self, images: jax.Array, instruction: jax.Array) -> jax.Array:
     """The instruction's detectors' logits [n images, cells, points] over each image's patch grid."""
@@ -309,8 +348,22 @@ class GrootActionHead(nnx.Module):
       context = jax.lax.conv_general_dilated(cells, self.heatmap_context[...].astype(x.dtype), (1, 1), "SAME",
                                              dimension_numbers=("NHWC", "HWIO", "NHWC"))
       x = x + jax.nn.gelu(context + self.heatmap_context_bias[...].astype(x.dtype)).reshape(x.shape)
+      if self.heatmap_context_more is not None:
+        dilation = int(self.heatmap_context_dilation)
+        for kernel, bias in zip(self.heatmap_context_more[...], self.heatmap_context_more_bias[...]):
+          cells = x.reshape(x.shape[0], *grid, x.shape[-1])
+          context = jax.lax.conv_general_dilated(cells, kernel.astype(x.dtype), (1, 1), "SAME",
+                                                 rhs_dilation=(dilation, dilation),
+                                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+          x = x + jax.nn.gelu(context + bias.astype(x.dtype)).reshape(x.shape)
     queries = self._heatmap_queries(instruction)
-    return jnp.einsum("nph,nqh->npq", x, queries.astype(x.dtype)).astype(jnp.float32)
+    logits = jnp.einsum("nph,nqh->npq", x, queries.astype(x.dtype)).astype(jnp.float32)
+    weights = self.heatmap_position_weights(instruction)
+    if weights is not None:
+      grid = [size // self.aux_keypoints.pixel_patch for size in images.shape[1:3]]
+      position = jnp.einsum("pd,nqd->npq", jnp.asarray(pixel_grid(*grid)), weights.astype(jnp.float32))
+      logits = logits + AUX_POSITION_SCALE * position
+    return logits
 
   def heatmap_loss(self, batch, instruction: jax.Array) -> jax.Array:
     """Mean cross-entropy [n] of the instruction's heatmaps against the labels batch["aux_pixels"]

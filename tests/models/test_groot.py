@@ -319,3 +319,48 @@ def test_state_dims_hide_the_other_state_entries_from_the_action_head():
   np.testing.assert_array_equal(kept, same)
   _, moved = model.context(dict(batch, state=batch["state"] + np.eye(c.max_state_dim, dtype=np.float32)[1]))
   assert not np.allclose(moved, kept)
+
+
+def test_heatmap_context_layers_and_position_term():
+  """aux_heatmap_context_layers / _dilation: more residual 3x3 convolutions (dilated) before the
+  instruction's detectors; aux_heatmap_position: logits + AUX_POSITION_SCALE * w . (x, y), w read
+  from the instruction per camera and point (zero at initialisation), trained by the heatmap loss."""
+  c = tiny_config()
+  c.update(aux_state_dim=2, aux_keypoints=1, aux_heatmaps=2, aux_heatmap_context=True, aux_heatmap_context_layers=3,
+           aux_heatmap_context_dilation=2)
+  model = groot.create(c, nnx.Rngs(0))
+  assert model.action_head.heatmap_context_more.shape == (2, 3, 3, 32, 32)
+  assert model.action_head.aux_query_position is None
+  batch = groot.example_batch(c, 2, seed=3)
+  images = normalize_images(batch["images"], jnp.float32)
+  instruction = model.instruction_embedding(batch)
+  base = model.action_head.heatmap_logits(images, instruction)
+  # The extra layers see beyond a 3x3 neighbourhood: with the later ones dilated by 2, a change 4
+  # cells away moves a cell's logits (one layer of 3x3 reaches 1 cell).
+  size = c.vision.image_size
+  moved = np.array(batch["images"])
+  moved[:, :2, 8:10] = 255 - moved[:, :2, 8:10]          # cell (0, 4) of the 2x2-patch grid
+  changed = model.action_head.heatmap_logits(normalize_images(jnp.asarray(moved), jnp.float32), instruction)
+  grid = size // 2
+  delta = np.abs(np.asarray(changed - base)).reshape(2, grid, grid, -1).max(axis=(0, 3))
+  assert delta[0, 0] > 1e-6 and delta[0, 10] < 1e-6     # reach 1 + 2 + 2 = 5 cells: 4 away moves, 6 away does not
+
+  c.update(aux_heatmap_position=True)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  head = model.action_head
+  weights = head.heatmap_position_weights(instruction)
+  assert weights.shape == (2 * c.num_cameras, 2, 2)
+  with_position = head.heatmap_logits(images, instruction)
+  head.aux_query_position = nnx.data(None)
+  without = head.heatmap_logits(images, instruction)
+  cells = jnp.asarray(groot.pixel_grid(grid, grid))
+  expected = without + groot.AUX_POSITION_SCALE * jnp.einsum("pd,nqd->npq", cells, weights)
+  np.testing.assert_allclose(with_position, expected, rtol=1e-5, atol=1e-4)
+  # zero-initialised: a fresh model's detectors start without a position preference, and the
+  # heatmap loss trains the weights
+  fresh = groot.create(c, nnx.Rngs(0))
+  assert float(jnp.abs(fresh.action_head.heatmap_position_weights(instruction)).max()) == 0
+  labelled = dict(batch, aux_state=np.zeros((2, 2), np.float32), aux_mask=np.ones(2, np.float32),
+                  aux_pixels=np.random.default_rng(0).uniform(-1, 1, batch["aux_pixels"].shape).astype(np.float32))
+  grads = nnx.grad(lambda m: m.compute_loss(labelled, jax.random.key(1), train=False)[1]["aux_heatmap_loss"])(fresh)
+  assert float(jnp.abs(grads.action_head.aux_query_position.kernel[...]).sum()) > 0
