@@ -44,6 +44,12 @@ class RLCheckpointer:
     self._manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
         preservation_policy=preserve, create=True))
 
+  @staticmethod
+  def has_versions(directory: str) -> bool:
+    """Whether `directory` holds a finished version, read from the file system alone (building a
+    manager to ask is a collective step in a multi-process run)."""
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
   def save(self, version: int, params: Any, opt_state: Any, metadata: dict) -> None:
     state = {"params": _flat(params), "opt_state": _flat(opt_state)}
     self._manager.save(version, args=ocp.args.Composite(state=ocp.args.StandardSave(state),

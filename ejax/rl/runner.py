@@ -73,7 +73,10 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
   env = make_env(rl.env)
   policy = make_policy(rl.policy, config.seed)
   checkpoint_dir = os.path.join(workdir, "rl_checkpoints")
-  resuming = os.path.isdir(checkpoint_dir) and RLCheckpointer(checkpoint_dir).latest_version() is not None
+  resuming = RLCheckpointer.has_versions(checkpoint_dir)
+  if jax.process_count() > 1:  # process 0 decides for all: a peer that looked later could see this run's version 0
+    from ejax.rl.multihost import ProcessGroup
+    resuming = ProcessGroup("rl_job").exchange("resuming", {"resuming": resuming})[0]["resuming"]
   simulated = rl.env.name != "point_reach"
   if simulated:
     from ejax.eval.evaluate import evaluate_policy
