@@ -142,17 +142,6 @@ def to_global(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(place, tree, shardings)
 
 
-def from_process_parts(tree: Any, shardings: Any, axes: Any) -> Any:
-  """Each process's rows (its segments) -> global arrays whose `axes` dimension is the sum over
-  processes, laid out by `shardings` (this process's rows on its own devices)."""
-  def place(value, sharding, axis):
-    value = np.asarray(value)
-    shape = list(value.shape)
-    shape[axis] *= jax.process_count()
-    return jax.make_array_from_process_local_data(sharding, value, tuple(shape))
-  return jax.tree.map(place, tree, shardings, axes)
-
-
 def localize(tree: Any, replicate=None) -> Any:
   """Global arrays -> copies on this process's first addressable device, for a local server.
   Arrays sharded across processes are first gathered by `replicate` (a jitted identity with

@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
-from ejax.parallel import ACT_BATCH, logical_to_spec, make_mesh, tree_shardings
+from ejax.parallel import ACT_BATCH, global_batch, logical_to_spec, make_mesh, replicated, tree_shardings
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.coordination import ParamStore, RequestBoard, SegmentTickets
 from ejax.rl.delays import DelaySampler, DelaySpec, delay_spec_from_config
@@ -261,22 +261,21 @@ class RLPipeline:
     time_major = NamedSharding(mesh, logical_to_spec((None, ACT_BATCH), sharding_rules, mesh=mesh))  # [T, N, ...]
     env_major = NamedSharding(mesh, logical_to_spec((ACT_BATCH,), sharding_rules, mesh=mesh))       # [N, ...]
     layout = lambda key: (env_major, 0) if key == "bootstrap_observation" else (time_major, 1)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    replicated_sharding = replicated(mesh)
     if jax.process_count() == 1:
       return (jax.device_put(params, param_shardings), jax.device_put(opt_state, opt_shardings),
               lambda batch: {key: jax.device_put(value, layout(key)[0]) for key, value in batch.items()}, keep, None)
 
-    def put_batch(batch):
-      placed = {}
-      for key, value in batch.items():
-        sharding, axis = layout(key)
-        placed[key] = multihost.from_process_parts(value, jax.tree.map(lambda _: sharding, value),
-                                                   jax.tree.map(lambda _: axis, value))
-      return placed
+    def put_batch(batch):  # SFT's global_batch: each process's rows, concatenated along the env axis
+      def place(value, axis):
+        if isinstance(value, dict):
+          return global_batch(value, mesh, sharding_rules, batch_axis=axis)
+        return global_batch({"x": value}, mesh, sharding_rules, batch_axis=axis)["x"]
+      return {key: place(value, layout(key)[1]) for key, value in batch.items()}
 
-    replicate = jax.jit(lambda tree: tree, out_shardings=replicated)
+    replicate = jax.jit(lambda tree: tree, out_shardings=replicated_sharding)
     return (multihost.to_global(params, param_shardings), multihost.to_global(opt_state, opt_shardings),
-            put_batch, lambda key_data: multihost.to_global(key_data, replicated), replicate)
+            put_batch, lambda key_data: multihost.to_global(key_data, replicated_sharding), replicate)
 
   def local_learner_params(self) -> Any:
     """The learner's current parameters on this process's device (every process calls it at the
