@@ -43,11 +43,15 @@ def load(root: str, stride: int):
 
 class Detectors(nnx.Module):
   def __init__(self, num_tasks: int, cameras: int, context: int, dilation: int, position: bool, rngs: nnx.Rngs,
-               hidden: int = 32):
+               hidden: int = 32, separable: bool = False, position_scale: float = AUX_POSITION_SCALE):
     self.hidden = hidden
+    self.position_scale = position_scale
     self.features = nnx.Linear(12, hidden, rngs=rngs)
-    self.context = nnx.List([nnx.Conv(hidden, hidden, (3, 3), kernel_dilation=(dilation if i else 1,) * 2, rngs=rngs)
+    # separable: each 3x3 convolution per channel, then a 1x1 mixing the channels (~7x fewer FLOPs)
+    self.context = nnx.List([nnx.Conv(hidden, hidden, (3, 3), kernel_dilation=(dilation if i else 1,) * 2,
+                                      feature_group_count=hidden if separable else 1, rngs=rngs)
                              for i in range(context)])
+    self.mix = nnx.List([nnx.Linear(hidden, hidden, rngs=rngs) for _ in range(context if separable else 0)])
     self.queries = nnx.Embed(num_tasks, 2 * hidden, rngs=rngs)
     self.position = nnx.data(nnx.Embed(num_tasks, cameras * 2 * 2, embedding_init=nnx.initializers.zeros, rngs=rngs)
                              if position else None)
@@ -59,13 +63,13 @@ class Detectors(nnx.Module):
     side = int(round(cells ** 0.5))
     if len(self.context):
       grid = x.reshape(n, side, side, self.hidden)
-      for conv in self.context:
-        grid = grid + jax.nn.gelu(conv(grid))
+      for i, conv in enumerate(self.context):
+        grid = grid + jax.nn.gelu(self.mix[i](conv(grid)) if len(self.mix) else conv(grid))
       x = grid.reshape(n, cells, self.hidden)
     logits = jnp.einsum("nph,nqh->npq", x, self.queries(task).reshape(n, 2, self.hidden))
     if self.position is not None:
       w = self.position(task).reshape(n, self.cameras, 2, 2)[:, camera]
-      logits = logits + AUX_POSITION_SCALE * jnp.einsum("pd,nqd->npq", jnp.asarray(pixel_grid(side, side)), w)
+      logits = logits + self.position_scale * jnp.einsum("pd,nqd->npq", jnp.asarray(pixel_grid(side, side)), w)
     return logits
 
 
@@ -75,6 +79,8 @@ def main():
   parser.add_argument("--context", type=int, default=0, help="residual 3x3 convolutions over the patch grid")
   parser.add_argument("--dilation", type=int, default=1, help="dilation of the convolutions after the first")
   parser.add_argument("--position", action="store_true", help="the learnt position term")
+  parser.add_argument("--separable", action="store_true", help="depthwise 3x3 + 1x1 context convolutions")
+  parser.add_argument("--position-scale", type=float, default=AUX_POSITION_SCALE, help="the position term's gain")
   parser.add_argument("--steps", type=int, default=1200)
   parser.add_argument("--cameras", type=int, default=2, help="1: the agentview only")
   parser.add_argument("--stride", type=int, default=2, help="every N-th frame")
@@ -84,7 +90,8 @@ def main():
   rng = np.random.default_rng(0)
   held = rng.choice(np.unique(episodes), len(np.unique(episodes)) // 6, replace=False)
   test = np.isin(episodes, held)
-  model = Detectors(len(names), args.cameras, args.context, args.dilation, args.position, nnx.Rngs(0))
+  model = Detectors(len(names), args.cameras, args.context, args.dilation, args.position, nnx.Rngs(0),
+                    separable=args.separable, position_scale=args.position_scale)
   opt = nnx.Optimizer(model, optax.adam(optax.warmup_cosine_decay_schedule(0, 3e-3, 50, args.steps)), wrt=nnx.Param)
   side = cams[0].shape[1] // 2
 

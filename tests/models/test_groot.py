@@ -283,6 +283,14 @@ def test_heatmap_keypoints_feed_the_state_token_without_training_the_detectors_t
   assert float(jnp.abs(flow.action_head.aux_queries.kernel[...]).sum()) == 0
   assert float(jnp.abs(heat.action_head.aux_queries.kernel[...]).sum()) > 0
   assert float(jnp.abs(flow.action_head.state_encoder.layer1.W[...]).sum()) > 0
+  # compute_loss computes the heatmaps once and shares them: its heatmap and estimate losses are the
+  # ones the separate calls (each computing its own heatmaps) give.
+  computed = metrics(model)
+  instruction = model.instruction_embedding(labelled)
+  np.testing.assert_allclose(computed["aux_heatmap_loss"],
+                             jnp.mean(model.action_head.heatmap_loss(labelled, instruction)), rtol=1e-5)
+  estimate = model.aux_estimate(vl, labelled)
+  np.testing.assert_allclose(computed["aux_state_loss"], jnp.mean(jnp.square(estimate - target)), rtol=1e-5)
   # The collate keeps both reservations free.
   collate = groot.make_collate(model.config)
   size = c.vision.image_size
@@ -356,6 +364,11 @@ def test_heatmap_context_layers_and_position_term():
   cells = jnp.asarray(groot.pixel_grid(grid, grid))
   expected = without + groot.AUX_POSITION_SCALE * jnp.einsum("pd,nqd->npq", cells, weights)
   np.testing.assert_allclose(with_position, expected, rtol=1e-5, atol=1e-4)
+  # model.aux_heatmap_position_scale sets the term's gain
+  c.update(aux_heatmap_position_scale=40.0)
+  scaled = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1).action_head
+  np.testing.assert_allclose(scaled.heatmap_logits(images, instruction),
+                             without + 40.0 * jnp.einsum("pd,nqd->npq", cells, weights), rtol=1e-5, atol=1e-4)
   # zero-initialised: a fresh model's detectors start without a position preference, and the
   # heatmap loss trains the weights
   fresh = groot.create(c, nnx.Rngs(0))
