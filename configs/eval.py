@@ -47,6 +47,9 @@ def get_config(arg: str | None = None):
       videos_per_task=2,
       output_dir="",         # default: <workdir>/eval
       seed=1234,             # different from configs/demos.py's seed: evaluation layouts are unseen
+      true_estimate=False,   # policy=checkpoint trained with a teacher-forced estimate of the object
+                             # state (configs/groot.py's sim recipes): act on the simulator's true state
+                             # in its place, to measure what the policy's perception costs
   ))
   if args.runlocal:
     # Replanning every 2 steps: the quickstart policy solves the drawers 100 % (65-85 % executing 8).

@@ -40,7 +40,10 @@ def make_policy(config, action_size: int):
     if not config.eval.checkpoint:
       raise ValueError("config.eval.policy='checkpoint' needs --config.eval.checkpoint=<checkpoint dir>")
     from ejax.train.policy import load_policy
-    return load_policy(config.eval.checkpoint)
+    policy = load_policy(config.eval.checkpoint)
+    if config.eval.get("true_estimate", False):
+      policy.use_true_estimate()
+    return policy
   if kind == "rl":
     if not config.eval.checkpoint:
       raise ValueError("config.eval.policy='rl' needs --config.eval.checkpoint=<workdir of the rl job>/rl_checkpoints")
@@ -186,4 +189,5 @@ def resolve_defaults(cfg, policy):
 def run_job(config, workdir: str) -> None:
   policy = make_policy(config, BatchedEnv.action_size)
   cfg = resolve_defaults(config.eval, policy)
-  print(evaluate_policy(policy, cfg, cfg.output_dir or os.path.join(workdir, "eval"), cfg.policy)["table"])
+  label = cfg.policy + (" (true estimate)" if cfg.get("true_estimate", False) else "")
+  print(evaluate_policy(policy, cfg, cfg.output_dir or os.path.join(workdir, "eval"), label)["table"])

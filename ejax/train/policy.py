@@ -41,6 +41,8 @@ class CheckpointPolicy:
     self.action_dim = int(model_config.get("action_dim", 0)) or None
     self.state_key = self.data.get("state_key", "observation.state")
     self.normalizer = policy_normalizer(self.data, norm_stats)
+    self.norm_stats = norm_stats
+    self.true_estimate = None   # use_true_estimate(): the normaliser of the simulator's true object state
     if self.action_dim is None and "action" in self.normalizer.params:
       self.action_dim = int(self.normalizer.params["action"][0].shape[0])
     spec = get_model_spec(model_config.name)
@@ -87,6 +89,17 @@ class CheckpointPolicy:
     another policy on the same weights (ejax.rl.vla fine-tunes it with RL)."""
     return self._state
 
+  def use_true_estimate(self) -> None:
+    """Act on the simulator's true object state (data.aux_state_key in the observations, normalised
+    as in training) where the model would act on its own estimate of it: an eval ablation that says
+    how much the policy's perception costs. Needs a model trained with model.aux_teacher_forcing."""
+    key = self.data.get("aux_state_key", None)
+    if not (key and self.config.model.get("aux_state_input", False) and self.config.model.get("aux_teacher_forcing", False)):
+      raise ValueError("eval.true_estimate needs a checkpoint trained with a teacher-forced estimate "
+                       "(model.aux_state_input, model.aux_teacher_forcing and data.aux_state_key): this one has none")
+    mode = self.data.get("normalization", "none") if self.norm_stats else "none"
+    self.true_estimate = transforms.Normalizer(self.norm_stats or {}, mode, [key])
+
   def _samples(self, obs: dict[str, np.ndarray], instructions: list[str]) -> list[dict[str, Any]]:
     image_size = self.data.get("image_size")
     cameras = self.data.get("cameras")
@@ -112,6 +125,12 @@ class CheckpointPolicy:
             sample[key] = transforms.resize(image, tuple(image_size)) if image_size else image
         elif key not in hidden and not key.startswith("privileged."):
           sample[key] = np.asarray(values[i])  # e.g. task_index, for models conditioned on it
+      if self.true_estimate is not None:
+        key = self.data.aux_state_key
+        if key not in obs:
+          raise ValueError(f"eval.true_estimate: the observations carry no {key!r} (the simulator's object state)")
+        # a teacher-forced model acts on a target given in the batch instead of its estimate
+        sample[key] = self.true_estimate.normalize(key, np.asarray(obs[key][i], np.float32))
       samples.append(sample)
     return samples
 

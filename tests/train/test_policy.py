@@ -28,3 +28,48 @@ def test_checkpoint_acts_like_the_trained_model(tmp_path):
   batch = {"observation.state": obs["observation.state"], "task_index": obs["task_index"]}
   expected = model.sample_actions(batch, jax.random.key(3))
   np.testing.assert_allclose(actions, np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_true_estimate_acts_on_the_simulators_object_state_in_place_of_the_estimate():
+  """eval.true_estimate (CheckpointPolicy.use_true_estimate): a GR00T policy trained with a
+  teacher-forced estimate acts on the observations' true object state, normalised as in training,
+  where it would act on its estimate; a checkpoint without one is refused with the reason."""
+  import pytest
+  from ml_collections import ConfigDict
+
+  from ejax.models import groot, layers
+  from ejax.train.policy import CheckpointPolicy
+  from tests.models.test_groot import tiny_config as tiny_groot
+
+  c = tiny_groot()
+  c.update(aux_state_dim=2, aux_state_input=True, aux_teacher_forcing=True)
+  c.packing.update(row_length=512, samples_per_row=2)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  key, size, n = "observation.environment_state", c.vision.image_size, 3
+  data = ConfigDict(dict(state_key="observation.state", aux_state_key=key, normalization="mean_std", image_size=(size, size)))
+  action_dim = int(c.get("action_dim", 0)) or c.max_action_dim
+  stats = {name: {"mean": np.full(d, m, np.float32), "std": np.full(d, s, np.float32)}
+           for name, d, m, s in (("observation.state", 4, 0.0, 1.0), ("action", action_dim, 0.0, 1.0), (key, 2, 0.5, 2.0))}
+  policy = CheckpointPolicy(model, ConfigDict(dict(model=c, data=data)), stats)
+  rng = np.random.default_rng(0)
+  truth = rng.uniform(-1, 1, (n, 2)).astype(np.float32)
+  obs = {"observation.state": rng.standard_normal((n, 4)).astype(np.float32), key: truth,
+         "observation.images.cam": rng.integers(0, 255, (n, size, size, 3), dtype=np.uint8)}
+  own = policy.act(obs, ["lift"] * n, jax.random.key(0))
+  assert key not in policy._samples(obs, ["lift"] * n)[0]   # by default the true state never reaches the model
+  policy.use_true_estimate()
+  samples = policy._samples(obs, ["lift"] * n)
+  np.testing.assert_allclose(np.stack([s[key] for s in samples]), (truth - 0.5) / 2.0, rtol=1e-6)
+  true = policy.act(obs, ["lift"] * n, jax.random.key(0))
+  assert not np.allclose(own, true)
+  # the same as the model sampling with the estimate's slots teacher-forced to that state
+  batch = policy.collate(samples)
+  batch = {k: v for k, v in batch.items() if isinstance(v, np.ndarray) and v.dtype != object}
+  assert batch["aux_mask"].min() > 0
+  sampled = nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(0)))(model, batch)
+  np.testing.assert_allclose(true, policy.env_actions(np.asarray(sampled)), rtol=1e-4, atol=1e-5)
+  plain = c.copy_and_resolve_references()
+  plain.aux_teacher_forcing = False
+  refused = CheckpointPolicy(groot.create(plain, nnx.Rngs(0)), ConfigDict(dict(model=plain, data=data)), stats)
+  with pytest.raises(ValueError, match="teacher-forced estimate"):
+    refused.use_true_estimate()
