@@ -97,8 +97,7 @@ class CheckpointPolicy:
     if not (key and self.config.model.get("aux_state_input", False) and self.config.model.get("aux_teacher_forcing", False)):
       raise ValueError("eval.true_estimate needs a checkpoint trained with a teacher-forced estimate "
                        "(model.aux_state_input, model.aux_teacher_forcing and data.aux_state_key): this one has none")
-    mode = self.data.get("normalization", "none") if self.norm_stats else "none"
-    self.true_estimate = transforms.Normalizer(self.norm_stats or {}, mode, [key])
+    self.true_estimate = policy_normalizer(self.data, self.norm_stats, [key])
 
   def _samples(self, obs: dict[str, np.ndarray], instructions: list[str]) -> list[dict[str, Any]]:
     image_size = self.data.get("image_size")
@@ -161,11 +160,13 @@ class CheckpointPolicy:
     return env_actions(model_actions, self.normalizer, self.action_dim)
 
 
-def policy_normalizer(data_config: ConfigDict, norm_stats: dict | None) -> transforms.Normalizer:
-  """The state / action normaliser a checkpoint's policy uses: the training pipeline's, from the
-  statistics saved with the checkpoint."""
+def policy_normalizer(data_config: ConfigDict, norm_stats: dict | None,
+                      keys: list[str] | None = None) -> transforms.Normalizer:
+  """The normaliser a checkpoint's policy uses for `keys` (default: the state and the action): the
+  training pipeline's, from the statistics saved with the checkpoint."""
   mode = data_config.get("normalization", "none") if norm_stats else "none"
-  return transforms.Normalizer(norm_stats or {}, mode, [data_config.get("state_key", "observation.state"), "action"])
+  keys = keys or [data_config.get("state_key", "observation.state"), "action"]
+  return transforms.Normalizer(norm_stats or {}, mode, keys)
 
 
 def env_actions(model_actions: np.ndarray, normalizer: transforms.Normalizer, action_dim: int | None) -> np.ndarray:
