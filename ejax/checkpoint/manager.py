@@ -143,6 +143,8 @@ class Checkpointer:
     reason = reason or (os_error.group(1) if os_error else None) or (code.group(1) if code else None) or (
         f"{type(error).__name__}: {text[:120]}")
     full = "No space" in reason or "RESOURCE_EXHAUSTED" in text
+    if full:  # tensorstore sometimes says only RESOURCE_EXHAUSTED, without the OS's wording
+      reason = "No space left on device"
     complete = [int(n) for n in os.listdir(self.directory) if n.isdigit()] if os.path.isdir(self.directory) else []
     intact = (f"the newest complete checkpoint, step {max(complete)}, is intact" if complete
               else "no checkpoint was completed")

@@ -166,3 +166,21 @@ def test_kill_9_during_saves_always_resumes_from_the_newest_complete_checkpoint(
                           f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
   assert final.returncode == 0, final.stderr[-3000:]
   assert f"resumed from step {expected}" in final.stderr
+
+
+def test_a_full_disk_reads_the_same_whichever_way_tensorstore_words_it(tmp_path):
+  """tensorstore reports a full disk either with the OS's wording or as a bare RESOURCE_EXHAUSTED
+  (seen 2026-11-26 in test_full_disk_mid_run, one run in several): both say "No space left on device"."""
+  from ejax.checkpoint.manager import Checkpointer
+  checkpointer = Checkpointer(str(tmp_path / "checkpoints"), async_save=False)
+  try:
+    os.makedirs(tmp_path / "checkpoints" / "5")
+    worded = "RESOURCE_EXHAUSTED: Error writing local file \"/d/x\": No space left on device [os_error_code=28]"
+    for text in (worded, "RESOURCE_EXHAUSTED: Error writing \"/d/x\" [source locations='...']"):
+      message = str(checkpointer._write_error(10, Exception(text)))
+      assert "(No space left on device)" in message and "free some space" in message, message
+      assert "step 5, is intact" in message, message
+    permission = str(checkpointer._write_error(10, PermissionError(13, "Permission denied")))
+    assert "(Permission denied)" in permission and "make it writable" in permission, permission
+  finally:
+    checkpointer.close()
