@@ -1,6 +1,8 @@
 """Where do instruction-chosen heatmap detectors put each task's target and goal? A standalone probe.
 
     python benchmarks/heatmap_probe.py DATASET [--context=2 --dilation=2 --position --steps=1200]
+    python benchmarks/heatmap_probe.py DATASET --context=2 --dilation=2 --position --position-scale=40 \
+        --tasks='the block ' --stride=1      # the spatial suite's five tasks, every frame
 
 DATASET: a recorded ejax.sim demo set with keypoint labels (observation.environment_pixels), e.g.
 $EJAX_CACHE_DIR/sim_demos/all-60ep-64x64-seed0-<hash> (recorded by configs/groot.py:suites on first
@@ -11,7 +13,8 @@ detector queries (target, goal) plus an optional learnt position term (model.aux
 Here the query is a per-task embedding (the model reads it from the instruction), trained alone by
 the same cross-entropy against the labels, batch 32, on every second frame of 5/6 of the episodes.
 Prints, per camera and task, the median error in 64 px image pixels on the held-out episodes (soft-argmax,
-as the action head reads it, and argmax) and the fraction of frames whose argmax is > 4 px off.
+as the action head reads it, and argmax) and the fraction of frames whose argmax is > 4 px off, of
+all frames and of the episodes' first frames (before the arm moves: the spatial suite's choice of block).
 Every frame of the 15-task set is ~10 k frames (~1 min to decode); ~2-4 min of training on 2 cores.
 """
 
@@ -38,13 +41,15 @@ def load(root: str, stride: int):
   cams = [np.stack([f[k] for f in frames]) for k in ("observation.images.agentview", "observation.images.wrist")]
   pixels = np.stack([f["observation.environment_pixels"] for f in frames])
   return (cams, pixels, np.array([f["episode_index"] for f in frames]),
-          np.array([tasks.index(f["task"]) for f in frames]), tasks)
+          np.array([tasks.index(f["task"]) for f in frames]), tasks, np.array([f["frame_index"] for f in frames]))
 
 
 class Detectors(nnx.Module):
   def __init__(self, num_tasks: int, cameras: int, context: int, dilation: int, position: bool, rngs: nnx.Rngs,
-               hidden: int = 32, separable: bool = False, position_scale: float = AUX_POSITION_SCALE):
+               hidden: int = 32, separable: bool = False, position_scale: float = AUX_POSITION_SCALE,
+               target_local: bool = False):
     self.hidden = hidden
+    self.target_local = target_local
     self.position_scale = position_scale
     self.features = nnx.Linear(12, hidden, rngs=rngs)
     # separable: each 3x3 convolution per channel, then a 1x1 mixing the channels (~7x fewer FLOPs)
@@ -61,12 +66,16 @@ class Detectors(nnx.Module):
     x = jax.nn.gelu(self.features(patchify(images.astype(jnp.float32) / 127.5 - 1, 2)))
     n, cells, _ = x.shape
     side = int(round(cells ** 0.5))
+    local = x
     if len(self.context):
       grid = x.reshape(n, side, side, self.hidden)
       for i, conv in enumerate(self.context):
         grid = grid + jax.nn.gelu(self.mix[i](conv(grid)) if len(self.mix) else conv(grid))
       x = grid.reshape(n, cells, self.hidden)
-    logits = jnp.einsum("nph,nqh->npq", x, self.queries(task).reshape(n, 2, self.hidden))
+    queries = self.queries(task).reshape(n, 2, self.hidden)
+    logits = jnp.einsum("nph,nqh->npq", x, queries)
+    if self.target_local:  # the target's detector reads each patch alone: three identical blocks look alike
+      logits = logits.at[..., 0].set(jnp.einsum("nph,nh->np", local, queries[:, 0]))
     if self.position is not None:
       w = self.position(task).reshape(n, self.cameras, 2, 2)[:, camera]
       logits = logits + self.position_scale * jnp.einsum("pd,nqd->npq", jnp.asarray(pixel_grid(side, side)), w)
@@ -81,17 +90,23 @@ def main():
   parser.add_argument("--position", action="store_true", help="the learnt position term")
   parser.add_argument("--separable", action="store_true", help="depthwise 3x3 + 1x1 context convolutions")
   parser.add_argument("--position-scale", type=float, default=AUX_POSITION_SCALE, help="the position term's gain")
+  parser.add_argument("--target-local", action="store_true",
+                      help="the target's detector reads the patch features before the context convolutions")
+  parser.add_argument("--tasks", default="", help="substrings of the instructions to keep, |-separated (e.g. 'the block |left')")
   parser.add_argument("--steps", type=int, default=1200)
   parser.add_argument("--cameras", type=int, default=2, help="1: the agentview only")
   parser.add_argument("--stride", type=int, default=2, help="every N-th frame")
   args = parser.parse_args()
-  cams, pixels, episodes, task, names = load(args.dataset, args.stride)
+  cams, pixels, episodes, task, names, frame = load(args.dataset, args.stride)
+  if args.tasks:
+    keep = np.array([any(part in names[t] for part in args.tasks.split("|")) for t in task])
+    cams, pixels, episodes, task, frame = [c[keep] for c in cams], pixels[keep], episodes[keep], task[keep], frame[keep]
   cams = cams[:args.cameras]
   rng = np.random.default_rng(0)
   held = rng.choice(np.unique(episodes), len(np.unique(episodes)) // 6, replace=False)
   test = np.isin(episodes, held)
   model = Detectors(len(names), args.cameras, args.context, args.dilation, args.position, nnx.Rngs(0),
-                    separable=args.separable, position_scale=args.position_scale)
+                    separable=args.separable, position_scale=args.position_scale, target_local=args.target_local)
   opt = nnx.Optimizer(model, optax.adam(optax.warmup_cosine_decay_schedule(0, 3e-3, 50, args.steps)), wrt=nnx.Param)
   side = cams[0].shape[1] // 2
 
@@ -133,13 +148,17 @@ def main():
     px = cams[0].shape[1] / 2   # [-1, 1] -> image pixels
     soft_err, hard_err = (np.linalg.norm(z - labels, axis=-1) * px for z in (soft, hard))
     print(f"{('agentview', 'wrist')[c]}: median px error, soft-argmax (target goal) / argmax (target goal); "
-          "argmax > 4 px (target goal)")
+          "argmax > 4 px (target goal); on the first frame")
     for t, name in enumerate(names):
       m = task[index] == t
+      if not np.any(m):  # left out by --tasks
+        continue
       med = [np.median(e[m & seen[:, q], q]) if np.any(m & seen[:, q]) else np.nan
              for e in (soft_err, hard_err) for q in (0, 1)]
-      far = [np.mean(hard_err[m & seen[:, q], q] > 4) if np.any(m & seen[:, q]) else np.nan for q in (0, 1)]
-      print(f"  {name[:52]:52s} {med[0]:5.1f} {med[1]:5.1f} / {med[2]:5.1f} {med[3]:5.1f}   {far[0]:.2f} {far[1]:.2f}")
+      far = [np.mean(hard_err[m & seen[:, q] & first, q] > 4) if np.any(m & seen[:, q] & first) else np.nan
+             for first in (True, frame[index] == 0) for q in (0, 1)]
+      print(f"  {name[:52]:52s} {med[0]:5.1f} {med[1]:5.1f} / {med[2]:5.1f} {med[3]:5.1f}   {far[0]:.2f} {far[1]:.2f}"
+            f"; {far[2]:.2f} {far[3]:.2f}")
 
 
 if __name__ == "__main__":

@@ -147,6 +147,15 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # cheaper to say with the position term than to memorise the demonstrations' layouts in the
   # detectors' context features (the spatial suite's detectors did the latter at 10).
   c.aux_heatmap_position_scale = AUX_POSITION_SCALE
+  # With aux_heatmaps: whether the estimate's loss also trains the instruction's detectors (through
+  # the keypoints and strengths the readout reads). False: they learn from their own labels only. A
+  # heatmap's cross-entropy leaves its logits' level free, so a strength the readout reads is a
+  # channel the estimate's loss can fill with whatever fits the recorded layouts.
+  c.aux_estimate_trains_heatmaps = True
+  # Which entries of the state the estimate's readout reads (with aux_keypoints); (): all. Leaving out
+  # the gripper (ejax.sim's index 7) keeps the readout from learning "closed gripper: the target is in
+  # the hand", true in every demonstration and false after a missed grasp.
+  c.aux_proprio_dims = ()
   # With aux_keypoints: the batch's images at this size (0: the vision tower's) for the keypoints,
   # average-pooled to vision.image_size for the tower (a multiple of it).
   c.aux_image_size = 0
@@ -189,6 +198,15 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   elif variant != "full":
     raise ValueError(f"GR00T variant {variant!r} is not one of 'full', 'runlocal'")
   return c
+
+
+def keep_state_dims(state: jax.Array, dims) -> jax.Array:
+  """`state` [n, d] with the entries not in `dims` zeroed (the dataset's mean); (): all kept."""
+  if not dims:
+    return state
+  keep = np.zeros(state.shape[-1], bool)
+  keep[[i for i in dims if i < state.shape[-1]]] = True
+  return jnp.where(keep, state, 0)
 
 
 class GrootBackbone(nnx.Module):
@@ -314,12 +332,15 @@ class GrootActionHead(nnx.Module):
     logits = self.aux_keypoints.heatmaps(images)
     if self.aux_queries is not None:
       chosen = self.heatmap_logits(images, instruction) if heatmap_logits is None else heatmap_logits
+      if not self.config.get("aux_estimate_trains_heatmaps", True):
+        chosen = jax.lax.stop_gradient(chosen)
       logits = jnp.concatenate([logits, chosen], -1)
     points = self.aux_keypoints.summary(images, logits=logits)  # per image
     hidden = (self.aux_state_head(instruction.astype(self.dtype))
               + self.aux_keypoint_in(points.reshape(rows.shape[0], -1).astype(self.dtype))   # per sample
               # the state as the batch has it (its aux_state_dim last slots are still zero padding)
-              + self.aux_proprio_in(jnp.asarray(batch["state"]).astype(self.dtype)))
+              + self.aux_proprio_in(keep_state_dims(jnp.asarray(batch["state"]),
+                                                    self.config.get("aux_proprio_dims", ())).astype(self.dtype)))
     hidden = self.aux_state_mid(jax.nn.gelu(hidden))
     return self.aux_state_out(jax.nn.gelu(hidden)).astype(jnp.float32)
 
@@ -418,11 +439,7 @@ class Groot(nnx.Module):
     if not (self.config.tune_llm or self.config.tune_visual):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
     vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
-    state = jnp.asarray(batch["state"])
-    if self.config.get("state_dims", ()):
-      keep = np.zeros(state.shape[-1], bool)
-      keep[[i for i in self.config.state_dims if i < state.shape[-1]]] = True
-      state = jnp.where(keep, state, 0)
+    state = keep_state_dims(jnp.asarray(batch["state"]), self.config.get("state_dims", ()))
     keypoint_slots = 0
     if self.config.get("aux_heatmap_input", False):
       keypoints = jax.lax.stop_gradient(self.heatmap_keypoints(batch, heatmap_logits))

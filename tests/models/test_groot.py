@@ -377,3 +377,37 @@ def test_heatmap_context_layers_and_position_term():
                   aux_pixels=np.random.default_rng(0).uniform(-1, 1, batch["aux_pixels"].shape).astype(np.float32))
   grads = nnx.grad(lambda m: m.compute_loss(labelled, jax.random.key(1), train=False)[1]["aux_heatmap_loss"])(fresh)
   assert float(jnp.abs(grads.action_head.aux_query_position.kernel[...]).sum()) > 0
+
+
+def test_estimate_can_leave_the_detectors_and_the_gripper_alone():
+  """aux_estimate_trains_heatmaps=False: the estimate's loss does not reach the instruction's
+  detectors (their own heatmap loss still does), and the estimate is unchanged in value;
+  aux_proprio_dims: the readout ignores the state entries left out (ejax.sim's gripper, index 7)."""
+  c = tiny_config()
+  c.update(aux_state_dim=2, aux_keypoints=1, aux_heatmaps=2, aux_heatmap_context=True, tune_visual=True, tune_llm=True)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 4, seed=3)
+  labelled = dict(batch, aux_state=np.full((4, 2), 0.5, np.float32), aux_mask=np.ones(4, np.float32),
+                  aux_pixels=np.random.default_rng(0).uniform(-1, 1, batch["aux_pixels"].shape).astype(np.float32))
+  metrics = lambda m: m.compute_loss(labelled, jax.random.key(1), train=False)[1]
+  estimate_grad = lambda m: nnx.grad(lambda m: metrics(m)["aux_state_loss"])(m).action_head
+  trained = estimate_grad(model)
+  assert float(jnp.abs(trained.aux_queries.kernel[...]).sum()) > 0
+  assert float(jnp.abs(trained.heatmap_context[...]).sum()) > 0
+  before = metrics(model)
+  model.config.aux_estimate_trains_heatmaps = False
+  after = metrics(model)
+  np.testing.assert_allclose(after["aux_state_loss"], before["aux_state_loss"], rtol=1e-6)
+  left = estimate_grad(model)
+  assert float(jnp.abs(left.aux_queries.kernel[...]).sum()) == 0
+  assert float(jnp.abs(left.heatmap_context[...]).sum()) == 0
+  assert float(jnp.abs(left.aux_state_out.kernel[...]).sum()) > 0
+  heat = nnx.grad(lambda m: metrics(m)["aux_heatmap_loss"])(model).action_head
+  assert float(jnp.abs(heat.aux_queries.kernel[...]).sum()) > 0
+
+  vl, _ = model.context(batch)
+  model.config.aux_proprio_dims = tuple(i for i in range(c.max_state_dim) if i != 1)
+  kept = model.aux_estimate(vl, batch)
+  moved = lambda i: model.aux_estimate(vl, dict(batch, state=batch["state"] + np.eye(c.max_state_dim, dtype=np.float32)[i]))
+  np.testing.assert_array_equal(moved(1), kept)
+  assert not np.allclose(moved(0), kept)
