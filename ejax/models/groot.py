@@ -156,6 +156,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # the gripper (ejax.sim's index 7) keeps the readout from learning "closed gripper: the target is in
   # the hand", true in every demonstration and false after a missed grasp.
   c.aux_proprio_dims = ()
+  # Neither helped the 15-task recipe (configs/groot.py:suites, 54.5 %): both 47.5 %, the gripper
+  # left out alone 51.3 % (BENCHMARKS.md).
   # With aux_keypoints: the batch's images at this size (0: the vision tower's) for the keypoints,
   # average-pooled to vision.image_size for the tower (a multiple of it).
   c.aux_image_size = 0
