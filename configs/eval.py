@@ -15,6 +15,10 @@ Launch (CPU):
   A served policy (job `serve`, README "Deploy"): --config.eval.policy=remote --config.eval.address=127.0.0.1:8000
     (the same success rates and actions as evaluating its checkpoint in-process, same seeds).
   python -m ejax.main --config=configs/eval.py --workdir=runs/eval   (50 episodes per task, LIBERO's count)
+  Perception ablations of a GR00T checkpoint with a keypoint estimate (configs/groot.py's sim recipes):
+    --config.eval.true_estimate=True (act on the simulator's true target and goal) and
+    --config.eval.keypoint_geometry=sim|off (place them through ejax.sim's calibrated cameras, or by
+    the learnt readout alone; default: as the checkpoint was trained).
 Arg string: `runlocal`, `policy=random|expert|checkpoint|rl|remote`, `episodes=N`, `tasks=all|suite|name+name`.
 """
 
@@ -50,6 +54,9 @@ def get_config(arg: str | None = None):
       true_estimate=False,   # policy=checkpoint trained with a teacher-forced estimate of the object
                              # state (configs/groot.py's sim recipes): act on the simulator's true state
                              # in its place, to measure what the policy's perception costs
+      keypoint_geometry="checkpoint",  # policy=checkpoint with a keypoint estimate: "checkpoint" places
+                             # its points as trained (model.aux_geometry_cameras); "sim" through
+                             # ejax.sim's calibrated cameras; "off" by the learnt readout alone
   ))
   if args.runlocal:
     # Replanning every 2 steps: the quickstart policy solves the drawers 100 % (65-85 % executing 8).

@@ -40,7 +40,11 @@ def make_policy(config, action_size: int):
     if not config.eval.checkpoint:
       raise ValueError("config.eval.policy='checkpoint' needs --config.eval.checkpoint=<checkpoint dir>")
     from ejax.train.policy import load_policy
-    policy = load_policy(config.eval.checkpoint)
+    choices = {"checkpoint": None, "sim": True, "off": False}
+    geometry = config.eval.get("keypoint_geometry", "checkpoint")
+    if geometry not in choices:
+      raise ValueError(f"config.eval.keypoint_geometry={geometry!r}: use checkpoint, sim or off")
+    policy = load_policy(config.eval.checkpoint, geometry=choices[geometry])
     if config.eval.get("true_estimate", False):
       policy.use_true_estimate()
     return policy
@@ -190,4 +194,6 @@ def run_job(config, workdir: str) -> None:
   policy = make_policy(config, BatchedEnv.action_size)
   cfg = resolve_defaults(config.eval, policy)
   label = cfg.policy + (" (true estimate)" if cfg.get("true_estimate", False) else "")
+  if cfg.policy == "checkpoint" and cfg.get("keypoint_geometry", "checkpoint") != "checkpoint":
+    label += f" (keypoint geometry: {cfg.keypoint_geometry})"
   print(evaluate_policy(policy, cfg, cfg.output_dir or os.path.join(workdir, "eval"), label)["table"])

@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from ejax.models import flow, groot_inputs, layers
+from ejax.models import flow, geometry, groot_inputs, layers
 from ejax.models.connector import (KEYPOINT_HIDDEN, MLPConnector, PixelKeypoints, heatmap_loss, mlp_settings,
                                    pixel_grid)
 from ejax.models.dit import DiT, DiTConfig, VLSelfAttentionTransformer, VLTransformerConfig
@@ -50,6 +50,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # aux_heatmap_position: logits gain this times w . (x, y), (x, y) in [-1, 1], so that an O(1) weight
 # moves a detector by a few nats across the image (learns at the detectors' learning rate).
 AUX_POSITION_SCALE = 10.0
+
+
+# model.aux_geometry_* defaults (also for checkpoints saved before those keys existed).
+GEOMETRY_POINTS, GEOMETRY_TCP_DIMS, GEOMETRY_RADIUS, GEOMETRY_TOLERANCE = (0, 3), (8, 9, 10), (2, 0), 0.04
 
 
 def model_config(variant: str = "full") -> ml_collections.ConfigDict:
@@ -158,6 +162,27 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.aux_proprio_dims = ()
   # Neither helped the 15-task recipe (configs/groot.py:suites, 54.5 %): both 47.5 %, the gripper
   # left out alone 51.3 % (BENCHMARKS.md).
+
+  # With aux_state_input and aux_heatmaps: calibrated cameras, {camera name: dict(mount="world" or "tcp",
+  # position=(x, y, z) (the camera's, or its offset from the tool centre point for a camera on the
+  # hand), rotation=9 floats row-major camera -> world, fovy=degrees)}, one per camera of the batch
+  # (which stacks them sorted by name). Set, the estimate's positions of the instruction's points are
+  # their keypoints back-projected through these cameras (ejax/models/geometry.py) at the readout's
+  # heights, instead of the readout's x, y: a learnt readout memorises the layouts it was trained on.
+  # Empty: the readout alone. ejax.sim's calibration: ejax.sim.scene.camera_calibration().
+  c.aux_geometry_cameras = {}
+  c.aux_geometry_points = GEOMETRY_POINTS      # where each instruction point's (x, y, z) starts in the estimate
+  c.aux_geometry_tcp_dims = GEOMETRY_TCP_DIMS  # the raw state's tool-centre-point entries (for hand cameras)
+  # Per point: a soft-argmax over the cells within this many of the heatmap's peak (0: the whole map).
+  # The target's map has other blocks of its colour as weaker peaks; a goal's (the drawer pulled out:
+  # empty air) is broad, and its peak is the less reliable.
+  c.aux_geometry_radius = GEOMETRY_RADIUS
+  c.aux_geometry_tolerance = GEOMETRY_TOLERANCE  # metres: a hand camera's point replaces the world camera's within
+  # The statistics that map the estimate and the state to metres ((centre, scale) lists by key
+  # "state" / "estimate"): the policy fills them from the checkpoint's (train/policy.py); without
+  # them (training: the head is teacher-forced anyway) the readout's estimate stands.
+  c.aux_geometry_norm = {}
+
   # With aux_keypoints: the batch's images at this size (0: the vision tower's) for the keypoints,
   # average-pooled to vision.image_size for the tower (a multiple of it).
   c.aux_image_size = 0
@@ -450,6 +475,8 @@ class Groot(nnx.Module):
     if self.config.get("aux_state_input", False):
       # The estimate rides in the state's last aux_state_dim slots (zero padding; the collate checks).
       estimate = self.aux_estimate(vl, batch, heatmap_logits)
+      if self.config.get("aux_geometry_cameras") and self.config.get("aux_geometry_norm"):
+        estimate = self.geometric_estimate(batch, estimate, heatmap_logits)
       if self.config.get("aux_teacher_forcing", False):
         estimate = jax.lax.stop_gradient(estimate)
         if "aux_state" in batch:
@@ -470,6 +497,39 @@ class Groot(nnx.Module):
     as the mean of the sample's text-token embeddings (no image content)."""
     instruction = self.instruction_embedding(batch) if self.action_head.aux_keypoints is not None else None
     return self.action_head.aux_state(vl, batch, instruction, heatmap_logits)
+
+  def geometric_estimate(self, batch, estimate: jax.Array, logits=None) -> jax.Array:
+    """The estimate [n, aux_state_dim] (normalised) with the instruction's points placed by their
+    keypoints through the calibrated cameras (model.aux_geometry_cameras) at the readout's heights."""
+    c, head = self.config, self.action_head
+    names = sorted(c.aux_geometry_cameras)
+    if len(names) != c.num_cameras:
+      raise ValueError(f"model.aux_geometry_cameras calibrates {names} but the model has {c.num_cameras} cameras")
+    images = normalize_images(batch["images"], head.dtype)
+    if logits is None:
+      logits = head.heatmap_logits(images, self.instruction_embedding(batch))
+    coords, _ = head.aux_keypoints.coordinates(images, logits=logits)                  # [n * cameras, K, 2]
+    grid = [size // head.aux_keypoints.pixel_patch for size in images.shape[1:3]]
+    radius = tuple(c.get("aux_geometry_radius", GEOMETRY_RADIUS))
+    for k, r in enumerate(radius):
+      if r:
+        local = geometry.local_soft_argmax(logits[..., k:k + 1], pixel_grid(*grid), int(r), 2.0 / grid[1])
+        coords = coords.at[:, k].set(local[:, 0])
+    n = batch["state"].shape[0]
+    points_xy = coords.reshape(n, c.num_cameras, -1, 2)
+    state_centre, state_scale = (jnp.asarray(v, jnp.float32) for v in c.aux_geometry_norm["state"])
+    centre, scale = (jnp.asarray(v, jnp.float32) for v in c.aux_geometry_norm["estimate"])
+    state = jnp.asarray(batch["state"], jnp.float32)[:, :state_centre.shape[0]] * state_scale + state_centre
+    metres = estimate.astype(jnp.float32) * scale + centre
+    starts = [int(s) for s in c.get("aux_geometry_points", GEOMETRY_POINTS)]
+    heights = jnp.stack([metres[:, s + 2] for s in starts], -1)
+    cameras = [c.aux_geometry_cameras[name] for name in names]
+    tcp = state[:, jnp.asarray(c.get("aux_geometry_tcp_dims", GEOMETRY_TCP_DIMS))]
+    world = geometry.locate(points_xy[:, :, :len(starts)], heights, tcp, cameras,
+                            float(c.get("aux_geometry_tolerance", GEOMETRY_TOLERANCE)))
+    for k, s in enumerate(starts):
+      metres = metres.at[:, s:s + 3].set(world[:, k])
+    return ((metres - centre) / scale).astype(estimate.dtype)
 
   def heatmap_keypoints(self, batch, logits=None) -> jax.Array:
     """[n, cameras * points * 2]: where the instruction's detectors put each point in each camera

@@ -326,3 +326,20 @@ def scene_index() -> SceneIndex:
 def handle_position(drawer_q, xp=np):
   """World position of the drawer handle's centre for drawer opening q (metres along DRAWER_AXIS)."""
   return xp.asarray(HANDLE_CLOSED_POS) + xp.asarray(DRAWER_AXIS) * drawer_q
+
+
+def camera_calibration() -> dict[str, dict]:
+  """Both cameras' calibration in the form model.aux_geometry_cameras takes: the agentview's pose in
+  the world; the wrist camera's offset from the tool centre point (the hand keeps its orientation, so
+  the offset and the rotation are constant) and rotation; each camera's vertical field of view."""
+  model = mj_model()
+  data = mujoco.MjData(model)
+  mujoco.mj_forward(model, data)
+  tcp = data.qpos[scene_index().hand_qpos]  # the hand's slide joints are world coordinates
+  calibration = {}
+  for name, mount in (("agentview", "world"), ("wrist", "tcp")):
+    cam = model.camera(name).id
+    position = data.cam_xpos[cam] - (tcp if mount == "tcp" else 0.0)
+    calibration[name] = dict(mount=mount, position=[round(float(v), 6) for v in position],
+                             rotation=[round(float(v), 6) for v in data.cam_xmat[cam]], fovy=float(model.cam_fovy[cam]))
+  return calibration

@@ -181,8 +181,38 @@ def _stack(samples):
   return {k: np.stack([s[k] for s in samples]) for k in samples[0] if not isinstance(samples[0][k], str)}
 
 
-def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool = True) -> CheckpointPolicy:
-  """Restores a training checkpoint (the EMA weights when the run kept them) as a policy."""
+def with_geometry(config: ConfigDict, norm_stats: dict | None, geometry: bool | None = None) -> ConfigDict:
+  """A copy of a checkpoint's config with what the model's keypoint geometry needs at inference
+  (model.aux_geometry_cameras, ejax/models/geometry.py): the statistics that map its estimate and
+  state to metres, from the checkpoint's. geometry: None as trained; False off; True ejax.sim's camera
+  calibration (for a checkpoint trained on ejax.sim's cameras before the model had geometry)."""
+  config = config.copy_and_resolve_references()
+  model = config.model
+  if geometry is False:
+    if "aux_geometry_cameras" in model:
+      model.aux_geometry_cameras = {}
+  elif geometry:
+    if not (model.get("aux_state_input", False) and model.get("aux_heatmaps", 0)):
+      raise CheckpointError("eval.keypoint_geometry needs a checkpoint with a keypoint estimate "
+                            "(model.aux_state_input and model.aux_heatmaps): this one has none")
+    from ejax.sim.scene import camera_calibration
+    model.aux_geometry_cameras = camera_calibration()
+  if model.get("aux_geometry_cameras"):
+    keys = [config.data.get("state_key", "observation.state"), config.data.get("aux_state_key")]
+    normalizer = policy_normalizer(config.data, norm_stats, keys)
+    norm = {}
+    for name, key, size in zip(("state", "estimate"), keys, (int(model.max_state_dim), int(model.aux_state_dim))):
+      # without statistics (data.normalization none) the values are metres already
+      centre, scale = normalizer.params.get(key, (np.zeros(size), np.ones(size)))
+      norm[name] = [np.asarray(centre).tolist(), np.asarray(scale).tolist()]
+    model.aux_geometry_norm = norm
+  return config
+
+
+def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool = True,
+                geometry: bool | None = None) -> CheckpointPolicy:
+  """Restores a training checkpoint (the EMA weights when the run kept them) as a policy; `geometry`
+  see with_geometry."""
   if not os.path.isdir(checkpoint_dir):
     raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist: point "
                           f"--config.eval.checkpoint at a training run's <workdir>/checkpoints")
@@ -191,7 +221,7 @@ def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool =
     meta = checkpointer.read_meta(step)
     if not meta.get("config"):
       raise CheckpointError(f"checkpoint {checkpoint_dir} carries no config: it was not written by ejax's trainer")
-    config = ConfigDict(meta["config"])
+    config = with_geometry(ConfigDict(meta["config"]), meta.get("norm_stats"), geometry)
     tx, _ = make_optimizer(config.train)
     mesh = make_mesh(dict(data=-1))
     rules = [tuple(rule) for rule in config.sharding_rules]
@@ -221,6 +251,7 @@ def load_imported_policy(weights_dir: str, config: ConfigDict) -> CheckpointPoli
                             "--config.data.stats_path=<stats.json> (the stats job writes one; a LeRobot dataset has "
                             "meta/stats.json), or data.normalization=none")
     norm_stats = load_stats(stats_path)
+  config = with_geometry(config, norm_stats)
   try:
     model = restore_params(config.model, weights_dir)
   except (ValueError, KeyError, TypeError) as error:

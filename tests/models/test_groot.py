@@ -411,3 +411,35 @@ def test_estimate_can_leave_the_detectors_and_the_gripper_alone():
   moved = lambda i: model.aux_estimate(vl, dict(batch, state=batch["state"] + np.eye(c.max_state_dim, dtype=np.float32)[i]))
   np.testing.assert_array_equal(moved(1), kept)
   assert not np.allclose(moved(0), kept)
+
+
+def test_the_estimate_places_its_points_on_the_calibrated_cameras_rays():
+  """model.aux_geometry_cameras with the policy's statistics (aux_geometry_norm): each instruction
+  point's estimated position lies on the camera ray through its keypoint, at the readout's height;
+  the readout's other entries stay. Without the statistics (training) the readout stands."""
+  from ejax.sim import camera, scene
+  c = tiny_config()
+  c.update(aux_state_dim=7, aux_keypoints=1, aux_heatmaps=2, aux_heatmap_context=True, aux_state_input=True,
+           tune_visual=True, tune_llm=True)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 4, seed=3)
+  vl, _ = model.context(batch)
+  readout, plain = model.aux_estimate(vl, batch), model.context_inputs(batch)[1]
+  agentview = scene.camera_calibration()["agentview"]
+  model.config.update(aux_geometry_cameras={"agentview": agentview}, aux_geometry_radius=(0, 0))
+  np.testing.assert_array_equal(model.context_inputs(batch)[1], plain)
+  centre, scale = np.linspace(-0.2, 0.3, 7), np.linspace(0.05, 0.3, 7)
+  model.config.aux_geometry_norm = {"state": [[0.0] * c.max_state_dim, [1.0] * c.max_state_dim],
+                                    "estimate": [centre.tolist(), scale.tolist()]}
+  placed = np.asarray(model.geometric_estimate(batch, readout))
+  keypoints = np.asarray(model.heatmap_keypoints(batch)).reshape(4, 2, 2)
+  metres, before = placed * scale + centre, np.asarray(readout) * scale + centre
+  rotation = np.asarray(agentview["rotation"], np.float32).reshape(3, 3)
+  for k, start in enumerate((0, 3)):
+    seen = camera.image_points(metres[:, start:start + 3], np.asarray(agentview["position"]), rotation, 64, 64,
+                               agentview["fovy"], xp=np)
+    np.testing.assert_allclose(seen, keypoints[:, k], atol=1e-4)
+    np.testing.assert_allclose(metres[:, start + 2], before[:, start + 2], atol=1e-5)
+  np.testing.assert_allclose(placed[:, 6], np.asarray(readout)[:, 6], atol=1e-6)
+  assert not np.allclose(placed[:, :2], np.asarray(readout)[:, :2])
+

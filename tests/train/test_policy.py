@@ -73,3 +73,33 @@ def test_true_estimate_acts_on_the_simulators_object_state_in_place_of_the_estim
   refused = CheckpointPolicy(groot.create(plain, nnx.Rngs(0)), ConfigDict(dict(model=plain, data=data)), stats)
   with pytest.raises(ValueError, match="teacher-forced estimate"):
     refused.use_true_estimate()
+
+
+def test_keypoint_geometry_gets_the_checkpoints_statistics_and_can_be_switched():
+  """with_geometry (load_policy; eval.keypoint_geometry): a calibrated model is handed the statistics
+  that map its estimate and state to metres; "sim" calibrates a keypoint model trained before
+  geometry existed, "off" leaves the readout alone, and a model without a keypoint estimate is refused."""
+  import pytest
+  from ml_collections import ConfigDict
+
+  from ejax.checkpoint import CheckpointError
+  from ejax.sim.scene import camera_calibration
+  from ejax.train.policy import with_geometry
+
+  key = "observation.environment_state"
+  stats = {"observation.state": {"mean": np.arange(11, dtype=np.float32), "std": np.full(11, 2.0, np.float32)},
+           key: {"mean": np.full(7, 0.5, np.float32), "std": np.full(7, 0.25, np.float32)}}
+  data = dict(state_key="observation.state", aux_state_key=key, normalization="mean_std")
+  model = dict(name="groot", aux_state_input=True, aux_heatmaps=2, aux_state_dim=7, max_state_dim=26)
+  calibrated = with_geometry(ConfigDict(dict(model=dict(model, aux_geometry_cameras=camera_calibration()),
+                                             data=data)), stats)
+  norm = calibrated.model.aux_geometry_norm
+  np.testing.assert_allclose(norm["state"][0], np.arange(11))
+  np.testing.assert_allclose(norm["estimate"][1], np.full(7, 0.25))
+  old = with_geometry(ConfigDict(dict(model=model, data=data)), stats, True)   # saved before the keys existed
+  assert sorted(old.model.aux_geometry_cameras) == ["agentview", "wrist"] and "estimate" in old.model.aux_geometry_norm
+  assert not with_geometry(ConfigDict(dict(model=model, data=data)), stats).model.get("aux_geometry_cameras")
+  off = with_geometry(calibrated, stats, False)
+  assert not off.model.aux_geometry_cameras
+  with pytest.raises(CheckpointError, match="keypoint estimate"):
+    with_geometry(ConfigDict(dict(model=dict(name="groot", aux_state_dim=0), data=data)), stats, True)
