@@ -117,6 +117,8 @@ def demo_settings() -> dict:
                               # (the expert's action is recorded): corrections from off-path states
       offset_start_prob=0.0,  # > 0: this fraction of episodes starts after one random hand move in the
                               # approach (clean corrective chunks; ejax/sim/demos.py record_round)
+      miss_grasp_prob=0.0,    # > 0: this fraction of episodes misses its first grasp (the fingers close
+                              # on air beside the object) and grasps again (record_round)
       keep_failures=False,
       video_codec="h264",
       video_lossless=True,    # h264 yuv444p at crf 0: the frames the policy trains on are the ones the

@@ -89,16 +89,24 @@ def perturb(actions: np.ndarray, noise_rng: np.random.Generator, action_noise: f
 
 # offset_start_prob: the step of the approach at which the random hand move is made.
 OFFSET_START_STEPS = (1, 6)
+MISS_STEPS = 4  # a missed grasp: two steps sliding sideways (4 cm each), two rising, the fingers closing
 
 
 def record_round(env, rng: jax.Array, action_noise: float, noise_rng: np.random.Generator,
-                 perturb_prob: float = 0.0, offset_start_prob: float = 0.0) -> list[dict]:
+                 perturb_prob: float = 0.0, offset_start_prob: float = 0.0,
+                 miss_grasp_prob: float = 0.0) -> list[dict]:
   """Run one batch of expert episodes; -> per env {"frames": {key: [T, ...]}, "success", "task"}.
 
   offset_start_prob: that fraction of episodes makes one random hand move during the approach and is
   recorded from the step after it, so it starts with the hand off the expert's path and shows the
   correction. Unlike perturb_prob, every recorded action chunk is then the expert's own continuation
-  (a chunk that spans a random move holds the expert's reaction to a move no policy can foresee)."""
+  (a chunk that spans a random move holds the expert's reaction to a move no policy can foresee).
+
+  miss_grasp_prob: that fraction of episodes misses its first grasp: when the expert first closes on
+  the target, the hand instead slides sideways and rises (MISS_STEPS) while the fingers close on
+  air, and the expert (stateless) opens, returns and grasps again. Every frame is recorded: a closed,
+  empty gripper beside the object, which demonstrations without misses never show (a policy trained
+  on those believes, after a missed grasp, that the object is in its hand; BENCHMARKS.md)."""
   state = env.reset(rng)
   frames: list[list[dict]] = [[] for _ in range(env.num_envs)]
   finished = np.zeros(env.num_envs, bool)
@@ -106,9 +114,23 @@ def record_round(env, rng: jax.Array, action_noise: float, noise_rng: np.random.
   if offset_start_prob > 0:  # off: the noise stream, and so every other recording, stays as it was
     offset_at = np.where(noise_rng.random(env.num_envs) < offset_start_prob,
                          noise_rng.integers(*OFFSET_START_STEPS, size=env.num_envs), -1)
+  to_miss, missing = np.zeros(env.num_envs, bool), np.zeros(env.num_envs, int)
+  if miss_grasp_prob > 0:  # off: the noise stream stays as it was
+    to_miss = noise_rng.random(env.num_envs) < miss_grasp_prob
+    angle = noise_rng.uniform(0, 2 * np.pi, env.num_envs)
+    slide = np.stack([np.cos(angle), np.sin(angle)], -1)
   for t in range(env.episode_length):
     actions = env.expert_actions(state)
     executed = np.array(perturb(actions, noise_rng, action_noise, perturb_prob))  # a copy: the labels stay
+    if to_miss.any() or missing.any():
+      holding = np.asarray(jax.device_get(state.info["privileged"]["holding"]), bool).reshape(-1)
+      start = to_miss & (actions[:, 3] > 0) & ~holding & ~finished
+      missing[start], to_miss[start] = MISS_STEPS, False
+      sliding = missing > 0
+      rising = sliding & (missing <= MISS_STEPS // 2)   # then up, as a policy that believes it holds it would
+      executed[sliding, :2] = np.where(rising[sliding, None], 0.0, slide[sliding])
+      executed[sliding, 2], executed[sliding, 3] = np.where(rising[sliding], 1.0, 0.0), 1.0
+      missing[sliding] -= 1
     obs = jax.device_get(state.obs)
     for i in np.flatnonzero(~finished):
       frame = {key: np.asarray(obs[key][i]) for key in RECORDED_OBSERVATIONS}
@@ -152,7 +174,7 @@ def record(cfg, root: str) -> dict:
   for round_index in range(rounds):
     for episode in record_round(env, jax.random.fold_in(jax.random.key(int(cfg.seed)), round_index),
                                 float(cfg.action_noise), noise_rng, float(cfg.get("perturb_prob", 0.0)),
-                                float(cfg.get("offset_start_prob", 0.0))):
+                                float(cfg.get("offset_start_prob", 0.0)), float(cfg.get("miss_grasp_prob", 0.0))):
       name = episode["task_name"]
       if attempted[name] >= cfg.episodes_per_task:
         continue
@@ -183,6 +205,16 @@ def run_job(config, workdir: str) -> None:
 # 3: the wrist camera re-aimed so that the object between the fingers sits mid-image (it was cut off
 # at the bottom edge). 4: observation.environment_pixels (keypoint labels).
 RECORDING_FORMAT = 4
+LATER_OPTIONS = {"miss_grasp_prob": 0.0}
+
+
+def settings_digest(settings) -> str:
+  """What names a recording in the cache: the format, the task list and the settings; options added
+  since the cache began (LATER_OPTIONS), at their defaults, leave the name as it was."""
+  kept = {key: settings[key] for key in sorted(settings) if key != "output_dir"
+          and not (key in LATER_OPTIONS and settings[key] == LATER_OPTIONS[key])}
+  return hashlib.sha1(json.dumps([RECORDING_FORMAT, registry.list_tasks(), kept],
+                                 sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
 def cached_dataset(settings, path: str | None = None) -> str:
@@ -196,8 +228,7 @@ def cached_dataset(settings, path: str | None = None) -> str:
   """
   settings = {key: settings[key] for key in sorted(settings.keys()) if key != "output_dir"}
   if not path:
-    digest = hashlib.sha1(json.dumps([RECORDING_FORMAT, registry.list_tasks(), settings],
-                                     sort_keys=True, default=str).encode()).hexdigest()[:10]
+    digest = settings_digest(settings)
     name = (f"{str(settings['tasks']).replace(',', '+')}-{settings['episodes_per_task']}ep-"
             f"{settings['image_height']}x{settings['image_width']}-seed{settings['seed']}-{digest}")
     cache = os.path.expanduser(os.environ.get("EJAX_CACHE_DIR", "~/.cache/ejax"))

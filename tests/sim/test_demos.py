@@ -128,6 +128,33 @@ def test_perturbations_replace_hand_moves_on_the_asked_fraction_and_keep_the_gri
 
 
 @pytest.mark.timeout(600)
+def test_missed_grasps_show_an_empty_closed_gripper_and_a_second_grasp():
+  """miss_grasp_prob=1: episodes close their fingers on air beside the target (the gripper nearly shut
+  while the environment state says nothing is held), then grasp again, and all still succeed. The cache's name for recordings without misses is
+  the one it had before the option existed."""
+  import jax
+
+  from ejax.sim.batched import make_batched
+  env = make_batched(["goal_lift_green_block", "object_red_block_to_bowl"], 4, backend="native", cameras=True,
+                     image_size=(32, 32))
+  plain = demos.record_round(env, jax.random.key(1), 0.0, np.random.default_rng(0))
+  missed = demos.record_round(env, jax.random.key(1), 0.0, np.random.default_rng(0), miss_grasp_prob=1.0)
+  assert all(e["success"] for e in missed)
+  empty_closed = longer = 0
+  for a, b in zip(plain, missed):
+    gap, held = b["frames"]["observation.state"][:, 7], b["frames"]["observation.environment_state"][:, 6]
+    empty_closed += int(np.any((gap < 0.015) & (held < 0.5)))
+    longer += int(len(b["frames"]["action"]) > len(a["frames"]["action"]))  # the second grasp takes longer
+    assert set(np.unique(b["frames"]["action"][:, 3])) <= {-1.0, 1.0}
+  # a slide can still catch the object between the fingers: most episodes, not all, miss
+  assert empty_closed >= len(missed) // 2 and longer >= len(missed) // 2
+  settings = dict(demos_config.get_config("runlocal").demos)
+  assert demos.settings_digest(dict(settings, miss_grasp_prob=0.0)) == demos.settings_digest(
+      {k: v for k, v in settings.items() if k != "miss_grasp_prob"})
+  assert demos.settings_digest(dict(settings, miss_grasp_prob=0.3)) != demos.settings_digest(settings)
+
+
+@pytest.mark.timeout(600)
 def test_offset_starts_record_only_after_the_random_move():
   """offset_start_prob=1: every episode starts after one random hand move (from a state the plain
   recording of the same layouts never starts from) and still succeeds."""
