@@ -3,6 +3,7 @@
     python benchmarks/heatmap_probe.py DATASET [--context=2 --dilation=2 --position --steps=1200]
     python benchmarks/heatmap_probe.py DATASET --context=2 --dilation=2 --position --position-scale=40 \
         --tasks='the block ' --stride=1      # the spatial suite's five tasks, every frame
+    ... --corner                          # + the running max of the features in four directions
 
 DATASET: a recorded ejax.sim demo set with keypoint labels (observation.environment_pixels), e.g.
 $EJAX_CACHE_DIR/sim_demos/all-60ep-64x64-seed0-<hash> (recorded by configs/groot.py:suites on first
@@ -44,11 +45,32 @@ def load(root: str, stride: int):
           np.array([tasks.index(f["task"]) for f in frames]), tasks, np.array([f["frame_index"] for f in frames]))
 
 
+def directional_max(grid):
+  """[n, h, w, d] -> [n, h, w, 4 d]: per cell, the max of each feature over the cells strictly to its
+  left, right, above and below (-1 where there are none): what a cell cannot see through a few 3x3
+  convolutions, e.g. whether another block of its colour lies anywhere to its left (CornerNet's corner
+  pooling, in four directions)."""
+  out = []
+  for axis in (2, 1):
+    for reverse in (False, True):
+      running = jax.lax.cummax(grid, axis=axis, reverse=reverse)
+      pad = jnp.full_like(jax.lax.slice_in_dim(grid, 0, 1, axis=axis), -1.0)
+      if reverse:
+        out.append(jnp.concatenate([jax.lax.slice_in_dim(running, 1, None, axis=axis), pad], axis))
+      else:
+        out.append(jnp.concatenate([pad, jax.lax.slice_in_dim(running, 0, -1, axis=axis)], axis))
+  return jnp.concatenate(out, -1)
+
+
 class Detectors(nnx.Module):
   def __init__(self, num_tasks: int, cameras: int, context: int, dilation: int, position: bool, rngs: nnx.Rngs,
                hidden: int = 32, separable: bool = False, position_scale: float = AUX_POSITION_SCALE,
-               target_local: bool = False):
+               target_local: bool = False, corner: bool = False):
     self.hidden = hidden
+    # corner: each cell also reads the running max of the features in each of the four directions
+    # (what is to my left / right / above / below: "the leftmost block" is a block with none of its
+    # colour to its left), mixed back by a dense layer, residual
+    self.corner = nnx.data(nnx.Linear(4 * hidden, hidden, rngs=rngs) if corner else None)
     self.target_local = target_local
     self.position_scale = position_scale
     self.features = nnx.Linear(12, hidden, rngs=rngs)
@@ -72,6 +94,9 @@ class Detectors(nnx.Module):
       for i, conv in enumerate(self.context):
         grid = grid + jax.nn.gelu(self.mix[i](conv(grid)) if len(self.mix) else conv(grid))
       x = grid.reshape(n, cells, self.hidden)
+    if self.corner is not None:
+      grid = x.reshape(n, side, side, self.hidden)
+      x = x + jax.nn.gelu(self.corner(directional_max(grid).reshape(n, cells, 4 * self.hidden)))
     queries = self.queries(task).reshape(n, 2, self.hidden)
     logits = jnp.einsum("nph,nqh->npq", x, queries)
     if self.target_local:  # the target's detector reads each patch alone: three identical blocks look alike
@@ -92,6 +117,7 @@ def main():
   parser.add_argument("--position-scale", type=float, default=AUX_POSITION_SCALE, help="the position term's gain")
   parser.add_argument("--target-local", action="store_true",
                       help="the target's detector reads the patch features before the context convolutions")
+  parser.add_argument("--corner", action="store_true", help="directional max features after the context convolutions")
   parser.add_argument("--tasks", default="", help="substrings of the instructions to keep, |-separated (e.g. 'the block |left')")
   parser.add_argument("--steps", type=int, default=1200)
   parser.add_argument("--cameras", type=int, default=2, help="1: the agentview only")
@@ -106,7 +132,7 @@ def main():
   held = rng.choice(np.unique(episodes), len(np.unique(episodes)) // 6, replace=False)
   test = np.isin(episodes, held)
   model = Detectors(len(names), args.cameras, args.context, args.dilation, args.position, nnx.Rngs(0),
-                    separable=args.separable, position_scale=args.position_scale, target_local=args.target_local)
+                    separable=args.separable, position_scale=args.position_scale, target_local=args.target_local, corner=args.corner)
   opt = nnx.Optimizer(model, optax.adam(optax.warmup_cosine_decay_schedule(0, 3e-3, 50, args.steps)), wrt=nnx.Param)
   side = cams[0].shape[1] // 2
 
