@@ -18,6 +18,12 @@ import contextlib
 import contextvars
 
 import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# A Pallas dot with fp32 accumulation and trans_a / trans_b: pl.dot up to jax 0.10; jax 0.11 removed it
+# in favour of the Triton backend's own (which 0.9.2, ejax's pinned version, does not have).
+pallas_dot = getattr(plgpu, "dot", None) or pl.dot
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("ejax_kernel_target", default=None)
 BACKENDS = ("cpu", "gpu", "tpu")

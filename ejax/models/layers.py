@@ -12,6 +12,7 @@ import weakref
 from typing import Callable, Sequence
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -42,6 +43,11 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 _param_keys: "weakref.WeakKeyDictionary[nnx.Rngs, list]" = weakref.WeakKeyDictionary()
 
 
+# jax.core's until jax 0.10; jax 0.11 moved it to jax.extend.core (which 0.9.2, ejax's pin, lacks).
+_opaque_trace_state = (getattr(jax.extend.core, "get_opaque_trace_state", None)
+                       or jax.core.get_opaque_trace_state)
+
+
 def param_key(rngs: nnx.Rngs) -> jax.Array:
   """A fresh init key: one draw from `rngs.params` per trace, then fold_in with a counter.
 
@@ -50,7 +56,7 @@ def param_key(rngs: nnx.Rngs) -> jax.Array:
   the whole jaxpr): `nnx.eval_shape` of the 2.4B GR00T took minutes. One draw per trace keeps
   init linear; keys stay distinct per parameter and deterministic for a given seed.
   """
-  trace_state = jax.core.get_opaque_trace_state(convention="flax")
+  trace_state = _opaque_trace_state(convention="flax")
   entry = _param_keys.get(rngs)
   if entry is None or entry[0] != trace_state:
     entry = [trace_state, rngs.params(), 0]

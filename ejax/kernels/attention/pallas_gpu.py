@@ -6,7 +6,7 @@ costs the sum of its squared segment lengths. Grouped kv heads are read through 
 (q head h reads kv head h // groups); the dK/dV pass writes one fp32 slice per q head and the
 group sum happens outside the kernel, which needs no atomics.
 
-Inside a tile: scores in fp32 (`pl.dot` accumulates in fp32), online softmax with a finite masked
+Inside a tile: scores in fp32 (`pallas_dot` accumulates in fp32), online softmax with a finite masked
 score, bf16 (or the input dtype) operands for the second matmul. `interpret=True` runs the same
 kernels on CPU for tests.
 """
@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ejax.kernels.platform import pallas_dot
 from ejax.kernels.attention.tiles import MASKED_SCORE, MaskInputs, active_tiles, compact, pair_mask
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -46,12 +47,12 @@ def _forward_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg
     kv = pl.ds(pl.multiple_of(order_ref[t] * block_kv, block_kv), block_kv)
     k, v = k_ref[kv, :], v_ref[kv, :]
     allowed = pair_mask(q_seg, kv_seg_ref[kv], q_key, kv_key_ref[kv], ordered)
-    scores = jnp.where(allowed, pl.dot(q, k, trans_b=True) * scale, MASKED_SCORE)
+    scores = jnp.where(allowed, pallas_dot(q, k, trans_b=True) * scale, MASKED_SCORE)
     new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
     correction = jnp.exp(row_max - new_max)
     weights = jnp.where(allowed, jnp.exp(scores - new_max[:, None]), 0.0)
     row_sum = row_sum * correction + jnp.sum(weights, axis=1)
-    acc = acc * correction[:, None] + pl.dot(weights.astype(v.dtype), v)
+    acc = acc * correction[:, None] + pallas_dot(weights.astype(v.dtype), v)
     return acc, new_max, row_sum
 
   init = (jnp.zeros((block_q, head_dim), jnp.float32),
@@ -74,9 +75,9 @@ def _dq_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     kv = pl.ds(pl.multiple_of(order_ref[t] * block_kv, block_kv), block_kv)
     k, v = k_ref[kv, :], v_ref[kv, :]
     allowed = pair_mask(q_seg, kv_seg_ref[kv], q_key, kv_key_ref[kv], ordered)
-    probs = jnp.where(allowed, jnp.exp(pl.dot(q, k, trans_b=True) * scale - lse[:, None]), 0.0)
-    d_scores = probs * (pl.dot(do, v, trans_b=True) - delta[:, None]) * scale
-    return dq + pl.dot(d_scores.astype(k.dtype), k)
+    probs = jnp.where(allowed, jnp.exp(pallas_dot(q, k, trans_b=True) * scale - lse[:, None]), 0.0)
+    d_scores = probs * (pallas_dot(do, v, trans_b=True) - delta[:, None]) * scale
+    return dq + pallas_dot(d_scores.astype(k.dtype), k)
 
   dq = lax.fori_loop(0, count_ref[0], kv_tile, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -93,11 +94,11 @@ def _dkv_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
     rows = pl.ds(pl.multiple_of(order_ref[t] * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
     allowed = pair_mask(q_seg_ref[rows], kv_seg, q_key_ref[rows], kv_key, ordered)
-    probs = jnp.where(allowed, jnp.exp(pl.dot(q, k, trans_b=True) * scale
+    probs = jnp.where(allowed, jnp.exp(pallas_dot(q, k, trans_b=True) * scale
                                        - lse_ref[rows][:, None]), 0.0)
-    d_scores = probs * (pl.dot(do, v, trans_b=True) - delta_ref[rows][:, None]) * scale
-    dv = dv + pl.dot(probs.astype(do.dtype), do, trans_a=True)
-    dk = dk + pl.dot(d_scores.astype(q.dtype), q, trans_a=True)
+    d_scores = probs * (pallas_dot(do, v, trans_b=True) - delta_ref[rows][:, None]) * scale
+    dv = dv + pallas_dot(probs.astype(do.dtype), do, trans_a=True)
+    dk = dk + pallas_dot(d_scores.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
   zeros = jnp.zeros(k.shape, jnp.float32)

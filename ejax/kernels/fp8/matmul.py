@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ejax.kernels import platform
+from ejax.kernels.platform import pallas_dot
 from ejax.kernels.fp8.quantize import Fp8Tensor
 
 IMPLS = ("auto", "reference", "pallas")
@@ -74,7 +75,7 @@ def _kernel(a_ref, b_ref, a_scale_ref, b_scale_ref, out_ref, *, block_k: int):
       # The backward GEMMs mix e5m2 (dY) with e4m3, and the Triton lowering takes one element type
       # per dot: both formats embed exactly in fp16, so this dot gives the same sums at fp16 speed.
       a_blk, b_blk = a_blk.astype(jnp.float16), b_blk.astype(jnp.float16)
-    partial = pl.dot(a_blk, b_blk)  # fp32 accumulation
+    partial = pallas_dot(a_blk, b_blk)  # fp32 accumulation
     return acc + partial * a_scale_ref[i, :][:, None] * b_scale_ref[i, :][None, :]
 
   acc = lax.fori_loop(0, a_ref.shape[1] // block_k, k_block,
