@@ -467,6 +467,12 @@ class Groot(nnx.Module):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
     vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
     state = keep_state_dims(jnp.asarray(batch["state"]), self.config.get("state_dims", ()))
+    head = self.action_head
+    if heatmap_logits is None and head.aux_queries is not None and (
+        self.config.get("aux_heatmap_input", False) or self.config.get("aux_state_input", False)):
+      # once for the keypoints, the estimate and its geometry (compute_loss passes its own)
+      heatmap_logits = head.heatmap_logits(normalize_images(batch["images"], head.dtype),
+                                           self.instruction_embedding(batch))
     keypoint_slots = 0
     if self.config.get("aux_heatmap_input", False):
       keypoints = jax.lax.stop_gradient(self.heatmap_keypoints(batch, heatmap_logits))
