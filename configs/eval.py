@@ -17,8 +17,9 @@ Launch (CPU):
   python -m ejax.main --config=configs/eval.py --workdir=runs/eval   (50 episodes per task, LIBERO's count)
   Perception ablations of a GR00T checkpoint with a keypoint estimate (configs/groot.py's sim recipes):
     --config.eval.true_estimate=True (act on the simulator's true target and goal) and
-    --config.eval.keypoint_geometry=sim|off (place them through ejax.sim's calibrated cameras, or by
-    the learnt readout alone; default: as the checkpoint was trained).
+    --config.eval.keypoint_geometry=sim|off (place them through ejax.sim's calibrated cameras with the
+    model's current keypoint decoding, or by the learnt readout alone; default: as the checkpoint was
+    trained).
 Arg string: `runlocal`, `policy=random|expert|checkpoint|rl|remote`, `episodes=N`, `tasks=all|suite|name+name`.
 """
 
@@ -56,7 +57,8 @@ def get_config(arg: str | None = None):
                              # in its place, to measure what the policy's perception costs
       keypoint_geometry="checkpoint",  # policy=checkpoint with a keypoint estimate: "checkpoint" places
                              # its points as trained (model.aux_geometry_cameras); "sim" through
-                             # ejax.sim's calibrated cameras; "off" by the learnt readout alone
+                             # ejax.sim's calibrated cameras, decoded as the model now does
+                             # (groot.GEOMETRY_RADIUS / _TOLERANCE); "off" by the learnt readout alone
   ))
   if args.runlocal:
     # Replanning every 2 steps: the quickstart policy solves the drawers 100 % (65-85 % executing 8).

@@ -33,19 +33,39 @@ def on_plane(origin: jax.Array, direction: jax.Array, height: jax.Array) -> tupl
   return origin + t[..., None] * direction, t > 0
 
 
-def local_soft_argmax(logits: jax.Array, grid: np.ndarray, radius: int, cell: float) -> jax.Array:
+def local_soft_argmax(logits: jax.Array, grid: np.ndarray, radius: int, cell: float,
+                      centre: jax.Array | None = None) -> jax.Array:
   """Expected (x, y) [n, K, 2] of heatmaps `logits` [n, cells, K] over the cells within `radius` cells
-  (each `cell` wide in [-1, 1] units) of each map's argmax: the peak's position without the pull of a
-  second, weaker peak elsewhere (another block of the same colour) that the global soft-argmax averages in."""
+  (each `cell` wide in [-1, 1] units) of each map's argmax (or of the cells `centre` [n, K]): the peak's
+  position without the pull of a second, weaker peak elsewhere (another block of the same colour) that
+  the global soft-argmax averages in."""
   grid = jnp.asarray(grid, jnp.float32)
-  centre = grid[jnp.argmax(logits, axis=1)]                                        # [n, K, 2]
+  centre = grid[jnp.argmax(logits, axis=1) if centre is None else centre]        # [n, K, 2]
   near = jnp.all(jnp.abs(grid[None, :, None, :] - centre[:, None]) <= radius * cell + 1e-4, -1)
   weights = jax.nn.softmax(jnp.where(near, logits, -jnp.inf), axis=1)
   return jnp.einsum("npk,pd->nkd", weights, grid)
 
 
+def relational_peak(content: jax.Array, score: jax.Array, shape: tuple[int, int], margin: float,
+                    window: int = 1) -> jax.Array:
+  """The cell [n, K] that a relation picks among the detections of heatmaps `content` [n, cells, K]
+  (row-major over `shape` (rows, columns)): of the cells that are the largest within `window` cells
+  around them and within `margin` of the map's largest, the one where `score` [n, cells, K] (the
+  instruction's position term: "the block on the left") is largest.
+
+  Three identical blocks are three peaks of nearly equal height; adding the position term to the
+  logits, as the detectors are trained, lets a block that reads slightly brighter outweigh the
+  relation, while choosing among the peaks lets the relation decide."""
+  n, cells, k = content.shape
+  maps = content.reshape(n, *shape, k)
+  pooled = jax.lax.reduce_window(maps, -jnp.inf, jax.lax.max, (1, 2 * window + 1, 2 * window + 1, 1),
+                                 (1, 1, 1, 1), "SAME").reshape(n, cells, k)
+  peaks = (content >= pooled) & (content >= jnp.max(content, axis=1, keepdims=True) - margin)
+  return jnp.argmax(jnp.where(peaks, score, -jnp.inf), axis=1)
+
+
 def locate(points_xy: jax.Array, heights: jax.Array, tcp: jax.Array, cameras: list[dict],
-           tolerance: float) -> jax.Array:
+           tolerance) -> jax.Array:
   """World positions [n, P, 3] of P points seen by each camera.
 
   points_xy [n, C, P, 2]: each camera's keypoint of each point; heights [n, P]: a prior height per
@@ -56,7 +76,9 @@ def locate(points_xy: jax.Array, heights: jax.Array, tcp: jax.Array, cameras: li
   The first world-mounted camera puts each point on its ray at the prior height. A hand camera (close,
   so finer: ~0.4 cm a pixel at 20 cm against the agentview's 1.5-2 cm) then takes over where its own
   ray, at the same height, lands within `tolerance` of that estimate; its keypoints near the image's
-  edge (|x| or |y| > 0.9) are not used."""
+  edge (|x| or |y| > 0.9) are not used. `tolerance`: metres, one for all points or one per point (0: that
+  point from the world camera alone)."""
+  tolerance = jnp.broadcast_to(jnp.asarray(tolerance, jnp.float32), heights.shape[-1:])
   rays = []
   for index, cam in enumerate(cameras):
     rotation = np.asarray(cam["rotation"], np.float32).reshape(3, 3)

@@ -185,7 +185,8 @@ def with_geometry(config: ConfigDict, norm_stats: dict | None, geometry: bool | 
   """A copy of a checkpoint's config with what the model's keypoint geometry needs at inference
   (model.aux_geometry_cameras, ejax/models/geometry.py): the statistics that map its estimate and
   state to metres, from the checkpoint's. geometry: None as trained; False off; True ejax.sim's camera
-  calibration (for a checkpoint trained on ejax.sim's cameras before the model had geometry)."""
+  calibration and the model's current defaults for decoding the keypoints (for a checkpoint trained on
+  ejax.sim's cameras before the model had geometry, or before those defaults changed)."""
   config = config.copy_and_resolve_references()
   model = config.model
   if geometry is False:
@@ -195,8 +196,14 @@ def with_geometry(config: ConfigDict, norm_stats: dict | None, geometry: bool | 
     if not (model.get("aux_state_input", False) and model.get("aux_heatmaps", 0)):
       raise CheckpointError("eval.keypoint_geometry needs a checkpoint with a keypoint estimate "
                             "(model.aux_state_input and model.aux_heatmaps): this one has none")
+    from ejax.models.groot import GEOMETRY_RADIUS, GEOMETRY_TOLERANCE
     from ejax.sim.scene import camera_calibration
     model.aux_geometry_cameras = camera_calibration()
+    # and today's decoding of the keypoints (a checkpoint saves the settings it was trained with)
+    for key, value in (("aux_geometry_radius", GEOMETRY_RADIUS), ("aux_geometry_tolerance", GEOMETRY_TOLERANCE)):
+      if key in model:
+        del model[key]
+      model[key] = value
   if model.get("aux_geometry_cameras"):
     keys = [config.data.get("state_key", "observation.state"), config.data.get("aux_state_key")]
     normalizer = policy_normalizer(config.data, norm_stats, keys)

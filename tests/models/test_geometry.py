@@ -64,3 +64,41 @@ def test_local_soft_argmax_keeps_to_the_strongest_peak():
   weights = np.exp(logits[0, :, 0] - logits.max())
   global_xy = (weights[:, None] * grid).sum(0) / weights.sum()
   assert np.linalg.norm(global_xy - local) > 0.2
+
+
+def test_the_relation_chooses_among_the_detections_not_the_brightest():
+  shape, cell = (32, 32), 2.0 / 32
+  grid = pixel_grid(*shape)
+  content = np.full((1, 32 * 32, 1), -10.0, np.float32)
+  left, middle, right = 16 * 32 + 4, 10 * 32 + 16, 20 * 32 + 28     # three identical blocks
+  content[0, [left, middle, right], 0] = (3.0, 4.5, 4.0)              # the middle one reads brighter
+  content[0, right + 1, 0] = 3.9                                      # a blob, not a second detection
+  content[0, 2 * 32 + 2, 0] = -2.0                                    # something else, far weaker
+  position = jnp.asarray(0.5 * grid[None, :, :1])                     # "on the right": + x, a weak term
+  # the logits' argmax takes the brighter middle block; the relation among the detections the right one
+  assert int(jnp.argmax(jnp.asarray(content) + position, axis=1)[0, 0]) == middle
+  chosen = int(geometry.relational_peak(jnp.asarray(content), position, shape, margin=3.0)[0, 0])
+  assert chosen == right
+  # "on the left": the left block, though 1.5 below the brightest; a margin of 1 leaves it out
+  assert int(geometry.relational_peak(jnp.asarray(content), -position, shape, margin=3.0)[0, 0]) == left
+  assert int(geometry.relational_peak(jnp.asarray(content), -position, shape, margin=1.0)[0, 0]) == middle
+  # the weak far peak is never a detection, and the soft-argmax then centres on the chosen cell
+  local = np.asarray(geometry.local_soft_argmax(jnp.asarray(content), grid, 1, cell,
+                                                centre=jnp.asarray([[chosen]])))[0, 0]
+  np.testing.assert_allclose(local, grid[right] + [cell * np.exp(-0.1) / (1 + np.exp(-0.1)), 0], atol=1e-3)
+
+
+def test_a_point_with_zero_tolerance_keeps_the_world_camera():
+  cams = scene.camera_calibration()
+  order = [cams["agentview"], cams["wrist"]]
+  points, tcp = _scene_points(16, seed=2)
+  agent, wrist = _project(points, cams["agentview"], tcp), _project(points, cams["wrist"], tcp)
+  off = np.asarray(agent) + np.array([2 / 64, 0], np.float32)
+  # two points, both with the agentview a pixel off: the first refined by the wrist, the second not
+  both = jnp.asarray(np.stack([np.stack([off, off], 1), np.stack([wrist, wrist], 1)], 1))
+  heights = jnp.asarray(np.concatenate([points[:, 2:]] * 2, 1))
+  world = np.asarray(geometry.locate(both, heights, jnp.asarray(tcp), order, tolerance=(0.04, 0.0)))
+  np.testing.assert_allclose(world[:, 0], points, atol=1e-4)
+  alone = np.asarray(geometry.locate(both[:, :1], heights, jnp.asarray(tcp), order[:1], tolerance=0.04))
+  np.testing.assert_allclose(world[:, 1], alone[:, 1], atol=1e-6)
+  assert np.min(np.linalg.norm(world[:, 1] - points, axis=-1)) > 5e-3

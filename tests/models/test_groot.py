@@ -443,3 +443,51 @@ def test_the_estimate_places_its_points_on_the_calibrated_cameras_rays():
   np.testing.assert_allclose(placed[:, 6], np.asarray(readout)[:, 6], atol=1e-6)
   assert not np.allclose(placed[:, :2], np.asarray(readout)[:, :2])
 
+
+
+def test_the_relation_picks_the_peak_the_estimate_is_placed_on():
+  """model.aux_geometry_relation_margin: the world camera's keypoint of a point with a radius is the
+  soft-argmax around the detection the instruction's position term prefers (geometry.relational_peak),
+  not around the logits' argmax; 0 keeps the argmax."""
+  from ejax.models import geometry
+  from ejax.models.connector import pixel_grid
+  from ejax.sim import camera, scene
+  c = tiny_config()
+  c.update(aux_state_dim=7, aux_keypoints=1, aux_heatmaps=2, aux_heatmap_context=True, aux_state_input=True,
+           aux_heatmap_position=True, tune_visual=True, tune_llm=True)
+  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  batch = groot.example_batch(c, 8, seed=3)
+  vl, _ = model.context(batch)
+  readout = model.aux_estimate(vl, batch)
+  agentview = scene.camera_calibration()["agentview"]
+  model.config.update(aux_geometry_cameras={"agentview": agentview}, aux_geometry_radius=(1, 1))
+  model.config.aux_geometry_norm = {"state": [[0.0] * c.max_state_dim, [1.0] * c.max_state_dim],
+                                    "estimate": [[0.0] * 7, [1.0] * 7]}
+  head = model.action_head
+  images = groot.normalize_images(batch["images"], head.dtype)
+  instruction = model.instruction_embedding(batch)
+  logits = head.heatmap_logits(images, instruction)
+  grid_shape = tuple(s // head.aux_keypoints.pixel_patch for s in images.shape[1:3])
+  grid = pixel_grid(*grid_shape)
+  position = head.heatmap_position_scale * jnp.einsum("pd,nqd->npq", jnp.asarray(grid),
+                                                      head.heatmap_position_weights(instruction))
+  rotation = np.asarray(agentview["rotation"], np.float32).reshape(3, 3)
+
+  def keypoints(margin):
+    model.config.aux_geometry_relation_margin = margin
+    metres = np.asarray(model.geometric_estimate(batch, readout))
+    return np.stack([camera.image_points(metres[:, s:s + 3], np.asarray(agentview["position"]), rotation, 64, 64,
+                                         agentview["fovy"], xp=np) for s in (0, 3)], 1)
+
+  def around(centre):
+    return np.asarray(geometry.local_soft_argmax(logits, grid, 1, 2.0 / grid_shape[1], centre=centre))
+
+  def agree(seen, expected):  # where the readout's random height puts the point in front of the camera
+    ahead = np.all(np.abs(seen) <= 1.0, -1)
+    assert ahead.mean() > 0.5
+    np.testing.assert_allclose(seen[ahead], expected[ahead], atol=1e-4)
+
+  chosen = geometry.relational_peak(logits - position, position, grid_shape, 1e9)
+  agree(keypoints(1e9), around(chosen))
+  agree(keypoints(0.0), around(jnp.argmax(logits, axis=1)))
+  assert np.any(np.asarray(chosen) != np.asarray(jnp.argmax(logits, axis=1)))

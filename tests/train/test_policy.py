@@ -83,6 +83,7 @@ def test_keypoint_geometry_gets_the_checkpoints_statistics_and_can_be_switched()
   from ml_collections import ConfigDict
 
   from ejax.checkpoint import CheckpointError
+  from ejax.models import groot
   from ejax.sim.scene import camera_calibration
   from ejax.train.policy import with_geometry
 
@@ -99,6 +100,12 @@ def test_keypoint_geometry_gets_the_checkpoints_statistics_and_can_be_switched()
   old = with_geometry(ConfigDict(dict(model=model, data=data)), stats, True)   # saved before the keys existed
   assert sorted(old.model.aux_geometry_cameras) == ["agentview", "wrist"] and "estimate" in old.model.aux_geometry_norm
   assert not with_geometry(ConfigDict(dict(model=model, data=data)), stats).model.get("aux_geometry_cameras")
+  # "sim" also decodes the keypoints as the model now does, whatever the checkpoint saved
+  saved = dict(model, aux_geometry_cameras=camera_calibration(), aux_geometry_radius=(2, 0), aux_geometry_tolerance=0.04)
+  today = with_geometry(ConfigDict(dict(model=saved, data=data)), stats, True).model
+  assert tuple(today.aux_geometry_radius) == groot.GEOMETRY_RADIUS
+  assert tuple(today.aux_geometry_tolerance) == groot.GEOMETRY_TOLERANCE
+  assert with_geometry(ConfigDict(dict(model=saved, data=data)), stats).model.aux_geometry_tolerance == 0.04
   off = with_geometry(calibrated, stats, False)
   assert not off.model.aux_geometry_cameras
   with pytest.raises(CheckpointError, match="keypoint estimate"):
