@@ -59,6 +59,8 @@ def get_config(arg: str | None = None):
                              # its points as trained (model.aux_geometry_cameras); "sim" through
                              # ejax.sim's calibrated cameras, decoded as the model now does
                              # (groot.GEOMETRY_RADIUS / _TOLERANCE); "off" by the learnt readout alone
+      num_inference_steps=0,  # policy=checkpoint: the flow's Euler steps per chunk (0: as the checkpoint's
+                             # model config says)
   ))
   if args.runlocal:
     # Replanning every 2 steps: the quickstart policy solves the drawers 100 % (65-85 % executing 8).

@@ -44,7 +44,8 @@ def make_policy(config, action_size: int):
     geometry = config.eval.get("keypoint_geometry", "checkpoint")
     if geometry not in choices:
       raise ValueError(f"config.eval.keypoint_geometry={geometry!r}: use checkpoint, sim or off")
-    policy = load_policy(config.eval.checkpoint, geometry=choices[geometry])
+    policy = load_policy(config.eval.checkpoint, geometry=choices[geometry],
+                         num_inference_steps=int(config.eval.get("num_inference_steps", 0)))
     if config.eval.get("true_estimate", False):
       policy.use_true_estimate()
     return policy
@@ -196,4 +197,6 @@ def run_job(config, workdir: str) -> None:
   label = cfg.policy + (" (true estimate)" if cfg.get("true_estimate", False) else "")
   if cfg.policy == "checkpoint" and cfg.get("keypoint_geometry", "checkpoint") != "checkpoint":
     label += f" (keypoint geometry: {cfg.keypoint_geometry})"
+  if cfg.policy == "checkpoint" and int(cfg.get("num_inference_steps", 0)):
+    label += f" ({int(cfg.num_inference_steps)} flow steps)"
   print(evaluate_policy(policy, cfg, cfg.output_dir or os.path.join(workdir, "eval"), label)["table"])

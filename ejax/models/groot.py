@@ -179,8 +179,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.aux_geometry_radius = GEOMETRY_RADIUS
   # Metres, one for all points or one per point: a hand camera's point replaces the world camera's
   # within this; 0: the world camera's alone. The goal's is 0: carrying the target over its goal, the
-  # hand camera sees the held block where the goal is (goal error while holding, ejax.sim's 15 tasks:
-  # 1.2-1.9 cm median with it, 1.1-1.5 cm without; BENCHMARKS.md).
+  # hand camera sees the held block where the goal is (median goal error while holding, ejax.sim's
+  # eight bowl and plate tasks: 1.6-2.3 cm with it, 1.1-1.5 cm without, 1.0-1.3 cm local; BENCHMARKS.md).
   c.aux_geometry_tolerance = GEOMETRY_TOLERANCE
   # > 0: on the world cameras' maps of the points with a radius, the peak the soft-argmax centres on
   # is chosen by the instruction's position term among the detections (local maxima of the logits

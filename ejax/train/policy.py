@@ -217,9 +217,10 @@ def with_geometry(config: ConfigDict, norm_stats: dict | None, geometry: bool | 
 
 
 def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool = True,
-                geometry: bool | None = None) -> CheckpointPolicy:
+                geometry: bool | None = None, num_inference_steps: int = 0) -> CheckpointPolicy:
   """Restores a training checkpoint (the EMA weights when the run kept them) as a policy; `geometry`
-  see with_geometry."""
+  see with_geometry; num_inference_steps > 0: the flow's Euler steps per chunk instead of the saved
+  model config's."""
   if not os.path.isdir(checkpoint_dir):
     raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist: point "
                           f"--config.eval.checkpoint at a training run's <workdir>/checkpoints")
@@ -229,6 +230,8 @@ def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool =
     if not meta.get("config"):
       raise CheckpointError(f"checkpoint {checkpoint_dir} carries no config: it was not written by ejax's trainer")
     config = with_geometry(ConfigDict(meta["config"]), meta.get("norm_stats"), geometry)
+    if num_inference_steps:
+      config.model.num_inference_steps = int(num_inference_steps)
     tx, _ = make_optimizer(config.train)
     mesh = make_mesh(dict(data=-1))
     rules = [tuple(rule) for rule in config.sharding_rules]

@@ -29,6 +29,12 @@ def test_checkpoint_acts_like_the_trained_model(tmp_path):
   expected = model.sample_actions(batch, jax.random.key(3))
   np.testing.assert_allclose(actions, np.asarray(expected), rtol=1e-5, atol=1e-5)
 
+  # eval.num_inference_steps: the flow's steps replace the saved config's (4 in the tiny model)
+  one = load_policy(str(tmp_path / "checkpoints"), num_inference_steps=1).act(obs, ["pick"] * 6, jax.random.key(3))
+  np.testing.assert_allclose(one, np.asarray(model.sample_actions(batch, jax.random.key(3), num_steps=1)),
+                             rtol=1e-5, atol=1e-5)
+  assert not np.allclose(one, actions, atol=1e-3)
+
 
 def test_true_estimate_acts_on_the_simulators_object_state_in_place_of_the_estimate():
   """eval.true_estimate (CheckpointPolicy.use_true_estimate): a GR00T policy trained with a
