@@ -32,12 +32,12 @@ The longer CPU recipe on all 15 tasks of ejax.sim's suites (issue 14, point 3): 
 records 100 demos of each of the 15 tasks (30 % of them miss their first grasp and grasp again; ~6 min),
 then trains 7000 steps of batch 32 with detectors that see a 14 px neighbourhood and a learnt position
 term; at inference the target and goal are placed by their keypoints through the calibrated cameras
-(the goal by the agentview alone).
-What to expect (2026-11-26, 2 cores): 56 min 9 s from a clean cache, recording included (~78
-samples/s); flow loss ~0.25 at the end (heatmap cross-entropy ~1.2); the eval command above (50 unseen
-layouts per task) measured 78.0 % [74.9, 80.8] over 750 episodes (night run): spatial suite 58 %
-(stacking 24 %), object suite 87 %, goal suite 89 %. It is short of the 80 % the issue asks:
-BENCHMARKS.md ("Decoding the keypoints" and the section before it) says what limits it.
+(the goal by the agentview alone), and each chunk is sampled with two flow steps.
+What to expect (2026-11-26 21:45-22:35, 2 idle cores): 45 min 38 s from a clean cache, recording (4 min)
+included (~85-105 samples/s; 56 min on a busier evening); flow loss ~0.24 at the end (heatmap
+cross-entropy ~1.2); the eval command above (50 unseen layouts per task, 3 min 39 s) measured 81.3 %
+[78.4, 84.0] over 750 episodes: spatial suite 62 % (stacking 32 %), object suite 93 %, goal suite 89 %
+(BENCHMARKS.md, "Decoding the keypoints ... and two flow steps").
 Arg string: `runlocal`, `suites`, `steps=N`, `batch=N`, `dataset=PATH` (another LeRobot dataset, e.g. one
 recorded with configs/demos.py: both cameras, state up to 16 dims) or `dataset=synthetic` (the
 camera-less synthetic smoke-test data, ejax/data/synthetic.py, 200 steps in well under a minute),
@@ -133,7 +133,7 @@ def _suites(config) -> None:
   the layouts instead, 40 did not change that either), more steps, the keypoints through the
   calibrated cameras, and demos with missed grasps. 60 / 150 / 100 demos a task, 6000 / 6000 / 7000
   steps with the learnt readout: 52.7 / 54.7 / 54.5 %; + geometry 69.7 %, + missed grasps 75.9 %, + the
-  goal from the agentview alone and local 78.0 % (BENCHMARKS.md)."""
+  goal from the agentview alone and local 78.0 %, + two flow steps 81.3 % (BENCHMARKS.md)."""
   config.data.sim_demos.update(tasks="all", episodes_per_task=100)
   # Four samples a row of 440: the suites' prompts are 72-110 tokens (mean 90), so any 32 fit in 8
   # rows (16 % padding; three a row of 384 padded 30 %).
