@@ -427,12 +427,18 @@ class GrootActionHead(nnx.Module):
           x = x + jax.nn.gelu(context + bias.astype(x.dtype)).reshape(x.shape)
     queries = self._heatmap_queries(instruction)
     logits = jnp.einsum("nph,nqh->npq", x, queries.astype(x.dtype)).astype(jnp.float32)
+    position = self.heatmap_position(images, instruction)
+    return logits if position is None else logits + position
+
+  def heatmap_position(self, images: jax.Array, instruction: jax.Array) -> jax.Array | None:
+    """aux_heatmap_position: the instruction's position term [n images, cells, points] that
+    heatmap_logits adds to the detectors' logits, or None."""
     weights = self.heatmap_position_weights(instruction)
-    if weights is not None:
-      grid = [size // self.aux_keypoints.pixel_patch for size in images.shape[1:3]]
-      position = jnp.einsum("pd,nqd->npq", jnp.asarray(pixel_grid(*grid)), weights.astype(jnp.float32))
-      logits = logits + self.heatmap_position_scale * position
-    return logits
+    if weights is None:
+      return None
+    grid = [size // self.aux_keypoints.pixel_patch for size in images.shape[1:3]]
+    return self.heatmap_position_scale * jnp.einsum("pd,nqd->npq", jnp.asarray(pixel_grid(*grid)),
+                                                    weights.astype(jnp.float32))
 
   def heatmap_loss(self, batch, instruction: jax.Array, logits: jax.Array | None = None) -> jax.Array:
     """Mean cross-entropy [n] of the instruction's heatmaps against the labels batch["aux_pixels"]
@@ -544,9 +550,7 @@ class Groot(nnx.Module):
     margin = float(c.get("aux_geometry_relation_margin", 0.0))
     if margin > 0 and head.aux_query_position is not None:
       # the world cameras' maps: the relation chooses among the detections (geometry.relational_peak)
-      position = head.heatmap_position_scale * jnp.einsum(
-          "pd,nqd->npq", jnp.asarray(pixel_grid(*grid)),
-          head.heatmap_position_weights(self.instruction_embedding(batch)).astype(jnp.float32))
+      position = head.heatmap_position(images, self.instruction_embedding(batch))
       content, gain = logits - position, float(c.get("aux_geometry_relation_gain", 0.0))
       chosen = geometry.relational_peak(content, content + gain * position if gain else position, tuple(grid), margin)
       world = np.tile([cam["mount"] == "world" for cam in cameras], n)
