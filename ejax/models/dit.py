@@ -69,7 +69,7 @@ def _fp8_factory(fp8: bool):
   from ejax.kernels.fp8 import make_dense
 
   def factory(in_features, out_features, *, axes, use_bias, dtype, param_dtype, rngs):
-    return make_dense(in_features, out_features, fp8=True, kernel_axes=axes, use_bias=use_bias, dtype=dtype,
+    return make_dense(in_features, out_features, fp8=fp8, kernel_axes=axes, use_bias=use_bias, dtype=dtype,
                       param_dtype=param_dtype, rngs=rngs)
   return factory
 

@@ -6,6 +6,8 @@ kernel that silently falls back, or stops lowering, fails here although its inte
 still pass.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 
 from ejax.kernels.attention import BlockSizes, attention_reference, choose_impl, flash_attention, pallas_gpu
 from ejax.kernels.attention.tiles import MaskInputs
-from ejax.kernels.fp8 import fp8_dot, fp8_matmul_pallas, quantize_activations, quantize_blockwise
+from ejax.kernels.fp8 import fp8_dot, fp8_matmul_pallas, fp8_xla_dot, quantize_activations, quantize_blockwise
 from ejax.kernels.platform import lowering_for
 from tests.cuda_lowering import (CUDNN_ATTENTION, TRITON, cudnn_h100, custom_calls,  # noqa: F401
                                  forbid_fallbacks, lower_for_cuda, triton_kernels)
@@ -86,6 +88,70 @@ def test_fp8_gemm_forward_and_backward_lower_to_triton(forbid_fallbacks):
   module = lower_for_cuda(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), x, w)
   assert set(custom_calls(module)) == {TRITON}
   assert triton_kernels(module) == {"ejax_fp8_blockwise_matmul": 3}
+
+
+def _dots_with_fp8_operands(module: str) -> list[dict]:
+  """Every dot_general of the module, each operand traced back to the FP8 value it dequantises.
+
+  An operand is matched as XLA's GPU GemmRewriter matches an FP8 GEMM operand: `convert(fp8)`,
+  optionally times `broadcast_in_dim` of a scalar (the scale it hands cuBLASLt). Unmatched
+  operands read as None.
+  """
+  dots = []
+  for function in module.split("func.func")[1:]:
+    defs = dict(re.findall(r"^\s*(%[\w#]+) = (stablehlo\.\w+ .*)$", function, re.MULTILINE))
+
+    def dequantised(value):
+      op = defs.get(value, "")
+      if op.startswith("stablehlo.convert"):
+        source = re.search(r"\(tensor<[^>]*x(f8E\w+)>\) ->", op)
+        return {"fp8": source.group(1), "scale": None} if source else None
+      if op.startswith("stablehlo.multiply"):
+        a, b = re.findall(r"%[\w#]+", op)[:2]
+        for converted, scale in ((a, b), (b, a)):
+          scalar = re.match(r"stablehlo\.broadcast_in_dim %[\w#]+, dims = \[\] : \(tensor<\w+>\)",
+                            defs.get(scale, ""))
+          matched = dequantised(converted)
+          if scalar and matched and matched["scale"] is None:
+            return {"fp8": matched["fp8"], "scale": "scalar"}
+      return None
+
+    for op in defs.values():
+      if op.startswith("stablehlo.dot_general"):
+        lhs, rhs = re.findall(r"%[\w#]+", op)[:2]
+        precision = re.search(r"precision = \[(\w+), \w+\]", op)
+        dots.append({"lhs": dequantised(lhs), "rhs": dequantised(rhs),
+                     "contracting": tuple(map(int, re.search(r"contracting_dims = \[(\d+)\] x \[(\d+)\]",
+                                                              op).groups())),
+                     "precision": precision.group(1) if precision else "DEFAULT",
+                     "out": re.search(r"-> tensor<[^>]*x(\w+)>", op).group(1)})
+  return dots
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_xla_fp8_gemms_lower_to_the_pattern_xla_rewrites_into_cublaslt_fp8(scaling):
+  # XLA's GemmRewriter (gemm_rewriter.cc) makes a dot one `__cublas$lt$matmul$f8` call when both
+  # operands are convert(fp8) [* broadcast(scalar scale)], one of them e4m3, the output bf16/f16/f32;
+  # it transposes an operand whose contraction is not its minor dimension (Hopper wants A row-major,
+  # B column-major). That last step runs on a GPU only; this checks everything it is fed.
+  x = jax.ShapeDtypeStruct((200, 384), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((384, 256), jnp.float32)
+  loss = lambda x, w: jnp.sum(fp8_xla_dot(x, w, scaling, jnp.bfloat16).astype(jnp.float32) ** 2)
+  module = lower_for_cuda(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), x, w)
+  assert not custom_calls(module)  # plain XLA: no Triton kernel, no stand-in
+  dots = _dots_with_fp8_operands(module)
+  scale = "scalar" if scaling == "tensor" else None
+  operands = lambda dot: (dot["lhs"], dot["rhs"])
+  e4m3, e5m2 = {"fp8": "f8E4M3FN", "scale": scale}, {"fp8": "f8E5M2", "scale": scale}
+  forward, d_x, d_w = sorted(dots, key=lambda dot: (dot["precision"] != "DEFAULT", dot["out"] == "f32"))
+  assert len(dots) == 3
+  # Forward: x [tokens, in] . W K-major [out, in], fast accumulation: no transpose needed.
+  assert operands(forward) == (e4m3, e4m3) and forward["contracting"] == (1, 1)
+  assert forward["precision"] == "DEFAULT" and forward["out"] == "bf16"
+  # dX = dY(e5m2) . W(e4m3) and dW = X^T(e4m3) . dY(e5m2), full-precision accumulation.
+  assert operands(d_x) == (e5m2, e4m3) and d_x["precision"] == "HIGHEST" and d_x["out"] == "bf16"
+  assert operands(d_w) == (e4m3, e5m2) and d_w["precision"] == "HIGHEST" and d_w["out"] == "f32"
+  assert d_w["contracting"] == (0, 0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

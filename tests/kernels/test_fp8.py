@@ -1,5 +1,6 @@
-"""Block-wise FP8: quantisation error bounds, the block-scaled GEMM (reference and Pallas kernel)
-against fp32, block-wise vs per-tensor scaling under outliers, Fp8Dense training and inference."""
+"""FP8: quantisation error bounds, the block-scaled GEMM (reference and Pallas kernel) against
+fp32, block-wise vs per-tensor scaling under outliers, the XLA-native (cuBLASLt) FP8 GEMMs' values
+and gradients, Fp8Dense training and inference for every impl."""
 
 import jax
 import jax.numpy as jnp
@@ -8,10 +9,11 @@ import optax
 import pytest
 from flax import nnx
 
-from ejax.kernels.fp8 import (E4M3, E5M2, Fp8Dense, Fp8Weight, dequantize, fp8_dot,
-                              fp8_matmul_pallas, fp8_matmul_reference, make_dense,
-                              quantize_activations, quantize_blockwise, quantize_params,
-                              quantize_per_tensor)
+from ejax.kernels.fp8 import (DENSE_IMPLS, E4M3, E5M2, Fp8Dense, Fp8Weight, dequantize, fp8_dot,
+                              fp8_matmul_pallas, fp8_matmul_reference, fp8_xla_dot,
+                              fp8_xla_dot_reference, make_dense, quantize_activations,
+                              quantize_blockwise, quantize_params, quantize_per_tensor)
+from ejax.kernels.fp8 import xla as fp8_xla
 from ejax.parallel.params import variable_axis_names
 
 M, K, N = 256, 512, 384
@@ -125,8 +127,91 @@ def test_fp8_dot_gradients_track_fp32(gaussian):
   assert _relative_error(got[1], want[1]) < 0.09
 
 
+def test_power_of_two_scales_fill_the_fp8_range_exactly():
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(64, 200)).astype(np.float32) * rng.uniform(1e-3, 1e3, size=(64, 1))
+  x[3] = 0.0
+  for dtype in (E4M3, E5M2):
+    limit = float(jnp.finfo(dtype).max)
+    for axis in (None, 1, 0):
+      values, scale = fp8_xla.quantize(jnp.asarray(x), dtype, reduce_axis=axis)
+      scale = np.asarray(scale)
+      assert values.dtype == dtype and scale.dtype == np.float32
+      assert scale.shape == {None: (), 1: (64, 1), 0: (1, 200)}[axis]
+      mantissa, _ = np.frexp(scale)
+      assert np.all(mantissa == 0.5)  # powers of two: exact in bf16, dequantising adds no rounding
+      amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None)
+      used = amax / scale
+      # The largest magnitude lands in the top binade of the format: at most one bit of range unused.
+      assert np.all((used <= limit) & ((used > limit / 2) | (amax == 0)))
+      restored = np.asarray(values, np.float32) * scale
+      assert np.all(np.abs(restored - x) <= np.abs(x) * 2.0 ** -(3 if dtype == E4M3 else 2) + scale * 2.0 ** -9)
+  assert float(fp8_xla.quantize(jnp.zeros((4, 4)))[1]) == 1.0
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_xla_fp8_dot_computes_the_dequantised_product(gaussian, scaling):
+  a, b = gaussian
+  x, w = jnp.asarray(a), jnp.asarray(b) * 0.05
+  want = np.asarray(fp8_xla_dot_reference(x, w, scaling))
+  # fp32 out: the GEMM is exact on the dequantised operands up to fp32 summation order.
+  got = jax.jit(lambda x, w: fp8_xla_dot(x, w, scaling, jnp.float32))(x, w)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  # bf16 out, as Fp8Dense asks for it: one bf16 rounding more (plus the scaling pass for "row").
+  got_bf16 = jax.jit(lambda x, w: fp8_xla_dot(x, w, scaling, jnp.bfloat16))(x, w)
+  assert got_bf16.dtype == jnp.bfloat16
+  assert _relative_error(got_bf16, want) < 2 * 2.0**-8
+  # Against fp32: e4m3 rounding of both operands, as with block-wise scaling (~3.7 %).
+  assert _relative_error(got, a @ (b * 0.05)) < 0.045
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_xla_fp8_dot_gradients(gaussian, scaling):
+  a, b = gaussian
+  x, w = jnp.asarray(a[:128]), jnp.asarray(b) * 0.05
+  d_out = jnp.asarray(np.random.default_rng(3).normal(size=(128, N)), jnp.float32)
+  loss = lambda dot, x, w: jnp.sum(dot(x, w) * d_out)
+  got = jax.jit(jax.grad(lambda x, w: loss(lambda x, w: fp8_xla_dot(x, w, scaling), x, w), argnums=(0, 1)))(x, w)
+  assert got[0].dtype == x.dtype and got[1].dtype == w.dtype
+  want = jax.grad(lambda x, w: loss(jnp.dot, x, w), argnums=(0, 1))(x, w)
+  # dX: e5m2 gradients (2^-3 rounding) against e4m3 weights; dW: re-quantised X against e5m2 dY.
+  assert _relative_error(got[0], want[0]) < 0.07
+  assert _relative_error(got[1], want[1]) < 0.09
+  if scaling == "tensor":
+    # Exactly the product of the dequantised FP8 operands the forward pass kept.
+    dequant = lambda values_scale: values_scale[0].astype(jnp.float32) * values_scale[1]
+    g = dequant(fp8_xla.quantize(d_out, E5M2))
+    w_kmajor = dequant(fp8_xla.quantize_weight(w, "tensor"))
+    x_deq = dequant(fp8_xla.quantize(x, E4M3))
+    np.testing.assert_allclose(got[0], g @ w_kmajor, rtol=1e-5, atol=1e-5 * float(jnp.abs(g @ w_kmajor).max()))
+    np.testing.assert_allclose(got[1], x_deq.T @ g, rtol=1e-5, atol=1e-5 * float(jnp.abs(x_deq.T @ g).max()))
+
+
+def test_xla_rowwise_scaling_confines_outlier_tokens_per_tensor_does_not(gaussian):
+  a, b = gaussian
+  rng = np.random.default_rng(2)
+  rows = rng.choice(M, 4, replace=False)
+  other_rows = np.setdiff1d(np.arange(M), rows)
+  spiky = a.copy()
+  spiky[rows] *= 3e4
+  want = spiky @ b
+  errors = {scaling: _relative_error(jax.jit(lambda x, w: fp8_xla_dot(x, w, scaling))(spiky, b), want, other_rows)
+            for scaling in ("tensor", "row")}
+  # Per-token scales keep every other token at its Gaussian error (~3.7 %); one tensor scale
+  # pushes them towards e4m3's subnormals.
+  assert errors["row"] < 0.045
+  assert errors["tensor"] > 3 * errors["row"]
+
+
+def test_an_unknown_impl_or_scaling_is_refused():
+  with pytest.raises(ValueError, match="impl='cublas' is not one of"):
+    make_dense(128, 128, fp8="cublas", kernel_axes=(None, None), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="scaling='block' is not one of"):
+    fp8_xla.quantize_weight(jnp.ones((128, 128)), "block")
+
+
 class _Mlp(nnx.Module):
-  def __init__(self, fp8: bool, rngs: nnx.Rngs):
+  def __init__(self, fp8: bool | str, rngs: nnx.Rngs):
     self.hidden = make_dense(128, 256, fp8=fp8, kernel_axes=("embed", "mlp"), rngs=rngs,
                              dtype=jnp.bfloat16)
     self.out = make_dense(256, 128, fp8=fp8, kernel_axes=("mlp", "embed"), rngs=rngs,
@@ -136,7 +221,7 @@ class _Mlp(nnx.Module):
     return self.out(jax.nn.gelu(self.hidden(x)))
 
 
-def _loss_curve(fp8: bool, inputs, targets, steps: int = 40):
+def _loss_curve(fp8: bool | str, inputs, targets, steps: int = 40):
   model = _Mlp(fp8, nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
 
@@ -150,13 +235,14 @@ def _loss_curve(fp8: bool, inputs, targets, steps: int = 40):
   return np.array([float(step(model, optimizer)) for _ in range(steps)])
 
 
-def test_fp8_dense_training_tracks_bf16():
+@pytest.mark.parametrize("impl", DENSE_IMPLS)
+def test_fp8_dense_training_tracks_bf16(impl):
   rng = np.random.default_rng(4)
   inputs = jnp.asarray(rng.normal(size=(256, 128)), jnp.float32)
   teacher = rng.normal(size=(128, 128)).astype(np.float32) / np.sqrt(128)
   targets = jnp.tanh(inputs @ teacher)
   bf16_curve = _loss_curve(False, inputs, targets)
-  fp8_curve = _loss_curve(True, inputs, targets)
+  fp8_curve = _loss_curve(impl, inputs, targets)
   assert bf16_curve[-1] < 0.3 * bf16_curve[0]  # the task is learnable in 40 steps
   # Same init, same data: the FP8 curve stays within 15 % of the bf16 curve at every step.
   np.testing.assert_allclose(fp8_curve, bf16_curve, rtol=0.15)
@@ -197,3 +283,21 @@ def test_make_dense_and_quantize_params():
   assert len(jax.tree.leaves(nnx.state(policy.encoder, nnx.Param))) == 1  # only the bias remains
   after = jax.jit(lambda model, x: model(x))(policy, x)
   assert _relative_error(after, before) < 0.06
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_rowwise"])
+def test_xla_impl_inference_weights_are_k_major(impl):
+  layer = make_dense(256, 384, fp8=impl, kernel_axes=("embed", "mlp"), rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+  kernel = np.asarray(layer.kernel[...])
+  x = jnp.asarray(np.random.default_rng(7).normal(size=(2, 32, 256)), jnp.float32)
+  training = layer(x)
+  assert training.shape == (2, 32, 384) and training.dtype == jnp.bfloat16
+  assert _relative_error(training.reshape(-1, 384), np.asarray(x).reshape(-1, 256) @ kernel) < 0.045
+  layer.quantize()
+  # [out, in]: cuBLASLt's FP8 GEMM wants its second operand K-major; the axis names follow.
+  assert layer.kernel is None
+  assert layer.kernel_fp8[...].shape == (384, 256) and layer.kernel_fp8[...].dtype == E4M3
+  assert variable_axis_names(layer.kernel_fp8) == ("mlp", "embed")
+  assert layer.kernel_scales[...].shape == {"xla": (), "xla_rowwise": (384, 1)}[impl]
+  inference = jax.jit(lambda layer, x: layer(x))(layer, x)
+  np.testing.assert_array_equal(np.asarray(inference, np.float32), np.asarray(training, np.float32))

@@ -1,10 +1,16 @@
 """An FP8 Dense layer for training, the switch models use, and one-shot FP8 weights for inference.
 
 Training (`Fp8Dense`): master weights stay in param_dtype; every call quantises the activations
-(1x128 tiles, e4m3) and the kernel (128x128 blocks, e4m3) and runs the block-scaled FP8 GEMM. The
-backward pass (custom_vjp) is FP8 too: dY in e5m2 tiles, dX = dY . W^T on the same quantised
-kernel (blocks transpose with it), dW = X^T . dY with X re-tiled along the tokens. Residuals are
-the FP8 operands, so activation memory halves against bf16.
+and the kernel to e4m3 and runs an FP8 GEMM, forward and backward (custom_vjp, gradients in e5m2).
+Its `impl` picks the GEMM:
+- "blockwise" (the default): DeepSeek-V3's block scaling (1x128 activation tiles, 128x128 weight
+  blocks) in the Pallas block-scaled GEMM (matmul.py); dX = dY . W^T on the same quantised kernel
+  (blocks transpose with it), dW = X^T . dY with X re-tiled along the tokens. Residuals are the FP8
+  operands, so activation memory halves against bf16. On an H200 it ran at 0.40-0.45x of bf16
+  (BENCHMARKS.md): slower than bf16.
+- "xla": one power-of-two scale per tensor, written so that XLA's GPU compiler makes each GEMM a
+  cuBLASLt FP8 GEMM (xla.py); "xla_rowwise": per-token and per-output-feature scales applied to
+  the GEMM's output. Neither has been timed on a GPU yet: benchmarks/fp8.py measures all three.
 
 Inference (`quantize_params`): quantises each Dense kernel once and drops the master copy, so a
 rollout policy holds FP8 weights and only quantises its activations per call.
@@ -18,12 +24,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ejax.kernels.fp8 import xla
 from ejax.kernels.fp8.matmul import fp8_matmul
 from ejax.parallel.params import variable_axis_names
 from ejax.kernels.fp8.quantize import (ACTIVATION_TILE, E4M3, E5M2, WEIGHT_BLOCK, Fp8Tensor,
                                        dequantize, quantize_activations, quantize_blockwise)
 
 default_kernel_init = nnx.initializers.lecun_normal()
+# Fp8Dense's GEMMs: "blockwise" -> the Pallas block-scaled GEMM; the others -> xla.fp8_xla_dot with
+# that scaling. The default stays "blockwise" until a GPU run shows another one faster.
+IMPLS = ("blockwise", "xla", "xla_rowwise")
+DEFAULT_IMPL = "blockwise"
+_XLA_SCALING = {"xla": "tensor", "xla_rowwise": "row"}
+
+
+def _check_impl(impl: str) -> str:
+  if impl not in IMPLS:
+    raise ValueError(f"FP8 Dense impl={impl!r} is not one of {IMPLS}")
+  return impl
 
 
 @jax.custom_vjp
@@ -58,14 +76,16 @@ class Fp8Weight(nnx.Variable):
 
 
 class Fp8Dense(nnx.Module):
-  """Drop-in for nnx.Linear whose matmul runs in block-scaled FP8 (forward and backward)."""
+  """Drop-in for nnx.Linear whose matmul runs in FP8 (forward and backward); `impl` in IMPLS."""
 
   def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
                dtype=None, param_dtype=jnp.float32, kernel_init=default_kernel_init,
                bias_init=nnx.initializers.zeros_init(),
-               kernel_axes: Sequence[str | None] = (None, None), rngs: nnx.Rngs):
+               kernel_axes: Sequence[str | None] = (None, None), impl: str = DEFAULT_IMPL,
+               rngs: nnx.Rngs):
     self.in_features, self.out_features = in_features, out_features
     self.dtype = dtype
+    self.impl = _check_impl(impl)
     self.kernel_axes = tuple(kernel_axes)
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype),
                             sharding_names=tuple(kernel_axes))
@@ -80,8 +100,16 @@ class Fp8Dense(nnx.Module):
     return self.kernel_fp8 is not None
 
   def quantize(self) -> None:
-    """Freezes the kernel as FP8 blocks for inference and drops the master copy."""
+    """Freezes the kernel as FP8 for inference (in its impl's layout) and drops the master copy."""
     if self.is_quantized:
+      return
+    if self.impl in _XLA_SCALING:
+      # K-major [out, in], as cuBLASLt's FP8 GEMM wants its second operand; the scale is a scalar
+      # ("xla") or one per output feature ("xla_rowwise", [out, 1]).
+      values, scales = xla.quantize_weight(self.kernel[...], _XLA_SCALING[self.impl])
+      self.kernel_fp8 = Fp8Weight(values, sharding_names=self.kernel_axes[::-1])
+      self.kernel_scales = Fp8Weight(scales, sharding_names=(self.kernel_axes[1], None)[:scales.ndim])
+      self.kernel = None
       return
     kernel_q = quantize_blockwise(self.kernel[...], WEIGHT_BLOCK)
     # The FP8 kernel keeps the master kernel's logical axes (it has the same padded layout); the
@@ -95,6 +123,15 @@ class Fp8Dense(nnx.Module):
       raise ValueError(f"Fp8Dense expects {self.in_features} input features, got shape {x.shape}")
     dtype = self.dtype or x.dtype
     tokens = x.reshape(-1, self.in_features)
+    if self.impl in _XLA_SCALING:
+      scaling = _XLA_SCALING[self.impl]
+      if self.is_quantized:
+        y, _ = xla.forward(tokens, self.kernel_fp8[...], self.kernel_scales[...], scaling, dtype)
+      else:
+        y = xla.fp8_xla_dot(tokens, self.kernel[...], scaling, dtype)
+      if self.bias is not None:
+        y = y.astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+      return y.astype(dtype).reshape(*x.shape[:-1], self.out_features)
     if self.is_quantized:
       kernel_q = Fp8Tensor(self.kernel_fp8[...], self.kernel_scales[...], WEIGHT_BLOCK,
                            (self.in_features, self.out_features))
@@ -106,43 +143,45 @@ class Fp8Dense(nnx.Module):
     return y.astype(dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def make_dense(in_features: int, out_features: int, *, fp8: bool,
+def make_dense(in_features: int, out_features: int, *, fp8: bool | str,
                kernel_axes: Sequence[str | None], use_bias: bool = True, rngs: nnx.Rngs,
                dtype=None, param_dtype=jnp.float32, kernel_init=default_kernel_init,
                bias_init=nnx.initializers.zeros_init()) -> nnx.Module:
   """The Dense layer a model builds: `Fp8Dense` when `config.model.fp8`, else nnx.Linear.
 
-  Both carry the same logical axis names on kernel (kernel_axes) and bias (kernel_axes[1]), the
-  same parameter names and initialisers, so checkpoints move between the two.
+  fp8: False, True (the default impl) or an impl name from IMPLS. Both layers carry the same
+  logical axis names on kernel (kernel_axes) and bias (kernel_axes[1]), the same parameter names
+  and initialisers, so checkpoints move between the two (and between impls).
   """
   if fp8:
     return Fp8Dense(in_features, out_features, use_bias=use_bias, dtype=dtype,
                     param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
-                    kernel_axes=kernel_axes, rngs=rngs)
+                    kernel_axes=kernel_axes, impl=DEFAULT_IMPL if fp8 is True else fp8, rngs=rngs)
   return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
                     param_dtype=param_dtype, rngs=rngs,
                     kernel_init=nnx.with_partitioning(kernel_init, tuple(kernel_axes)),
                     bias_init=nnx.with_partitioning(bias_init, (kernel_axes[1],)))
 
 
-def _from_linear(linear: nnx.Linear) -> Fp8Dense:
+def _from_linear(linear: nnx.Linear, impl: str) -> Fp8Dense:
   kernel = linear.kernel[...]
   axes = variable_axis_names(linear.kernel) or (None, None)
   dense = Fp8Dense(kernel.shape[0], kernel.shape[1], use_bias=False, dtype=linear.dtype,
                    param_dtype=kernel.dtype, kernel_init=lambda *_: kernel, kernel_axes=axes,
-                   rngs=nnx.Rngs(0))
+                   impl=impl, rngs=nnx.Rngs(0))
   dense.bias = linear.bias
   dense.quantize()
   return dense
 
 
-def quantize_params(model: nnx.Module, *, min_features: int = 128) -> int:
+def quantize_params(model: nnx.Module, *, min_features: int = 128, impl: str = DEFAULT_IMPL) -> int:
   """Turns every Dense (Fp8Dense or nnx.Linear) of `model` into FP8 inference weights, in place.
 
   Layers whose in or out features are below `min_features` stay as they are: one partial 128-block
-  gains no speed and loses precision (tiny state/action projections). Returns how many layers
-  were quantised.
+  gains no speed and loses precision (tiny state/action projections). An nnx.Linear becomes an
+  Fp8Dense of `impl`; an Fp8Dense keeps its own. Returns how many layers were quantised.
   """
+  _check_impl(impl)
   count = 0
   for path, node in list(nnx.iter_graph(model)):
     if not path or not isinstance(node, (Fp8Dense, nnx.Linear)):
@@ -158,7 +197,7 @@ def quantize_params(model: nnx.Module, *, min_features: int = 128) -> int:
       for key in path[:-1]:
         parent = parent[key] if isinstance(key, int) or not hasattr(parent, str(key)) \
             else getattr(parent, key)
-      replacement = _from_linear(node)
+      replacement = _from_linear(node, impl)
       if isinstance(path[-1], int) or not hasattr(parent, str(path[-1])):
         parent[path[-1]] = replacement
       else:
