@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 
 from ejax.kernels.attention import (BlockSizes, attention, attention_reference,
-                                    block_ids_from_ar_flags, choose_impl, flash_attention)
-from ejax.kernels.attention.tiles import MaskInputs, active_fraction, active_tiles
+                                    block_ids_from_ar_flags, choose_impl, flash_attention, intervals,
+                                    ops, tokamax_gpu)
+from ejax.kernels.attention.tiles import MaskInputs, active_fraction, active_tiles, normalise_mask, pair_mask
+
+# tokamax needs Python >= 3.12 and jax >= 0.11.1; elsewhere its cases skip (its lowering and values
+# were checked in such a venv, see ejax/kernels/attention/tokamax_gpu.py).
+TOKAMAX = pytest.mark.skipif(not tokamax_gpu.available(), reason=tokamax_gpu.unavailable_reason())
 
 BATCH, LEN, HEADS, KV_HEADS, HEAD_DIM = 3, 80, 4, 2, 32
 # Forward and backward tiles differ so that both tile lists are exercised; 80 is no multiple of 32.
@@ -43,7 +48,7 @@ def _packed_layout(rng: np.random.Generator, length: int):
 
 class AttentionTest:
   INTERPRET = False
-  IMPLS = ("pallas", "xla")
+  IMPLS = ("pallas", "xla", pytest.param("tokamax", marks=TOKAMAX))
 
   @pytest.fixture(scope="class")
   def data(self):
@@ -100,7 +105,8 @@ class AttentionTest:
     assert padding[2].all() and padding[0].any()
     assert not np.asarray(out)[padding].any()
 
-  @pytest.mark.parametrize("impl,mask_kind", [("pallas", "block_causal"), ("xla", "causal")])
+  @pytest.mark.parametrize("impl,mask_kind", [("pallas", "block_causal"), ("xla", "causal"),
+                                              pytest.param("tokamax", "block_causal", marks=TOKAMAX)])
   def test_packed_rows_bf16(self, data, impl, mask_kind):
     self._check(impl, data["q"], data["k"], data["v"], data["d_out"],
                 self._mask_kwargs(data, mask_kind), dtype=jnp.bfloat16, atol=3e-2, grad_atol=3e-2)
@@ -229,3 +235,88 @@ def test_xla_inside_shard_map_with_the_varying_axes_check():
   np.testing.assert_allclose(value, want_value, rtol=1e-5)
   for got, want in zip(grads, want_grads):
     np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+def _interval_case(kind):
+  """Two packed rows (padding between and after segments, one row starting with padding)."""
+  segment_ids = np.array([[1] * 5 + [2] * 7 + [0] * 2 + [3] * 6 + [0] * 4,
+                          [0] * 3 + [1] * 10 + [2] * 11])
+  positions = np.concatenate([np.arange(24)[None]] * 2)
+  block_ids = np.cumsum(np.arange(24) % 5 == 3, dtype=np.int32)[None].repeat(2, 0)
+  keys = {"causal": (positions, positions, None, None), "block_causal": (None, None, block_ids, block_ids),
+          "bidirectional": (None,) * 4}[kind]
+  return normalise_mask(2, 24, 24, kind, segment_ids, segment_ids, *keys)
+
+
+@pytest.mark.parametrize("kind", ["bidirectional", "causal", "block_causal"])
+def test_key_ranges_are_the_mask_on_packed_rows(kind):
+  mask, ordered = _interval_case(kind)
+  ranges = intervals.key_ranges(mask, ordered)
+  keys = np.arange(24)
+  got = (keys >= np.asarray(ranges.k_start)[..., None]) & (keys < np.asarray(ranges.k_end)[..., None])
+  assert bool(ranges.valid)
+  np.testing.assert_array_equal(got, pair_mask(*mask, ordered))
+  np.testing.assert_array_equal(ranges.has_keys, np.asarray(pair_mask(*mask, ordered)).any(-1))
+
+
+def test_key_ranges_flag_layouts_that_are_not_ranges():
+  mask, _ = _interval_case("bidirectional")
+  holed = mask._replace(kv_segment_ids=mask.kv_segment_ids.at[0, 2].set(0))  # padding inside a segment
+  assert not bool(intervals.key_ranges(holed, False).valid)
+  mask, _ = _interval_case("causal")
+  falling = mask._replace(kv_keys=mask.kv_keys.at[0, 3].set(0))  # order keys fall inside a segment
+  assert not bool(intervals.key_ranges(falling, True).valid)
+  assert bool(intervals.key_ranges(falling, False).valid)
+
+
+def test_packed_segments_offsets_and_checks():
+  mask, ordered = _interval_case("causal")
+  packed = intervals.packed_segments(mask, ordered, max_segments=4)
+  assert bool(packed.valid)
+  np.testing.assert_array_equal(packed.offsets, [[0, 5, 14, -1, -1], [3, 13, -1, -1, -1]])
+  np.testing.assert_array_equal(packed.lengths, [[5, 7, 6, -1], [10, 11, -1, -1]])
+  assert not bool(intervals.packed_segments(mask, ordered, max_segments=2).valid)  # 3 segments in a row
+  # Block ids repeat inside a segment: no causal order cuDNN can run.
+  mask, ordered = _interval_case("block_causal")
+  assert not bool(intervals.packed_segments(mask, ordered, max_segments=4).valid)
+
+
+@TOKAMAX
+def test_tokamax_falls_back_to_ejax_for_a_layout_that_is_not_ranges():
+  rng = np.random.default_rng(1)
+  mask, _ = _interval_case("causal")
+  segment_ids = np.asarray(mask.q_segment_ids).copy()
+  segment_ids[0, 2] = 0  # padding inside segment 1: no key range holds this mask
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 24, 2, 16)), jnp.float32) for _ in range(3))
+  kwargs = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, mask_kind="causal")
+  np.testing.assert_allclose(flash_attention(q, k, v, impl="tokamax", **kwargs),
+                             attention_reference(q, k, v, **kwargs), atol=2e-5)
+
+
+def test_auto_on_hopper_takes_the_measured_impl_where_it_applies(monkeypatch):
+  q = jnp.zeros((1, 1024, 2, 64), jnp.bfloat16)
+  monkeypatch.setattr(ops.platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(ops, "_hopper", lambda: True)
+  monkeypatch.setattr(ops, "HOPPER_AUTO", "cudnn_packed")
+  assert choose_impl(q, q, mask_kind="causal") == "cudnn_packed"
+  assert choose_impl(q, q, mask_kind="block_causal") == "pallas"  # no cuDNN form: ejax's kernel
+  monkeypatch.setattr(ops, "HOPPER_AUTO", "tokamax")
+  assert choose_impl(q, q) == ("tokamax" if tokamax_gpu.available() else "pallas")
+  monkeypatch.setattr(ops, "_hopper", lambda: False)
+  assert choose_impl(q, q) == "pallas"
+
+
+def test_new_impls_refuse_clearly():
+  q = jnp.zeros((1, 32, 2, 32))
+  with pytest.raises(ValueError, match="cudnn_packed.*needs a GPU"):
+    flash_attention(q, q, q, impl="cudnn_packed")
+  if not tokamax_gpu.available():
+    with pytest.raises(ValueError, match="impl='tokamax'.*use impl='auto'"):
+      flash_attention(q, q, q, impl="tokamax")
+
+
+def test_block_sizes_carry_launch_settings():
+  blocks = BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3).fitted(40, 40)
+  assert (blocks.block_q, blocks.block_kv, blocks.num_warps, blocks.num_stages) == (64, 64, 4, 3)
+  with pytest.raises(ValueError, match="num_warps"):
+    BlockSizes(num_warps=3)

@@ -8,8 +8,16 @@ impl:
   runs in interpret mode (slow; for tests).
 - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` with the dense mask; GPU only, and
   only where cuDNN accepts the case (it raises otherwise).
-- "auto": pallas on GPU when the kernel supports the shapes, else xla; dense reference for tiny
-  shapes off GPU, where loop overhead would dominate.
+- "tokamax": tokamax's Pallas Mosaic GPU kernel (wgmma + TMA) with each query's keys as one range
+  (tokamax_gpu.py, intervals.py); needs tokamax (jax >= 0.11.1, Python >= 3.12). Off GPU it runs
+  tokamax's XLA op (tests).
+- "cudnn_packed": cuDNN flash attention over the segments as offsets (cudnn_packed.py); GPU (Hopper)
+  only, self-attention with the "bidirectional" or "causal" mask kind.
+  Both run where the rows are packed (each segment contiguous, order keys rising along it); a batch
+  that is not runs ejax's own kernel instead (a `lax.cond` on a check made on device), so every impl
+  gives reference.py's answer.
+- "auto": on a Hopper GPU `HOPPER_AUTO` where it applies, else pallas on GPU when the kernel supports
+  the shapes, else xla; dense reference for tiny shapes off GPU, where loop overhead would dominate.
 """
 
 from __future__ import annotations
@@ -22,14 +30,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ejax.kernels import platform
-from ejax.kernels.attention import pallas_gpu, xla
+from ejax.kernels.attention import cudnn_packed, intervals, pallas_gpu, tokamax_gpu, xla
 from ejax.kernels.attention.reference import MASK_KINDS, attention_mask, attention_reference
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           BlockSizes, MaskInputs, normalise_mask, pad_to_blocks)
 from ejax.parallel.axes import ACT_BATCH, ACT_HEADS
 from ejax.parallel.rules import current_context, logical_to_spec
 
-IMPLS = ("auto", "reference", "xla", "pallas", "cudnn")
+IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "cudnn_packed")
+# What "auto" runs on a Hopper GPU (compute capability 9.x) where that impl applies (else "pallas"):
+# set from benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128 (BENCHMARKS.md).
+# Until measured on an H100/H200, ejax's own kernel.
+HOPPER_AUTO = "pallas"
 # Below this many (query, key) pairs per head the dense reference is the fastest path off GPU.
 _TINY_PAIRS = 256 * 256
 
@@ -44,11 +56,15 @@ class _Plan:
   interpret: bool
 
 
+def _launch(plan: _Plan) -> dict:
+  return dict(num_warps=plan.blocks.num_warps, num_stages=plan.blocks.num_stages)
+
+
 def _forward(plan: _Plan, q, k, v, mask: MaskInputs):
   kwargs = dict(ordered=plan.ordered, scale=plan.scale, block_q=plan.blocks.block_q,
                 block_kv=plan.blocks.block_kv)
   if plan.backend == "pallas":
-    return pallas_gpu.forward(q, k, v, mask, interpret=plan.interpret, **kwargs)
+    return pallas_gpu.forward(q, k, v, mask, interpret=plan.interpret, **kwargs, **_launch(plan))
   return xla.forward(q, k, v, mask, **kwargs)
 
 
@@ -56,7 +72,8 @@ def _backward(plan: _Plan, q, k, v, mask: MaskInputs, out, lse, d_out):
   kwargs = dict(ordered=plan.ordered, scale=plan.scale, block_q=plan.blocks.block_q_bwd,
                 block_kv=plan.blocks.block_kv_bwd)
   if plan.backend == "pallas":
-    return pallas_gpu.backward(q, k, v, mask, out, lse, d_out, interpret=plan.interpret, **kwargs)
+    return pallas_gpu.backward(q, k, v, mask, out, lse, d_out, interpret=plan.interpret, **kwargs,
+                               **_launch(plan))
   return xla.backward(q, k, v, mask, out, lse, d_out, **kwargs)
 
 
@@ -93,15 +110,70 @@ def _cudnn_attention(q, k, v, scale: float, **mask_kwargs):
   return out * mask.any(-1)[:, :, None, None].astype(out.dtype)
 
 
-def choose_impl(q, k, impl: str = "auto") -> str:
+def _hopper() -> bool:
+  """Whether the kernels run on a Hopper GPU (not when lowering for a GPU from a CPU host)."""
+  if jax.default_backend() != "gpu":
+    return False
+  return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def _applies(impl: str, q, k, mask_kind: str) -> bool:
+  """Whether `impl` takes this case on a GPU (shapes, mask kind, installed libraries)."""
+  if impl == "pallas":
+    return pallas_gpu.supports(q, k)
+  if impl == "tokamax":
+    return tokamax_gpu.available() and q.dtype in (jnp.bfloat16, jnp.float16)
+  if impl == "cudnn_packed":
+    return (mask_kind in cudnn_packed.MASK_KINDS and q.shape[1] == k.shape[1]
+            and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and q.dtype in (jnp.bfloat16, jnp.float16))
+  return impl in ("xla", "reference", "cudnn")
+
+
+def choose_impl(q, k, impl: str = "auto", mask_kind: str = "bidirectional") -> str:
   """The implementation `impl` resolves to for these operands on the current backend."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl={impl!r} is not one of {IMPLS}")
   if impl != "auto":
     return impl
   if platform.on_gpu():
+    if _hopper() and _applies(HOPPER_AUTO, q, k, mask_kind):
+      return HOPPER_AUTO
     return "pallas" if pallas_gpu.supports(q, k) else "xla"
   return "reference" if q.shape[1] * k.shape[1] <= _TINY_PAIRS else "xla"
+
+
+def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale: float,
+                        block_sizes, interpret, tokamax_config):
+  """tokamax or cuDNN packed where the rows are packed, ejax's own kernel for any other batch."""
+  batch, q_len, _, _ = q.shape
+  kv_len = k.shape[1]
+  on_gpu = platform.on_gpu()
+  if impl == "cudnn_packed":
+    if not on_gpu:
+      raise ValueError(f"attention impl='cudnn_packed' needs a GPU, the backend is "
+                       f"{platform.target_backend()!r}; use impl='auto'")
+    if not _applies(impl, q, k, mask_kind):
+      raise ValueError(f"attention impl='cudnn_packed' takes self-attention (q_len == kv_len, here "
+                       f"{q_len} and {kv_len}) with mask_kind in {cudnn_packed.MASK_KINDS} (here "
+                       f"{mask_kind!r}), bf16/fp16 and head_dim <= 256 a multiple of 8 (here {q.dtype}, "
+                       f"{q.shape[-1]}); use impl='auto'")
+  elif not tokamax_gpu.available():
+    raise ValueError(f"attention impl='tokamax': {tokamax_gpu.unavailable_reason()}; use impl='auto'")
+  mask, ordered = normalise_mask(batch, q_len, kv_len, **mask_kwargs)
+  k, v = k.astype(q.dtype), v.astype(q.dtype)
+  if impl == "tokamax":
+    ranges = intervals.key_ranges(mask, ordered)
+    valid = ranges.valid
+    fast = lambda q, k, v: tokamax_gpu.attention(q, k, v, ranges, scale=scale, on_gpu=on_gpu,
+                                                 config=tokamax_config)
+  else:
+    segments = intervals.packed_segments(mask, ordered, cudnn_packed.MAX_SEGMENTS)
+    valid = segments.valid
+    fast = lambda q, k, v: cudnn_packed.attention(q, k, v, segments, scale=scale, causal=ordered)
+  fallback = "pallas" if on_gpu and pallas_gpu.supports(q, k) else "xla"
+  exact = functools.partial(flash_attention, scale=scale, impl=fallback, block_sizes=block_sizes,
+                            interpret=interpret, **mask_kwargs)
+  return jax.lax.cond(valid, fast, exact, q, k, v)
 
 
 def flash_attention(
@@ -120,8 +192,10 @@ def flash_attention(
     impl: str = "auto",
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    tokamax_config=None,
 ) -> jax.Array:
-  """`attention` with the tuning knobs exposed: tile sizes and Pallas interpret mode."""
+  """`attention` with the tuning knobs exposed: tile sizes and launch settings, Pallas interpret
+  mode, and a tokamax kernel config (`tokamax_gpu.sm90_config`; None: tokamax's heuristics)."""
   batch, q_len, q_heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
   if mask_kind not in MASK_KINDS:
@@ -135,11 +209,14 @@ def flash_attention(
                      kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                      kv_positions=kv_positions, q_block_ids=q_block_ids, kv_block_ids=kv_block_ids)
   scale = float(head_dim**-0.5 if scale is None else scale)
-  impl = choose_impl(q, k, impl)
+  impl = choose_impl(q, k, impl, mask_kind)
   if impl == "reference":
     return attention_reference(q, k, v, scale=scale, **mask_kwargs)
   if impl == "cudnn":
     return _cudnn_attention(q, k, v, scale, **mask_kwargs)
+  if impl in ("tokamax", "cudnn_packed"):
+    return _external_attention(impl, q, k, v, mask_kind, mask_kwargs, scale, block_sizes, interpret,
+                               tokamax_config)
   if impl == "pallas" and not pallas_gpu.supports(q, k):
     raise ValueError(f"attention impl='pallas' needs head_dim in {pallas_gpu.SUPPORTED_HEAD_DIMS} "
                      f"and a float dtype, got head_dim={head_dim} {q.dtype}; use impl='auto'")

@@ -32,8 +32,9 @@ def supports(q, k) -> bool:
   return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
-def _compiler_params(head_dim: int):
-  return plgpu.CompilerParams(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+def _compiler_params(head_dim: int, num_warps: int | None = None, num_stages: int | None = None):
+  return plgpu.CompilerParams(num_warps=num_warps or (4 if head_dim <= 64 else 8),
+                              num_stages=num_stages or 2)
 
 
 def _forward_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, q_key_ref,
@@ -126,9 +127,12 @@ def _tile_list_specs(n_tiles: int):
           pl.BlockSpec((None, None, n_tiles), lambda b, h, i: (b, i, 0))]
 
 
-@functools.partial(jax.jit, static_argnames=("ordered", "scale", "block_q", "block_kv", "interpret"))
+_STATIC = ("ordered", "scale", "block_q", "block_kv", "interpret", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: int, block_kv: int,
-            interpret: bool = False):
+            interpret: bool = False, num_warps: int | None = None, num_stages: int | None = None):
   """out [batch, q_len, heads, d] (q.dtype), lse [batch, heads, q_len] fp32. Block-multiple lengths."""
   batch, q_len, heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -148,15 +152,16 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
                  pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
-      compiler_params=_compiler_params(head_dim),
+      compiler_params=_compiler_params(head_dim, num_warps, num_stages),
       interpret=interpret,
       name="ejax_varlen_attention_fwd",
   )(count, order, q, k, v, mask.q_segment_ids, mask.kv_segment_ids, mask.q_keys, mask.kv_keys)
 
 
-@functools.partial(jax.jit, static_argnames=("ordered", "scale", "block_q", "block_kv", "interpret"))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale: float,
-             block_q: int, block_kv: int, interpret: bool = False):
+             block_q: int, block_kv: int, interpret: bool = False, num_warps: int | None = None,
+             num_stages: int | None = None):
   """(dq, dk, dv) in the input dtypes, from forward()'s out and lse."""
   batch, q_len, heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -168,7 +173,7 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
   # delta_i = sum_d out_id * dout_id, the softmax-Jacobian term; [batch, heads, q_len] like lse.
   delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
   ids = (mask.q_segment_ids, mask.kv_segment_ids, mask.q_keys, mask.kv_keys)
-  common = dict(compiler_params=_compiler_params(head_dim), interpret=interpret)
+  common = dict(compiler_params=_compiler_params(head_dim, num_warps, num_stages), interpret=interpret)
 
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, scale=scale, ordered=ordered, block_kv=block_kv),

@@ -39,18 +39,26 @@ class BlockSizes:
   block_kv: int = 64
   block_q_bwd: int = 64
   block_kv_bwd: int = 64
+  # Triton launch settings of the Pallas kernels (all three); None: pallas_gpu's per-head_dim choice.
+  num_warps: int | None = None
+  num_stages: int | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
       size = getattr(self, name)
       if size < 16 or size & (size - 1):
         raise ValueError(f"BlockSizes.{name}={size} must be a power of two >= 16")
+    if self.num_warps is not None and self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"BlockSizes.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+    if self.num_stages is not None and self.num_stages < 1:
+      raise ValueError(f"BlockSizes.num_stages={self.num_stages} must be >= 1")
 
   def fitted(self, q_len: int, kv_len: int) -> BlockSizes:
     """Shrinks blocks to the (power-of-two rounded) lengths so short sequences are not over-padded."""
     q_cap, kv_cap = max(16, next_power_of_2(q_len)), max(16, next_power_of_2(kv_len))
-    return BlockSizes(min(self.block_q, q_cap), min(self.block_kv, kv_cap),
-                      min(self.block_q_bwd, q_cap), min(self.block_kv_bwd, kv_cap))
+    return dataclasses.replace(self, block_q=min(self.block_q, q_cap), block_kv=min(self.block_kv, kv_cap),
+                               block_q_bwd=min(self.block_q_bwd, q_cap),
+                               block_kv_bwd=min(self.block_kv_bwd, kv_cap))
 
   @property
   def q_multiple(self) -> int:
