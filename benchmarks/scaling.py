@@ -63,7 +63,7 @@ INFINIBAND = 50e9      # bytes/s a GPU sends to other nodes
 SEED_MINUTES = 22.0    # the seed's GR00T-N1.5 round on ~1,000 GPUs (REFERENCE.md)
 # What the compiled program and its reading depend on (the cache key).
 _SOURCES = ("ejax/models", "ejax/train/step.py", "ejax/train/state.py", "ejax/train/optim.py", "ejax/parallel",
-            "ejax/kernels", "ejax/data/packing.py", "configs")
+            "ejax/kernels", "ejax/data/packing.py", "ejax/data/row_plan.py", "configs")
 
 
 def _cache_key(config_path: str) -> str:
@@ -116,15 +116,18 @@ def length_mix(model_config, count: int = 4096, seed: int = 0):
 
 def layouts(model_config) -> dict:
   """name -> (Layout, tokens per sample) for the padded, config-packed and best-fit packings."""
+  from ejax.data import row_plan
   from ejax.data.packing import pack_sequences
   from ejax.train.flops import Layout
   lengths, padded = length_mix(model_config)
   images = model_config.num_cameras  # every camera slot is encoded (pi0.5: absent ones as blank images)
-  row = model_config.packing.row_length
+  # An auto row (model.packing.row_length = 0) is what a run on this mix would choose (ejax/data/row_plan.py).
+  packing = row_plan.resolve(model_config, lengths)[0].packing
+  row = packing.row_length
   real = dict(segment_length=float(lengths.mean()), segment_pairs=float(np.mean(lengths.astype(float) ** 2)),
               images=images)
   rows = len(pack_sequences([int(n) for n in lengths], row, seed=0))
-  fixed = row / model_config.packing.samples_per_row
+  fixed = row / packing.samples_per_row
   return {
       "padded": Layout(row_tokens=padded, segment_length=padded, segment_pairs=padded**2, images=images),
       "packed": Layout(row_tokens=fixed, **real),
@@ -163,7 +166,7 @@ def main():
   parser.add_argument("--recompile", action="store_true", help="ignore the cached compile results")
   args = parser.parse_args()
 
-  from ejax.models.registry import get_model_spec
+  from ejax.models.registry import example_config, get_model_spec
   from ejax.parallel.compile_report import load_config_file
   from ejax.train.flops import layout_of_batch, train_flops_per_sample
 
@@ -182,7 +185,8 @@ def main():
           f"device, lower {result['lower_seconds']:.0f} s + compile {result['compile_seconds']:.0f} s")
 
     # FLOPs: compiled vs analytic at the compiled batch's layout (the example batch, scaled).
-    example = get_model_spec(model.name).example_batch(model, 8 * int(model.packing.samples_per_row), 0)
+    example_model = example_config(model)  # an auto row: the example batch's, as the compile laid it out
+    example = get_model_spec(model.name).example_batch(example_model, 8 * int(example_model.packing.samples_per_row), 0)
     at_compiled = train_flops_per_sample(model, layout_of_batch(model, example))
     compiled_flops = result["matmul_flops_per_device"] / per_device
     xla_flops = result["xla_cost_analysis_flops_per_device"] / per_device

@@ -100,14 +100,15 @@ def get_config(arg: str | None = None):
     # instructions (up to ~110 for ejax.sim's longest; ~300 with the released tokenizer and 64-token
     # images). For the quickstart's demos, three a row of 264 leaves ~12 % padding (two a row of 256:
     # 38 %), which doubles the CPU quickstart's samples/s (50 -> 100, 2026-11-25); other datasets keep
-    # two a row of 256, and a prompt that does not fit gets the collate's one-line fix.
+    # two a row of 256 at CPU size, and a prompt that does not fit gets the collate's one-line fix. At
+    # full size the row is chosen from the dataset's lengths at start-up (model.packing.row_length 0).
     if args.runlocal and config.data.name == "sim_demos":
       config.model.packing.update(row_length=264, samples_per_row=3)
       _sim_keypoint_estimate(config)
       if args.suites:
         _suites(config)
-    else:
-      config.model.packing.row_length = 256 if args.runlocal else 3 * config.model.packing.row_length
+    elif args.runlocal:
+      config.model.packing.row_length = 256
   return common.apply_run_args(config, args)
 
 

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ejax.data import row_plan
 from ejax.data.packing import pack_sequences
 from ejax.errors import BatchError
 from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt, load_tokenizer
@@ -217,14 +218,16 @@ def make_collate(model_config, tokenizer: QwenTokenizer | None = None, *,
                  aux_key: str | None = None, pixel_key: str | None = None) -> Callable[[list[dict]], dict]:
   """collate bound to a tokenizer: config.model.tokenizer_path's Qwen BPE, or bytes when it is empty."""
   tokenizer = tokenizer or load_tokenizer(model_config.tokenizer_path, model_config.llm.vocab_size)
+  # The train job chooses an auto row from the dataset first (ejax.train.inputs); elsewhere (a policy
+  # built from a config, not a checkpoint) the example batch's choice stands.
+  model_config = example_config(model_config)
   return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key, pixel_key=pixel_key)
 
 
-def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
-  """A real-shaped batch without a tokenizer: prompts are random ids around the image tokens,
-  with instruction lengths that vary per sample so rows really pack."""
+def _example_prompts(model_config, batch_size: int, rng: np.random.Generator) -> list[list[int]]:
+  """The example batch's prompts: random ids around the image tokens, with instruction lengths that
+  vary per sample (3-11 tokens) so rows really pack."""
   c = model_config
-  rng = np.random.default_rng(seed)
   per_image = tokens_per_image(c)
   text_vocab = min(c.llm.vocab_size, c.image_token_id)
   prompts = []
@@ -234,6 +237,32 @@ def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.
       prompt += [c.image_token_id] * per_image
     prompt += list(rng.integers(0, text_vocab, int(rng.integers(3, 12))))
     prompts.append(prompt)
+  return prompts
+
+
+def example_lengths(model_config, num_samples: int, seed: int = 0) -> list[int]:
+  """VL tokens of each sample of `example_batch(model_config, num_samples, seed)`."""
+  return [len(p) for p in _example_prompts(model_config, num_samples, np.random.default_rng(seed))]
+
+
+def libero_like_lengths(model_config, num_samples: int, seed: int = 0) -> np.ndarray:
+  """VL tokens of a LIBERO-like mix (benchmarks/scaling.py's): Eagle's 2 template tokens, the model's
+  cameras' image tokens and an instruction of 5-60 tokens."""
+  instruction = np.random.default_rng(seed).integers(5, 61, num_samples)
+  return 2 + model_config.num_cameras * tokens_per_image(model_config) + instruction
+
+
+def example_config(model_config):
+  """model_config with packing.row_length = 0 (auto) resolved from the example batch's lengths."""
+  return row_plan.resolve_for_examples(model_config, example_lengths)
+
+
+def example_batch(model_config, batch_size: int, seed: int = 0, *, pack: bool = True) -> dict[str, np.ndarray]:
+  """A real-shaped batch without a tokenizer (prompts: `_example_prompts`); pack=False puts each
+  sample alone in its own row of packing.row_length tokens (the padded layout)."""
+  c = example_config(model_config)
+  rng = np.random.default_rng(seed)
+  prompts = _example_prompts(c, batch_size, rng)
   size = batch_image_size(c)
   images = rng.integers(0, 256, (batch_size * c.num_cameras, size, size, 3), dtype=np.uint8)
   state_dims = rng.integers(1, c.max_state_dim + 1, batch_size)
@@ -247,4 +276,4 @@ def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.
     real_steps = c.action_horizon - int(rng.integers(0, c.action_horizon // 4 + 1))
     masks[i, :real_steps, :action_dims[i]] = 1.0
   embodiments = rng.integers(0, c.max_num_embodiments, batch_size)
-  return assemble(c, prompts, images, states, actions, masks, embodiments, seed=seed)
+  return assemble(c, prompts, images, states, actions, masks, embodiments, seed=seed, pack=pack)

@@ -69,8 +69,11 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.max_token_len = 200             # prompt tokens (openpi pads to this; ejax packs instead)
   c.num_inference_steps = 10
   c.tokenizer_path = ""             # local paligemma_tokenizer.model (ejax.models.paligemma_tokenizer)
-  # ~850 prefix tokens per 3-camera sample: two samples per 2048-token row.
-  c.packing = dict(row_length=2048, samples_per_row=2, max_images_per_sample=3)
+  # row_length 0: the packed row (tokens and samples a row) is chosen at start-up from the data's lengths
+  # (ejax/data/row_plan.py: the train job measures the dataset's first probe_samples samples; example
+  # batches use theirs: two cameras of three and a 45-100-token prompt, 557-612 tokens, one a row of 640,
+  # 8.5 % padding; two 3-camera samples a row of 2,048, as before, padded 19-48 %).
+  c.packing = dict(row_length=0, samples_per_row=0, max_images_per_sample=3, max_row_length=4096, probe_samples=512)
   c.remat = "full"
   c.attention_impl = "auto"
   # openpi fine-tunes every parameter by default (pi05 configs have no freeze filter).
@@ -274,4 +277,4 @@ def make_collate(model_config, data_config=None):
 
 
 SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,
-                 make_collate=make_collate)
+                 make_collate=make_collate, example_config=pi05_inputs.example_config)

@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ejax.data import row_plan
 from ejax.data.packing import pack_sequences
 from ejax.errors import BatchError
 from ejax.models.paligemma_tokenizer import PaligemmaTokenizer
@@ -223,25 +224,56 @@ def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *,
 
 
 def make_collate(model_config, tokenizer: PaligemmaTokenizer | None = None) -> Callable[[list[dict]], dict]:
+  # The train job chooses an auto row from the dataset first (ejax.train.inputs); elsewhere (a policy
+  # built from a config, not a checkpoint) the example batch's choice stands.
+  model_config = example_config(model_config)
   tokenizer = tokenizer or PaligemmaTokenizer(model_config.tokenizer_path, max_len=model_config.max_token_len)
   return lambda samples: collate(samples, model_config, tokenizer)
 
 
-def example_batch(model_config, batch_size: int, seed: int = 0, *, pack: bool = True) -> dict[str, np.ndarray]:
-  """A real-shaped batch without a tokenizer: random prompt ids of varying length, 1 to
-  max_images_per_sample cameras per sample, padded action steps and dims."""
+def example_cameras(model_config) -> int:
+  """Cameras present in every example sample: all image slots but the last, as one dataset has a fixed
+  set (pi05_libero: the base and left-wrist cameras of three slots, the right wrist absent)."""
+  return max(1, min(model_config.num_cameras, int(model_config.packing.max_images_per_sample)) - 1)
+
+
+def _example_prompt_lengths(model_config, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+  """LIBERO-like prompts: "Task: <5-60 tokens>, State: <max_state_dim bins>;\nAction: " (~8 template
+  tokens), capped at max_token_len. The packing config plays no part, so every layout of the same
+  (batch_size, seed) holds the same samples."""
   c = model_config
+  template = c.max_state_dim + 8
+  low, high = min(template + 5, c.max_token_len), min(template + 60, c.max_token_len)
+  return rng.integers(low, high + 1, batch_size)
+
+
+def example_lengths(model_config, num_samples: int, seed: int = 0) -> list[int]:
+  """Prefix tokens of each sample of `example_batch(model_config, num_samples, seed)`."""
+  lengths = _example_prompt_lengths(model_config, num_samples, np.random.default_rng(seed))
+  return [int(n) + example_cameras(model_config) * patches_per_image(model_config) for n in lengths]
+
+
+def libero_like_lengths(model_config, num_samples: int, seed: int = 0) -> np.ndarray:
+  """Prefix tokens of a LIBERO-like mix: the example batch's (two cameras of three slots, as
+  pi05_libero feeds them; a 5-60-token instruction and the state's bins)."""
+  return np.asarray(example_lengths(model_config, num_samples, seed))
+
+
+def example_config(model_config):
+  """model_config with packing.row_length = 0 (auto) resolved from the example batch's lengths."""
+  return row_plan.resolve_for_examples(model_config, example_lengths)
+
+
+def example_batch(model_config, batch_size: int, seed: int = 0, *, pack: bool = True) -> dict[str, np.ndarray]:
+  """A real-shaped batch without a tokenizer: random prompt ids of LIBERO-like lengths
+  (`_example_prompt_lengths`), `example_cameras` cameras per sample, padded action steps and dims.
+  pack=False puts each sample alone in its own row (the padded layout)."""
+  c = example_config(model_config)
   rng = np.random.default_rng(seed)
-  per_image = patches_per_image(c)
-  max_images = min(c.num_cameras, int(c.packing.max_images_per_sample))
-  budget = c.packing.row_length // c.packing.samples_per_row - max_images * per_image
-  max_prompt = max(2, min(c.max_token_len, budget))
   size = c.vision.image_size
-  prompts, images = [], []
-  for _ in range(batch_size):
-    prompts.append(rng.integers(1, c.paligemma.vocab_size, int(rng.integers(max(1, max_prompt // 4), max_prompt + 1))))
-    count = int(rng.integers(1, max_images + 1))
-    images.append([rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(count)])
+  prompts = [rng.integers(1, c.paligemma.vocab_size, int(n)) for n in _example_prompt_lengths(c, batch_size, rng)]
+  images = [[rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(example_cameras(c))]
+            for _ in range(batch_size)]
   actions = np.zeros((batch_size, c.action_horizon, c.action_dim), np.float32)
   masks = np.zeros_like(actions)
   for i in range(batch_size):

@@ -65,10 +65,11 @@ def abstract_batch(model_config, global_batch: int, mesh, rules, accum: int = 1)
   import jax
   import numpy as np
 
-  from ejax.models.registry import get_model_spec
+  from ejax.models.registry import example_config, get_model_spec
   from ejax.parallel.data import batch_sharding
 
   spec = get_model_spec(model_config.name)
+  model_config = example_config(model_config)  # an auto packed row: the example batch's (ejax/data/row_plan.py)
   micro = global_batch // accum
   small = 8 * int(model_config.get("packing", {}).get("samples_per_row", 1))
   one, two = spec.example_batch(model_config, small, 0), spec.example_batch(model_config, 2 * small, 0)

@@ -7,7 +7,7 @@ deep. benchmarks/scaling.py makes the same check at full depth on every run.
 import jax
 import pytest
 
-from ejax.models.registry import get_model_spec
+from ejax.models.registry import example_config, get_model_spec
 from ejax.parallel import make_mesh
 from ejax.parallel.compile_report import compile_train_step
 from ejax.parallel.hlo import matmul_flops
@@ -30,7 +30,7 @@ SHALLOW = {
 def test_analytic_flops_match_the_compiled_step(path):
   config = load_config(path)
   SHALLOW[path](config.model)
-  model = config.model
+  model = example_config(config.model)  # the auto packed row, as compile_train_step lays it out
   samples = 4 * int(model.packing.samples_per_row)
   mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   step = compile_train_step(config, mesh, samples)
