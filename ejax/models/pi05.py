@@ -72,7 +72,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # row_length 0: the packed row (tokens and samples a row) is chosen at start-up from the data's lengths
   # (ejax/data/row_plan.py: the train job measures the dataset's first probe_samples samples; example
   # batches use theirs: two cameras of three and a 45-100-token prompt, 557-612 tokens, one a row of 640,
-  # 8.5 % padding; two 3-camera samples a row of 2,048, as before, padded 19-48 %).
+  # 8.5 % padding; the earlier example, 1-3 cameras two a row of 2,048, padded 31-38 %).
   c.packing = dict(row_length=0, samples_per_row=0, max_images_per_sample=3, max_row_length=4096, probe_samples=512)
   c.remat = "full"
   c.attention_impl = "auto"
