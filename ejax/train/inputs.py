@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
 import numpy as np
 from ml_collections import ConfigDict
 
+from ejax.data import row_plan
 from ejax.data.packing import collate_per_shard
 from ejax.errors import UserError
 from ejax.models.registry import get_model_spec
@@ -56,6 +58,63 @@ def make_input(config: ConfigDict, *, local_batch_size: int, shards: int = 1) ->
                     f"train.grad_accum_steps={accum} micro-batches: make the batch a multiple")
   iterator = _make_source(config, local_batch_size=local_batch_size // accum, shards=shards)
   return StackedMicroBatches(iterator, accum) if accum > 1 else iterator
+
+
+def with_packing_plan(config: ConfigDict, *, local_batch_size: int, shards: int = 1) -> ConfigDict:
+  """config with an auto packed row (model.packing.row_length = 0) chosen from the dataset's lengths.
+
+  The lengths are the model collate's own token streams for the first `model.packing.probe_samples`
+  samples of the run's shuffled order (the same samples on every process, so every process chooses
+  the same row); the plan is for batches of a device's share (ejax.data.row_plan). Any other config
+  is returned as it is.
+  """
+  model = config.model
+  spec = get_model_spec(model.name)
+  if "packing" not in model or not row_plan.is_auto(model.packing) or spec.make_collate is None:
+    return config
+  per_collate = max(1, local_batch_size // int(config.train.grad_accum_steps) // max(shards, 1))
+  lengths = dataset_lengths(config, int(model.packing.get("probe_samples", row_plan.PROBE_SAMPLES)))
+  try:
+    resolved, plan = row_plan.resolve(model, lengths, samples_per_batch=per_collate)
+  except ValueError as error:
+    raise UserError(f"choosing the packed row from the dataset: {error}") from None
+  logging.info("model.packing.row_length 0 (auto): %s", plan.describe())
+  out = ConfigDict(config.to_dict())
+  out.model = resolved
+  return out
+
+
+_PROBE_ROW = 1 << 16  # a row no sample fills: each probe sample is collated alone into one
+
+
+def dataset_lengths(config: ConfigDict, count: int) -> np.ndarray:
+  """Packed tokens of each of the first `count` samples the run reads, as the model's collate lays them
+  out (the `*segment_ids` stream of its rows: GR00T's VL tokens, pi0.5's prefix)."""
+  spec = get_model_spec(config.model.name)
+  probe_model = ConfigDict(config.model.to_dict())
+  probe_model.packing.update(row_length=_PROBE_ROW, samples_per_row=1)
+  collate = spec.make_collate(probe_model, config.data)
+
+  def length(sample: dict) -> dict:
+    batch = collate([sample])
+    streams = [v for k, v in batch.items() if k.endswith("segment_ids") and np.shape(v)[-1:] == (_PROBE_ROW,)]
+    return {"length": np.int64(sum(int(np.count_nonzero(v)) for v in streams))}
+
+  data = ConfigDict(config.data.to_dict())
+  name = data.get("name", "synthetic")
+  if name == "synthetic":
+    from ejax.data import synthetic
+    iterator = synthetic.make_iterator(config.model, data, batch_size=count, seed=config.seed, process_index=0,
+                                       process_count=1, collate=lambda samples: {
+                                           "length": np.asarray([length(s)["length"] for s in samples])})
+    return np.asarray(next(iterator)["length"])
+  if name not in ("lerobot", "rlds", "sim_demos"):
+    raise UserError(f"unknown data source config.data.name={name!r}: use one of {', '.join(SOURCES)}")
+  from ejax.data import pipeline
+  # In this process, endless (a dataset shorter than `count` wraps), no augmentation's randomness matters.
+  data.update(num_workers=0, prefetch=0, num_epochs=None)
+  with pipeline.build_pipeline(data, batch_size=count, seed=config.seed, transform=length) as probe:
+    return np.asarray(next(probe)["length"])
 
 
 def _make_source(config: ConfigDict, *, local_batch_size: int, shards: int = 1) -> Any:

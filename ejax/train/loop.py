@@ -28,7 +28,7 @@ from ejax.train import metrics as metrics_lib
 from ejax.errors import UserError
 from ejax.train import resume, vision_pretrain
 from ejax.train.guard import FiniteGuard
-from ejax.train.inputs import make_input
+from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
 from ejax.train.state import abstract_train_state, count_params, make_init_fn, model_parts
 from ejax.train.step import jit_train_step, make_train_step
@@ -95,6 +95,10 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   train_cfg = config.train
   local_batch_size = process_batch_size(train_cfg.global_batch_size, mesh, rules)
   logging.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size, jax.process_count())
+  # An auto packed row (model.packing.row_length = 0) is chosen from the dataset's sample lengths
+  # before the settings are compared with a checkpoint's and saved with it (ejax/data/row_plan.py).
+  stop.phase = "measuring the dataset's sample lengths"
+  config = with_packing_plan(config, local_batch_size=local_batch_size, shards=process_batch_shards(mesh, rules))
 
   # --- Model, optimizer, checkpoints and data ----------------------------------------------------
   tx, schedule = make_optimizer(train_cfg)
