@@ -146,7 +146,7 @@ def _pi05_attention(c, layout: Layout):
 _RULES = {"groot": (_groot_rules, _groot_attention), "pi05": (_pi05_rules, _pi05_attention)}
 
 
-def _weights(model_config) -> list[tuple[str, tuple[int, ...]]]:
+def weight_shapes(model_config) -> list[tuple[str, tuple[int, ...]]]:
   """(path, shape) of every parameter of the model, from shapes alone."""
   import jax
   from flax import nnx
@@ -167,7 +167,7 @@ def train_flops_per_sample(model_config, layout: Layout, weights: list | None = 
     raise ValueError(f"no analytic FLOP count for model {model_config.name!r}: one of {', '.join(_RULES)}")
   rules, attention = (f(model_config, layout) for f in _RULES[model_config.name])
   forward = model = hardware = 0.0
-  for path, shape in weights if weights is not None else _weights(model_config):
+  for path, shape in weights if weights is not None else weight_shapes(model_config):
     if len(shape) < 2:
       continue  # norms and biases
     rule = next((r for r in rules if re.search(r[0], path)), None)
