@@ -25,6 +25,17 @@ from jax.experimental.pallas import triton as plgpu
 # in favour of the Triton backend's own (which 0.9.2, ejax's pinned version, does not have).
 pallas_dot = getattr(plgpu, "dot", None) or pl.dot
 
+
+def varying_axes(x) -> frozenset[str]:
+  """The jax.shard_map mesh axes that x varies over (none outside shard_map). Avals call them
+  `vma` up to jax 0.10; jax 0.11 moved them to `manual_axis_type.varying`."""
+  aval = jax.typeof(x)
+  axes = getattr(aval, "vma", None)
+  if axes is None:
+    axes = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return frozenset(axes)
+
+
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("ejax_kernel_target", default=None)
 BACKENDS = ("cpu", "gpu", "tpu")
 
@@ -45,6 +56,26 @@ def lowering_for(backend: str):
     raise ValueError(f"lowering_for: backend {backend!r} is not one of {BACKENDS}")
   token = _TARGET.set(backend)
   try:
-    yield
+    with _stand_in_device(backend):
+      yield
   finally:
     _TARGET.reset(token)
+
+
+# The GPU lowered for on a host without one: the lent machines' Hopper (sm_90).
+_STAND_IN_GPU = dict(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
+def _stand_in_device(backend: str):
+  """jax >= 0.11 lowers a Pallas Triton kernel for the compute capability of the device it runs
+  on, or of the abstract mesh's abstract device ("No supported GPU devices found" without either):
+  off a GPU, lowering for one names an H100 there. Older jax lowers Triton kernels without asking,
+  and its abstract devices name no platform."""
+  if backend != "gpu" or jax.default_backend() == "gpu":
+    return contextlib.nullcontext()
+  try:
+    device = jax.sharding.AbstractDevice(**_STAND_IN_GPU)
+  except TypeError:
+    return contextlib.nullcontext()
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.sharding.use_abstract_mesh(mesh.update(abstract_device=device))

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejax.kernels.attention.tiles import MASKED_SCORE, MaskInputs, active_tiles, compact, pair_mask
+from ejax.kernels.platform import varying_axes
 
 
 def _carry(shape, value: float, sources) -> jax.Array:
@@ -43,9 +44,7 @@ def _carry(shape, value: float, sources) -> jax.Array:
   default) requires a carry to enter a loop with the type it leaves with; outside shard_map no
   axis varies and this is a plain constant."""
   carry = jnp.full(shape, value, jnp.float32)
-  axes = set()
-  for source in jax.tree.leaves(sources):
-    axes |= set(getattr(jax.typeof(source), "vma", ()))
+  axes = frozenset().union(*(varying_axes(source) for source in jax.tree.leaves(sources)))
   return lax.pcast(carry, tuple(sorted(axes)), to="varying") if axes else carry
 
 
