@@ -50,8 +50,10 @@ def test_quantize_dequantize_error_bound(dtype, mantissa_bits, min_subnormal_exp
     bound = np.maximum(np.abs(x) * 2.0**-(mantissa_bits + 1), scale * 2.0**(min_subnormal_exp - 1))
     assert np.all(np.abs(restored - x) <= bound * (1 + 1e-6))
     assert not restored[:128, 128:256].any()
-    # Each block's largest magnitude is represented exactly, at the top of the range.
-    assert restored[150, 20] == 1e4
+    # Each block's largest magnitude lands on the top of the range and comes back to within fp32's
+    # rounding of amax / fp8_max * fp8_max: jax 0.9.2's CPU compiler divides exactly (1e4 again),
+    # 0.11's multiplies by the reciprocal of the constant (10000.001, one ulp off).
+    assert np.abs(restored[150, 20] - 1e4) <= 1e4 * 2.0**-23
 
 
 def test_gemm_gaussian_matches_fp32_and_the_kernel_matches_its_reference(gaussian):
