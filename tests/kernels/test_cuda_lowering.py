@@ -6,6 +6,7 @@ kernel that silently falls back, or stops lowering, fails here although its inte
 still pass.
 """
 
+import contextlib
 import re
 
 import jax
@@ -88,6 +89,36 @@ def test_fp8_gemm_forward_and_backward_lower_to_triton(forbid_fallbacks):
   module = lower_for_cuda(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), x, w)
   assert set(custom_calls(module)) == {TRITON}
   assert triton_kernels(module) == {"ejax_fp8_blockwise_matmul": 3}
+
+
+def test_fp8_fast_accumulation_sets_max_num_imprecise_acc_on_the_fp8_dot_only():
+  from jax._src.lib.mlir import ir
+  from jaxlib.triton import dialect
+
+  from benchmarks.triton_sm90 import _triton_calls
+  from ejax.kernels.fp8.matmul import triton_fp8_fast_accumulation
+
+  def triton_dots(fast: bool, a_dtype=jnp.float8_e4m3fn) -> list[str]:
+    a, b = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16), jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    gemm = jax.jit(lambda a, b: fp8_matmul_pallas(quantize_blockwise(a, (1, 128), a_dtype), quantize_blockwise(b)))
+    with triton_fp8_fast_accumulation(128) if fast else contextlib.nullcontext():
+      module = lower_for_cuda(gemm, a, b)
+    (_, bytecode, *_), = _triton_calls(module)
+    context = ir.Context()
+    dialect.register_dialect(context)
+    with context:
+      text = ir.Module.parse(bytecode).operation.get_asm(enable_debug_info=False)
+    return [line for line in text.splitlines() if "tt.dot" in line]
+
+  # jax's lowering leaves maxNumImpreciseAcc at 0 (Triton then keeps FP8 off Hopper's FP8 wgmma).
+  (plain,) = triton_dots(fast=False)
+  assert "f8E4M3FN" in plain and "maxNumImpreciseAcc" not in plain
+  (fast,) = triton_dots(fast=True)
+  assert "maxNumImpreciseAcc = 128" in fast
+  # Outside the block the lowering is jax's again; mixed e5m2 x e4m3 runs as fp16 and is left alone.
+  assert "maxNumImpreciseAcc" not in triton_dots(fast=False)[0]
+  (mixed,) = triton_dots(fast=True, a_dtype=jnp.float8_e5m2)
+  assert "f16" in mixed and "maxNumImpreciseAcc" not in mixed
 
 
 def _dots_with_fp8_operands(module: str) -> list[dict]:

@@ -9,10 +9,15 @@ only apply one scale). `a` is usually activations (1x128 tiles), `b` weights (12
 The Pallas kernel (Triton lowering) runs one (block_m x 128) output tile per program and loops over
 k; `fp8_matmul_reference` is its specification. Operands of two formats (the backward GEMMs' e5m2
 gradients against e4m3) run as an fp16 dot of the same values: exact, at fp16 tensor-core speed.
+
+Hopper: JAX's Pallas-Triton lowering (0.9.2 and 0.11.2 alike) emits every `tt.dot` with
+maxNumImpreciseAcc = 0, and Triton then keeps FP8 dots off the FP8 wgmma (BENCHMARKS.md, "GPU
+readiness"). `triton_fp8_fast_accumulation` lowers them with a bound instead; no public API sets it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -122,3 +127,31 @@ def fp8_matmul(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.float32, *, impl: str =
   if impl == "reference":
     return fp8_matmul_reference(a, b, out_dtype)
   return fp8_matmul_pallas(a, b, out_dtype, interpret=(not on_gpu) if interpret is None else interpret)
+
+
+@contextlib.contextmanager
+def triton_fp8_fast_accumulation(max_num_imprecise_acc: int = 128):
+  """Pallas-Triton dots on two fp8 operands lowered inside this block get maxNumImpreciseAcc.
+
+  Triton then may run them on Hopper's FP8 wgmma, which sums up to that many products in its
+  reduced-precision accumulator before adding them into fp32. 128 = this kernel's k block, which it
+  rescales and sums in fp32 itself (DeepSeek-V3's promotion interval), so no sum runs longer.
+
+  It patches JAX's private Triton lowering for the duration of the block (jax exposes no such
+  setting in 0.9.2 or 0.11.2): wrap the `.lower()` (or first call) of a fresh jit, as with
+  `platform.lowering_for`. For benchmarks; the training path does not use it.
+  """
+  from jax._src.pallas.triton import lowering  # private: the only place the dot is emitted
+  dialect = lowering.tt_dialect
+  emit_dot = dialect.dot
+
+  def dot(a, b, c, **kwargs):
+    if kwargs.get("max_num_imprecise_acc") is None and all("f8E" in str(v.type) for v in (a, b)):
+      kwargs["max_num_imprecise_acc"] = max_num_imprecise_acc
+    return emit_dot(a, b, c, **kwargs)
+
+  dialect.dot = dot
+  try:
+    yield
+  finally:
+    dialect.dot = emit_dot
