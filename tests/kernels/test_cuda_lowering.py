@@ -152,8 +152,8 @@ def _dots_with_fp8_operands(module: str) -> list[dict]:
         lhs, rhs = re.findall(r"%[\w#]+", op)[:2]
         precision = re.search(r"precision = \[(\w+), \w+\]", op)
         dots.append({"lhs": dequantised(lhs), "rhs": dequantised(rhs),
-                     "contracting": tuple(map(int, re.search(r"contracting_dims = \[(\d+)\] x \[(\d+)\]",
-                                                              op).groups())),
+                     "contracting": tuple(tuple(int(d) for d in dims.split(",") if d.strip()) for dims in
+                                          re.search(r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", op).groups()),
                      "precision": precision.group(1) if precision else "DEFAULT",
                      "out": re.search(r"-> tensor<[^>]*x(\w+)>", op).group(1)})
   return dots
@@ -177,12 +177,12 @@ def test_xla_fp8_gemms_lower_to_the_pattern_xla_rewrites_into_cublaslt_fp8(scali
   forward, d_x, d_w = sorted(dots, key=lambda dot: (dot["precision"] != "DEFAULT", dot["out"] == "f32"))
   assert len(dots) == 3
   # Forward: x [tokens, in] . W K-major [out, in], fast accumulation: no transpose needed.
-  assert operands(forward) == (e4m3, e4m3) and forward["contracting"] == (1, 1)
+  assert operands(forward) == (e4m3, e4m3) and forward["contracting"] == ((1,), (1,))
   assert forward["precision"] == "DEFAULT" and forward["out"] == "bf16"
   # dX = dY(e5m2) . W(e4m3) and dW = X^T(e4m3) . dY(e5m2), full-precision accumulation.
   assert operands(d_x) == (e5m2, e4m3) and d_x["precision"] == "HIGHEST" and d_x["out"] == "bf16"
   assert operands(d_w) == (e4m3, e5m2) and d_w["precision"] == "HIGHEST" and d_w["out"] == "f32"
-  assert d_w["contracting"] == (0, 0)
+  assert d_w["contracting"] == ((0,), (0,))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
