@@ -7,25 +7,50 @@ baseline, and ejax's reference op) materialises every (query, key) score of the 
 varlen (impl "xla" on CPU, the Pallas kernel on GPU) runs only the tiles a segment pair allows.
 The measured speedup is printed next to the ideal FLOP ratio, sum over rows of row_length^2
 divided by the sum of squared segment lengths, and next to the tile-granular ratio the kernel can
-reach at its block size. On GPU it also prints TFLOP/s of the Pallas kernel, cuDNN and XLA.
+reach at its block size.
+
+On GPU it then measures every route side by side in TFLOP/s, forward and forward+backward, with the
+FLOPs counted over the (query, key) pairs the mask allows (4 * pairs * head_dim * heads forward,
+3.5x that with the backward): ejax's Triton-backend kernel ("pallas"), tokamax's Mosaic GPU kernel
+("tokamax"), cuDNN over the segments as offsets ("cudnn_packed": causal rows only, it has no
+block-causal form), cuDNN with the dense mask ("cudnn") and the XLA loop ("xla"), on the VLA rows
+(block-causal) and on the same rows as causal LM segments. `--sweep` adds tile / launch settings of
+ejax's kernel and tokamax configs. An arm that fails prints its error and the others go on;
+`--json PATH` writes every number (rewritten after each arm). The last line is the figure: the
+speedup on CPU, on GPU the fastest forward+backward TFLOP/s.
 
   python benchmarks/attention.py          # headline: 4 rows x 2048 tokens, 4 heads x 32, CPU fp32
+  python benchmarks/attention.py --rows 8 --row_length 4096 --heads 16 --head_dim 128 --sweep \
+      --json attention.json               # Hopper: goal 300 TFLOP/s forward, 200 forward+backward
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ejax.data.packing import pack_sequences
-from ejax.kernels.attention import attention_mask, flash_attention
+from ejax.kernels.attention import BlockSizes, attention_mask, flash_attention, ops, tokamax_gpu
 from ejax.kernels.attention.ops import choose_impl
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           MaskInputs, active_fraction)
+
+# Goals of issue 31 point 6 at 8 x 4,096 tokens, 16 heads x 128 on one H100/H200 (TFLOP/s).
+GOAL_FORWARD, GOAL_TRAIN = 300.0, 200.0
+# ejax kernel settings the sweep tries beside the default (forward tiles, backward tiles, warps,
+# stages): wider q tiles and deeper pipelines, the usual Hopper choices for head_dim 128.
+PALLAS_SWEEP = (BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3),
+                BlockSizes(128, 128, 64, 64, num_warps=8, num_stages=2),
+                BlockSizes(64, 64, 64, 64, num_warps=4, num_stages=3))
+# tokamax SM90 configs beside its own heuristics (which pick a persistent kernel for these masks).
+TOKAMAX_SWEEP = (dict(block_q=64, block_kv=128, num_stages=2, persistent=False),
+                 dict(block_q=64, block_kv=64, num_stages=3, persistent=False))
 
 
 def vla_lengths(num_samples: int, rng: np.random.Generator) -> np.ndarray:
@@ -40,17 +65,28 @@ def packed_rows(num_rows: int, row_length: int, seed: int):
   rows = pack_sequences(lengths, row_length, seed=seed)[:num_rows]
   segment_ids = np.zeros((num_rows, row_length), np.int32)
   block_ids = np.zeros_like(segment_ids)
+  positions = np.zeros_like(segment_ids)
   segment_lengths = []
   for r, members in enumerate(rows):
     offset = 0
     for segment, i in enumerate(members, start=1):
       n = int(lengths[i])
       segment_ids[r, offset:offset + n] = segment
+      positions[r, offset:offset + n] = np.arange(n)
       block_ids[r, offset + n - 17:offset + n - 16] = 1  # state token opens block 1
       block_ids[r, offset + n - 16:offset + n] = 2       # action tokens: block 2
       segment_lengths.append(n)
       offset += n
-  return jnp.asarray(segment_ids), jnp.asarray(block_ids), np.array(segment_lengths)
+  return segment_ids, block_ids, positions, np.array(segment_lengths)
+
+
+def allowed_pairs(mask: dict, rows: int, row_length: int) -> int:
+  """(query, key) pairs the mask allows, summed over rows (one row's dense mask at a time, on host)."""
+  total = 0
+  for r in range(rows):
+    row = {name: value[r:r + 1] if isinstance(value, np.ndarray) else value for name, value in mask.items()}
+    total += int(np.asarray(attention_mask(row_length, row_length, batch=1, **row)).sum())
+  return total
 
 
 def timed(fn, *args, repeats: int) -> float:
@@ -65,6 +101,25 @@ def timed(fn, *args, repeats: int) -> float:
   return best
 
 
+def arms(on_gpu: bool, sweep: bool, all_arms: bool):
+  """(label, impl, extra flash_attention kwargs) of the TFLOP/s comparison."""
+  if not (on_gpu or all_arms):
+    return []
+  listed = [("pallas", "pallas", {}), ("tokamax", "tokamax", {}), ("cudnn_packed", "cudnn_packed", {}),
+            ("cudnn (dense mask)", "cudnn", {}), ("xla", "xla", {})]
+  if sweep:
+    for blocks in PALLAS_SWEEP:
+      label = (f"pallas {blocks.block_q}x{blocks.block_kv}/{blocks.block_q_bwd}x{blocks.block_kv_bwd} "
+               f"w{blocks.num_warps} s{blocks.num_stages}")
+      listed.append((label, "pallas", dict(block_sizes=blocks)))
+    if tokamax_gpu.available():
+      for config in TOKAMAX_SWEEP:
+        label = (f"tokamax {config['block_q']}x{config['block_kv']} s{config['num_stages']}"
+                 + (" persistent" if config["persistent"] else ""))
+        listed.append((label, "tokamax", dict(tokamax_config=tokamax_gpu.sm90_config(**config))))
+  return listed
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, default=4)
@@ -73,72 +128,142 @@ def main():
   parser.add_argument("--head_dim", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--sweep", action="store_true",
+                      help="also time ejax's kernel at other tiles / launch settings and tokamax configs")
+  parser.add_argument("--all_arms", action="store_true",
+                      help="run the GPU comparison's arms on any backend (a dry run of the script off GPU)")
+  parser.add_argument("--skip_dense", action="store_true", help="skip the two dense arms (and the speedup)")
+  parser.add_argument("--json", default=None, help="write every number to this path")
   args = parser.parse_args()
 
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
-  segment_ids, block_ids, segment_lengths = packed_rows(args.rows, args.row_length, args.seed)
+  segment_ids, block_ids, positions, segment_lengths = packed_rows(args.rows, args.row_length, args.seed)
   shape = (args.rows, args.row_length, args.heads, args.head_dim)
   keys = jax.random.split(jax.random.key(args.seed), 4)
   q, k, v, d_out = (jax.random.normal(key, shape, dtype) for key in keys)
-  mask = dict(mask_kind="block_causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-              q_block_ids=block_ids, kv_block_ids=block_ids)
-  varlen_impl = choose_impl(q, k, "auto") if on_gpu else "xla"
+  host_masks = {
+      "block_causal": dict(mask_kind="block_causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                           q_block_ids=block_ids, kv_block_ids=block_ids),
+      "causal": dict(mask_kind="causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                     q_positions=positions, kv_positions=positions),
+  }
+  as_device = lambda mask: {name: jnp.asarray(value) if isinstance(value, np.ndarray) else value
+                            for name, value in mask.items()}
+  mask = as_device(host_masks["block_causal"])
+  varlen_impl = choose_impl(q, k, "auto", "block_causal") if on_gpu else "xla"
   # The tiles the op picks for this impl and backend (ops.flash_attention).
-  blocks = (GPU_BLOCK_SIZES if varlen_impl == "pallas" else
-            XLA_GPU_BLOCK_SIZES if on_gpu else CPU_BLOCK_SIZES)
+  blocks = (XLA_GPU_BLOCK_SIZES if varlen_impl == "xla" and on_gpu else
+            CPU_BLOCK_SIZES if varlen_impl == "xla" else GPU_BLOCK_SIZES)
 
-  ideal = args.rows * args.row_length**2 / np.sum(segment_lengths.astype(float)**2)
-  tiles = MaskInputs(segment_ids, segment_ids, block_ids, block_ids)
+  segment_pairs = float(np.sum(segment_lengths.astype(float)**2))
+  ideal = args.rows * args.row_length**2 / segment_pairs
+  tiles = MaskInputs(*(jnp.asarray(x) for x in (segment_ids, segment_ids, block_ids, block_ids)))
   tile_ratio = 1.0 / float(active_fraction(tiles, blocks, ordered=True))
-  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}, {jnp.dtype(dtype).name}")
+  device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
+  print(f"device: {device}, jax {jax.__version__}, {jnp.dtype(dtype).name}")
   print(f"{args.rows} rows x {args.row_length} tokens, {len(segment_lengths)} segments "
         f"({segment_lengths.min()}..{segment_lengths.max()}), {args.heads} heads x {args.head_dim}, "
         f"padding {float((segment_ids == 0).mean()):.1%}")
   print(f"ideal FLOP ratio (row_length^2 / sum len^2): {ideal:.2f}x; tile-granular ratio at "
         f"{blocks.block_q}x{blocks.block_kv} tiles: {tile_ratio:.2f}x")
+  report = dict(device=device, jax=jax.__version__, dtype=jnp.dtype(dtype).name, args=vars(args),
+                segments=len(segment_lengths), segment_pairs=segment_pairs, ideal_ratio=ideal,
+                tile_ratio=tile_ratio, tile_blocks=[blocks.block_q, blocks.block_kv],
+                auto_impl=varlen_impl, hopper_auto=ops.HOPPER_AUTO,
+                tokamax=tokamax_gpu.available() or tokamax_gpu.unavailable_reason(), arms={})
 
-  dense_mask = attention_mask(args.row_length, args.row_length, batch=args.rows, **mask)[:, None]
+  def save():
+    if args.json:
+      with open(args.json, "w") as file:
+        json.dump(report, file, indent=1)
 
-  def make(impl):
+  def make(impl, mask, **kwargs):
     if impl == "dense":  # XLA's dense masked attention: the baseline (faster than the reference)
-      attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense_mask,
-                                                            implementation="xla")
+      dense_mask = attention_mask(args.row_length, args.row_length, batch=args.rows, **mask)[:, None]
+      attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense_mask, implementation="xla")
     else:
-      attend = lambda q, k, v: flash_attention(q, k, v, impl=impl, **mask)
+      attend = lambda q, k, v: flash_attention(q, k, v, impl=impl, **mask, **kwargs)
     forward = jax.jit(attend)
     loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
     return forward, jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
-  results = {}
-  arms = (("dense masked (jax.nn, xla)", "dense"), ("dense masked (ejax reference)", "reference"),
-          (f"varlen ({varlen_impl})", varlen_impl))
-  for name, impl in arms:
-    forward, train = make(impl)
-    results[name] = (timed(forward, q, k, v, repeats=args.repeats),
-                     timed(train, q, k, v, repeats=args.repeats))
-    print(f"{name:30s} forward {results[name][0] * 1e3:9.1f} ms   forward+backward {results[name][1] * 1e3:9.1f} ms")
-  (dense_fwd, dense_train), _, (var_fwd, var_train) = results.values()
-  print(f"speedup over jax.nn dense: forward {dense_fwd / var_fwd:.2f}x, forward+backward "
-        f"{dense_train / var_train:.2f}x")
+  speedup = None
+  if not args.skip_dense:
+    results = {}
+    for name, impl in (("dense masked (jax.nn, xla)", "dense"), ("dense masked (ejax reference)", "reference"),
+                       (f"varlen ({varlen_impl})", varlen_impl)):
+      try:  # the reference's fp32 scores of a GPU-sized case may not fit: say so, go on
+        forward, train = make(impl, mask)
+        results[impl] = (timed(forward, q, k, v, repeats=args.repeats),
+                         timed(train, q, k, v, repeats=args.repeats))
+        del forward, train
+      except Exception as error:
+        report.setdefault("dense_errors", {})[name] = f"{type(error).__name__}: {error}"
+        print(f"{name:30s} unavailable: {type(error).__name__}: {str(error)[:300]}")
+        continue
+      print(f"{name:30s} forward {results[impl][0] * 1e3:9.1f} ms   forward+backward {results[impl][1] * 1e3:9.1f} ms")
+    report["dense_ms"] = {impl: [1e3 * t for t in times] for impl, times in results.items()}
+    if "dense" in results and varlen_impl in results:
+      (dense_fwd, dense_train), (var_fwd, var_train) = results["dense"], results[varlen_impl]
+      speedup = dense_train / var_train
+      print(f"speedup over jax.nn dense: forward {dense_fwd / var_fwd:.2f}x, forward+backward {speedup:.2f}x")
+      report.update(speedup_forward=dense_fwd / var_fwd, speedup_train=speedup)
+    save()
 
-  # Useful FLOPs: 4 * sum(len^2) * head_dim * heads forward (QK^T and PV), 2.5x that with backward.
-  useful = 4.0 * np.sum(segment_lengths.astype(float)**2) * args.head_dim * args.heads
-  if on_gpu:
-    for name, impl in (("pallas", "pallas"), ("cudnn", "cudnn"), ("xla", "xla")):
+  # TFLOP/s over the pairs each mask allows; forward+backward is 3.5x the forward's matmul FLOPs.
+  best = {}
+  listed = arms(on_gpu, args.sweep, args.all_arms)
+  if not listed:
+    print("GPU TFLOP/s (pallas, tokamax, cudnn_packed, cudnn, xla): pending: no GPU")
+  for mask_kind in ("block_causal", "causal") if listed else ():
+    pairs = allowed_pairs(host_masks[mask_kind], args.rows, args.row_length)
+    flops = 4.0 * pairs * args.head_dim * args.heads
+    report.setdefault("allowed_pairs", {})[mask_kind] = pairs
+    print(f"{mask_kind} rows: {pairs / 1e6:.1f}M allowed pairs ({pairs / segment_pairs:.1%} of the segments' "
+          f"pairs), {flops / 1e9:.1f} GFLOP forward")
+    device_mask = as_device(host_masks[mask_kind])
+    for label, impl, kwargs in listed:
+      if mask_kind == "causal" and kwargs:  # the sweep runs on the VLA rows only
+        continue
+      entry = dict(mask_kind=mask_kind, impl=impl, label=label, default_settings=not kwargs)
       try:
-        forward, train = make(impl)
+        forward, train = make(impl, device_mask, **kwargs)
         seconds_fwd = timed(forward, q, k, v, repeats=args.repeats)
         seconds_train = timed(train, q, k, v, repeats=args.repeats)
-        print(f"GPU {name:7s} forward {useful / seconds_fwd / 1e12:7.1f} TFLOP/s   "
-              f"forward+backward {3.5 * useful / seconds_train / 1e12:7.1f} TFLOP/s (useful FLOPs)")
-      except Exception as error:  # cuDNN refuses some masks; say so and go on
-        print(f"GPU {name:7s} unavailable for this case: {type(error).__name__}: {str(error)[:120]}")
-  else:
-    print("GPU TFLOP/s (pallas, cudnn, xla): pending: no GPU")
-  print(f"varlen/dense attention speedup (forward+backward): {dense_train / var_train:.2f}x; bound from the work at "
-        f"equal FLOP rates {tile_ratio:.2f}x (dense pairs / active tile pairs at {blocks.block_q}x{blocks.block_kv}) "
-        f"(goal {ideal:.2f}x, the ideal FLOP ratio)")
+        entry.update(forward_ms=1e3 * seconds_fwd, train_ms=1e3 * seconds_train,
+                     forward_tflops=flops / seconds_fwd / 1e12, train_tflops=3.5 * flops / seconds_train / 1e12)
+        print(f"  {label:44s} forward {entry['forward_tflops']:6.1f} TFLOP/s ({entry['forward_ms']:7.2f} ms)   "
+              f"forward+backward {entry['train_tflops']:6.1f} TFLOP/s ({entry['train_ms']:7.2f} ms)")
+        for figure in ("forward_tflops", "train_tflops"):
+          if entry[figure] > best.get(figure, (0.0,))[0]:
+            best[figure] = (entry[figure], f"{label} ({mask_kind})")
+      except Exception as error:  # a route that refuses the case or fails to build: say so, go on
+        entry["error"] = f"{type(error).__name__}: {error}"
+        entry["traceback"] = traceback.format_exc()[-4000:]
+        print(f"  {label:44s} unavailable: {type(error).__name__}: {str(error)[:300]}")
+      report["arms"][f"{mask_kind}: {label}"] = entry
+      save()
+  if best:
+    report["best"] = {figure: dict(tflops=value, arm=arm) for figure, (value, arm) in best.items()}
+    by_impl = {}
+    for entry in report["arms"].values():
+      if entry["mask_kind"] == "block_causal" and "train_tflops" in entry and entry["default_settings"]:
+        by_impl[entry["impl"]] = entry["train_tflops"]
+    if by_impl:
+      fastest = max(by_impl, key=by_impl.get)
+      report["fastest_default_impl"] = fastest
+      print(f"fastest route at its default settings (VLA rows, forward+backward): {fastest} "
+            f"(ops.HOPPER_AUTO is {ops.HOPPER_AUTO!r})")
+    save()
+  if speedup is not None:
+    print(f"varlen/dense attention speedup (forward+backward): {speedup:.2f}x; bound from the work at "
+          f"equal FLOP rates {tile_ratio:.2f}x (dense pairs / active tile pairs at {blocks.block_q}x{blocks.block_kv}) "
+          f"(goal {ideal:.2f}x, the ideal FLOP ratio)")
+  if best:
+    (train_value, train_arm), (fwd_value, fwd_arm) = best["train_tflops"], best["forward_tflops"]
+    print(f"fastest attention forward+backward TFLOP/s: {train_value:.1f} by {train_arm}; forward "
+          f"{fwd_value:.1f} by {fwd_arm} (goal {GOAL_TRAIN:.0f}; forward {GOAL_FORWARD:.0f})")
 
 
 if __name__ == "__main__":

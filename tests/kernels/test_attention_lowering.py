@@ -1,0 +1,90 @@
+"""The Hopper attention routes lower for CUDA on this CPU-only machine (tests/cuda_lowering.py).
+
+cuDNN over packed segments (impl "cudnn_packed"), tokamax's Mosaic GPU kernel (impl "tokamax", where
+tokamax imports: Python >= 3.12, jax >= 0.11.1) and the Triton kernel's launch settings. The packed
+routes keep ejax's Triton kernel as the branch for batches that are not packed rows, so both appear.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ejax.kernels.attention import BlockSizes, flash_attention, tokamax_gpu
+from tests.cuda_lowering import TRITON, custom_calls, forbid_fallbacks, lower_for_cuda, triton_kernels  # noqa: F401
+
+ATTENTION_KERNELS = {"ejax_varlen_attention_fwd", "ejax_varlen_attention_dq", "ejax_varlen_attention_dkv"}
+CUDNN_PACKED = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+BATCH, LEN, HEADS, KV_HEADS, HEAD_DIM = 2, 200, 4, 2, 64
+
+
+def _loss(impl, mask_kind, **kwargs):
+  def loss(q, k, v, segment_ids, keys):
+    extra = {"causal": dict(q_positions=keys, kv_positions=keys),
+             "block_causal": dict(q_block_ids=keys, kv_block_ids=keys)}.get(mask_kind, {})
+    out = flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                          mask_kind=mask_kind, impl=impl, **extra, **kwargs)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def _args(dtype=jnp.bfloat16):
+  ids = jax.ShapeDtypeStruct((BATCH, LEN), jnp.int32)
+  return (jax.ShapeDtypeStruct((BATCH, LEN, HEADS, HEAD_DIM), dtype),
+          *[jax.ShapeDtypeStruct((BATCH, LEN, KV_HEADS, HEAD_DIM), dtype)] * 2, ids, ids)
+
+
+@pytest.fixture
+def cudnn_packed_on_hopper(monkeypatch):
+  """jax checks cuDNN's version and, for packed segments, a Hopper GPU while tracing; stand both in."""
+  monkeypatch.setattr("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", lambda: 90800)
+  monkeypatch.setattr("jax._src.cudnn.fused_attention_stablehlo.check_compute_capability", lambda _: True)
+  monkeypatch.setattr("tests.cuda_lowering.ALLOWED_CUSTOM_CALLS",
+                      (TRITON, *CUDNN_PACKED))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("mask_kind", ["bidirectional", "causal"])
+def test_cudnn_packed_lowers_to_cudnn_with_ejax_kernel_as_the_other_branch(
+    forbid_fallbacks, cudnn_packed_on_hopper, mask_kind, dtype):
+  module = lower_for_cuda(_loss("cudnn_packed", mask_kind), *_args(dtype))
+  assert custom_calls(module) == {CUDNN_PACKED[0]: 1, CUDNN_PACKED[1]: 1, TRITON: 3}
+  assert set(triton_kernels(module)) == ATTENTION_KERNELS
+  # The segment table travels as data (no dense [len, len] mask or bias is built).
+  assert f"tensor<{BATCH}x{LEN}x{LEN}x" not in module
+
+
+def test_cudnn_packed_refuses_block_causal(cudnn_packed_on_hopper):
+  with pytest.raises(ValueError, match="cudnn_packed.*mask_kind"):
+    lower_for_cuda(_loss("cudnn_packed", "block_causal"), *_args())
+
+
+def test_triton_launch_settings_reach_every_kernel(forbid_fallbacks):
+  blocks = BlockSizes(128, 64, 64, 64, num_warps=4, num_stages=3)
+  module = lower_for_cuda(_loss("pallas", "block_causal", block_sizes=blocks), *_args())
+  launches = re.findall(r'name = "(ejax_varlen_attention_\w+)", num_stages = (\d+) : i32, num_warps = (\d+)',
+                        module)
+  assert {name for name, _, _ in launches} == ATTENTION_KERNELS
+  assert {(stages, warps) for _, stages, warps in launches} == {("3", "4")}
+
+
+@pytest.mark.skipif(not tokamax_gpu.available(), reason=tokamax_gpu.unavailable_reason())
+@pytest.mark.parametrize("mask_kind", ["bidirectional", "causal", "block_causal"])
+def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, monkeypatch, mask_kind):
+  import tokamax
+  from jax._src.pallas.triton import gpu_info
+  from tokamax._src import gpu_utils
+
+  # Lowering from a CPU host: tokamax reads the compute capability from the device (an H100 here),
+  # and jax >= 0.11's Triton lowering (the other branch) asks for the GPU's description.
+  monkeypatch.setattr(gpu_utils, "_compute_capability", lambda device=None: 9.0)
+  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  monkeypatch.setattr("jax._src.pallas.triton.pallas_call_registration.gpu_info_lib.get_gpu_info", lambda: h100)
+  # A persistent kernel sizes its grid from the device's core count, which a CPU has not.
+  config = tokamax_gpu.sm90_config(persistent=False)
+  with tokamax.config.cross_compile(True):
+    module = lower_for_cuda(_loss("tokamax", mask_kind, tokamax_config=config), *_args())
+  calls = custom_calls(module)
+  assert calls["mosaic_gpu_v2"] == 3  # forward, and the backward's dQ and dK/dV kernels
+  assert set(triton_kernels(module)) == ATTENTION_KERNELS
