@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ejax.kernels.attention import attention
+from ejax.kernels.attention import attention, with_attention_impl
 from ejax.models import layers
 from ejax.parallel import constrain
 from ejax.parallel.axes import ACT_BATCH, ACT_EMBED, ACT_LEN, EMBED, IN_FEATURES, MLP
@@ -144,8 +144,9 @@ class DiT(nnx.Module):
   """tokens [n, T, width] + timestep buckets [n] + packed VL tokens -> [n, T, output_dim]."""
 
   def __init__(self, config: DiTConfig, *, fp8: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
-               remat: str = "none", rngs: nnx.Rngs):
+               remat: str = "none", attention_impl: str = "auto", rngs: nnx.Rngs):
     self.remat = remat
+    self.attention_impl = attention_impl
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     width = config.width
     self.timestep_encoder = TimestepEncoder(config.timestep_channels, width, **common)
@@ -157,6 +158,7 @@ class DiT(nnx.Module):
     self.proj_out_1 = layers.Dense(width, 2 * width, axes=(EMBED, MLP), **common)
     self.proj_out_2 = layers.Dense(width, config.output_dim, axes=(EMBED, MLP), **common)
 
+  @with_attention_impl
   def __call__(self, x: jax.Array, timesteps: jax.Array, *, vl_tokens: jax.Array, vl_segment_ids: jax.Array,
                sample_row: jax.Array, sample_segment: jax.Array, rng: jax.Array | None = None) -> jax.Array:
     temb = self.timestep_encoder(timesteps)
@@ -174,13 +176,15 @@ class VLSelfAttentionTransformer(nnx.Module):
   """Bidirectional transformer over packed VL rows [rows, L, width], within each segment."""
 
   def __init__(self, config: VLTransformerConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-               remat: str = "none", rngs: nnx.Rngs):
+               remat: str = "none", attention_impl: str = "auto", rngs: nnx.Rngs):
     self.remat = remat
+    self.attention_impl = attention_impl
     self.blocks = nnx.List([
         TransformerBlock(config.width, config.num_heads, config.head_dim, dropout=config.dropout, ada_norm=False,
                          cross_attention_dim=None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         for _ in range(config.num_layers)])
 
+  @with_attention_impl
   def __call__(self, x: jax.Array, segment_ids: jax.Array, rng: jax.Array | None = None) -> jax.Array:
     for i, block in enumerate(self.blocks):
       x = layers.run_block(block, x, segment_ids=segment_ids, rng=None if rng is None else jax.random.fold_in(rng, i),

@@ -69,6 +69,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.param_dtype = "float32"
   c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8
   c.remat = "full"                   # per-block rematerialisation (ejax.parallel.remat)
+  c.attention_impl = "auto"          # every attention call: ejax.kernels.attention IMPLS ("auto": per backend)
   c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224, conv_stem=(),
                   posemb_init="normal")
   c.connector = dict(num_layers=1, use_pixel_shuffle=False,   # released: mlp1.0 = Linear(1152, 2048)
@@ -259,11 +260,13 @@ class GrootBackbone(nnx.Module):
 
   def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), remat=config.remat, **common)
+    attention_impl = config.get("attention_impl", "auto")
+    self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), remat=config.remat,
+                                          attention_impl=attention_impl, **common)
     self.connector = MLPConnector(config.vision.width, config.llm.width, **mlp_settings(config.connector), **common)
     keypoints = config.connector.get("keypoints", 0)
     self.keypoints = nnx.data(PixelKeypoints(keypoints, config.llm.width, **common) if keypoints else None)
-    self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, **common)
+    self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, attention_impl=attention_impl, **common)
     self.image_token_id = config.image_token_id
     self.vision_image_size = int(config.vision.image_size)
 
@@ -302,9 +305,10 @@ class GrootActionHead(nnx.Module):
     width = dit_config.width                                             # input_embedding_dim (1536)
     self.config = config
     self.vlln = layers.LayerNorm(vl_width, eps=1e-5, **common)
+    attention_impl = config.get("attention_impl", "auto")
     self.vl_self_attention = VLSelfAttentionTransformer(VLTransformerConfig(**config.vl_transformer),
-                                                        remat=config.remat, **common)
-    self.dit = DiT(dit_config, fp8=config.fp8, remat=config.remat, **common)
+                                                        remat=config.remat, attention_impl=attention_impl, **common)
+    self.dit = DiT(dit_config, fp8=config.fp8, remat=config.remat, attention_impl=attention_impl, **common)
     self.state_encoder = CategorySpecificMLP(config.max_num_embodiments, config.max_state_dim, config.hidden_size,
                                              width, **common)
     self.action_encoder = MultiEmbodimentActionEncoder(config.max_num_embodiments, config.max_action_dim, width,

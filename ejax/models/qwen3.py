@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ejax.kernels.attention import with_attention_impl
 from ejax.models import layers
 from ejax.parallel import constrain
 from ejax.parallel.axes import ACT_BATCH, ACT_EMBED, ACT_LEN, EMBED, VOCAB
@@ -54,9 +55,10 @@ class Qwen3(nnx.Module):
   """Token embedding + the first `num_layers` decoder blocks + final RMSNorm."""
 
   def __init__(self, config: Qwen3Config, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-               rngs: nnx.Rngs):
+               attention_impl: str = "auto", rngs: nnx.Rngs):
     self.config = config
     self.remat = remat
+    self.attention_impl = attention_impl
     self.dtype = dtype
     self.embed_tokens = layers.make_param(rngs, nnx.initializers.normal(0.02), (config.vocab_size, config.width),
                                           (VOCAB, EMBED), param_dtype)
@@ -68,6 +70,7 @@ class Qwen3(nnx.Module):
     """tokens [b, l] int32 -> [b, l, width]."""
     return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
 
+  @with_attention_impl
   def __call__(self, embeddings: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
     """embeddings [b, l, width] (text and image tokens), segment_ids/positions [b, l] -> features."""
     x = constrain(embeddings.astype(self.dtype), (ACT_BATCH, ACT_LEN, ACT_EMBED))

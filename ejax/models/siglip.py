@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ejax.kernels.attention import with_attention_impl
 from ejax.models import layers
 from ejax.parallel import constrain
 from ejax.parallel.axes import ACT_BATCH, ACT_EMBED, ACT_LEN, EMBED, IN_FEATURES
@@ -108,9 +109,10 @@ class SiglipVisionTransformer(nnx.Module):
   """images [n, H, W, 3] in [-1, 1] -> patch tokens [n, num_patches, width]."""
 
   def __init__(self, config: SiglipConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-               rngs: nnx.Rngs):
+               attention_impl: str = "auto", rngs: nnx.Rngs):
     self.config = config
     self.remat = remat
+    self.attention_impl = attention_impl
     self.dtype = dtype
     stem = tuple(config.conv_stem)
     if config.patch_size % (2 ** len(stem)):
@@ -134,6 +136,7 @@ class SiglipVisionTransformer(nnx.Module):
     self.post_layernorm = layers.LayerNorm(config.width, eps=config.norm_eps, dtype=dtype,
                                            param_dtype=param_dtype, rngs=rngs)
 
+  @with_attention_impl
   def __call__(self, images: jax.Array) -> jax.Array:
     x = images.astype(self.dtype)
     for conv in self.conv_stem:

@@ -22,6 +22,8 @@ impl:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -110,6 +112,34 @@ def _cudnn_attention(q, k, v, scale: float, **mask_kwargs):
   return out * mask.any(-1)[:, :, None, None].astype(out.dtype)
 
 
+_SCOPED_IMPL: contextvars.ContextVar[str] = contextvars.ContextVar("ejax_attention_impl", default="auto")
+
+
+@contextlib.contextmanager
+def default_impl(impl: str):
+  """Inside the block, attention calls that say impl="auto" run `impl` (a model's attention_impl).
+
+  How a model's `attention_impl` reaches the attention calls of shared layers (layers.Attention) that
+  take no impl argument. It acts while the calls are traced, like platform.lowering_for.
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"attention impl={impl!r} is not one of {IMPLS}")
+  token = _SCOPED_IMPL.set(impl)
+  try:
+    yield
+  finally:
+    _SCOPED_IMPL.reset(token)
+
+
+def with_attention_impl(method):
+  """Decorates a module method: its attention calls run the module's `attention_impl` (default_impl)."""
+  @functools.wraps(method)
+  def wrapped(self, *args, **kwargs):
+    with default_impl(getattr(self, "attention_impl", "auto")):
+      return method(self, *args, **kwargs)
+  return wrapped
+
+
 def _hopper() -> bool:
   """Whether the kernels run on a Hopper GPU (not when lowering for a GPU from a CPU host)."""
   if jax.default_backend() != "gpu":
@@ -133,6 +163,8 @@ def choose_impl(q, k, impl: str = "auto", mask_kind: str = "bidirectional") -> s
   """The implementation `impl` resolves to for these operands on the current backend."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl={impl!r} is not one of {IMPLS}")
+  if impl == "auto":
+    impl = _SCOPED_IMPL.get()
   if impl != "auto":
     return impl
   if platform.on_gpu():
