@@ -23,7 +23,7 @@ GPU sections (skipped on CPU, where fp8 dots are emulated and say nothing about 
 Arms that fail are reported and skipped; sections stop once --budget_s is spent.
 
   python benchmarks/fp8.py                 # headline: the error table; GPU timings when a GPU is present
-  python benchmarks/fp8.py --json out.json # also every number as JSON
+  python benchmarks/fp8.py --json out.json --hlo_dir hlo  # also every number as JSON, and each arm's HLO
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import re
 import statistics
 
@@ -130,19 +131,26 @@ def compile_and_time(fn, *args, calls: int = 10, repeats: int = 5, lowering=None
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - start) / calls)
   return {"seconds": statistics.median(samples), "compile_s": compile_seconds, "custom_calls": targets,
-          "cublaslt_fp8": CUBLASLT_FP8 in hlo, "triton_gemm_fusions": hlo.count("__triton_gemm")}
+          "cublaslt_fp8": CUBLASLT_FP8 in hlo, "triton_gemm_fusions": hlo.count("__triton_gemm"), "hlo": hlo}
+
+
+HLO_DIR: list[str] = []  # --hlo_dir: where each arm's optimised HLO is written (it stays out of the JSON)
 
 
 def _run_arm(results: dict, name: str, budget: Budget, fn, *args, lowering=None,
-             compiler_options=None) -> dict | None:
+             compiler_options=None, tag: str = "") -> dict | None:
   if budget.spent:
     results[name] = {"skipped": "time budget spent"}
     return None
   try:
     results[name] = compile_and_time(fn, *args, lowering=lowering, compiler_options=compiler_options)
   except Exception as error:  # one arm failing (e.g. a kernel that does not compile) must not end the run
-    results[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+    results[name] = {"error": f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"}
     return None
+  hlo = results[name].pop("hlo")
+  if HLO_DIR:
+    with open(os.path.join(HLO_DIR[0], re.sub(r"[^\w.+-]+", "_", f"{tag}_{name}") + ".hlo.txt"), "w") as f:
+      f.write(hlo)
   return results[name]
 
 
@@ -174,25 +182,26 @@ def gpu_gemms(tokens: int, budget: Budget) -> list[dict]:
                  "flops": 2.0 * tokens * k_dim * n_dim, "arms": {}})
     operands.append((x, w))
   blockwise = lambda x, w_q: fp8_matmul(quantize_activations(x), w_q, jnp.bfloat16)
+  tag = lambda row: f"gemm {row['model']} {row['gemm']}"
   for row, (x, w) in zip(rows, operands):
     arms = row["arms"]
     _run_arm(arms, "bf16", budget, lambda x, w: lax.dot_general(
-        x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16), x, w)
+        x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16), x, w, tag=tag(row))
     # Weights quantised once, outside the timed call (inference, or once per step in training).
     for impl, scaling in (("xla", "tensor"), ("xla_rowwise", "row")):
       w_q, w_scale = fp8_xla.quantize_weight(w, scaling)  # K-major [out, in]
       gemm = lambda x, w_q, w_scale, scaling=scaling: fp8_xla.forward(x, w_q, w_scale, scaling, jnp.bfloat16)[0]
-      if _run_arm(arms, impl, budget, gemm, x, w_q, w_scale) and not arms[impl]["cublaslt_fp8"]:
+      if _run_arm(arms, impl, budget, gemm, x, w_q, w_scale, tag=tag(row)) and not arms[impl]["cublaslt_fp8"]:
         # Diagnosis: XLA may drop the fp32 -> fp8 -> bf16 round trip under excess precision (see
         # BENCHMARKS.md, the error table on GPU) before its GEMM rewriter sees the fp8 operands.
         _run_arm(arms, f"{impl}+no_excess_precision", budget, lambda *args: gemm(*args), x, w_q,
-                 w_scale, compiler_options={"xla_allow_excess_precision": False})
+                 w_scale, compiler_options={"xla_allow_excess_precision": False}, tag=tag(row))
   for row, (x, w) in zip(rows, operands):
     w_blocks = quantize_blockwise(w)
-    _run_arm(row["arms"], "pallas", budget, blockwise, x, w_blocks)
+    _run_arm(row["arms"], "pallas", budget, blockwise, x, w_blocks, tag=tag(row))
     # A function of its own: jax caches the lowering of a function it has lowered for these arguments.
     _run_arm(row["arms"], "pallas_fastacc", budget, lambda x, w_q: blockwise(x, w_q), x, w_blocks,
-             lowering=triton_fp8_fast_accumulation(128))
+             lowering=triton_fp8_fast_accumulation(128), tag=tag(row))
   for row in rows:
     arms = row["arms"]
     bf16_seconds = arms["bf16"].get("seconds")
@@ -239,7 +248,7 @@ def gpu_train_layers(tokens: int, budget: Budget) -> list[dict]:
       def step(x, w, d_out, dot=dot):
         y, backward = jax.vjp(dot, x, w)
         return y, *backward(d_out)
-      _run_arm(arms, name, budget, step, x, w, d_out)
+      _run_arm(arms, name, budget, step, x, w, d_out, tag=f"train {model} {gemm}")
     flops = 3 * 2.0 * tokens * k_dim * n_dim
     bf16_seconds = arms["bf16"].get("seconds")
     print(f"training layer {model} {gemm} (forward + dX + dW, [{tokens} x {k_dim}] x [{k_dim} x {n_dim}]):")
@@ -278,12 +287,12 @@ def gpu_inference(batch: int, budget: Budget) -> dict:
     return (lambda state, x: nnx.merge(graph, state)(x)), state
 
   forward, state = forward_of(model)
-  _run_arm(arms, "bf16", budget, forward, state, x)
+  _run_arm(arms, "bf16", budget, forward, state, x, tag="inference")
   for name, impl in DENSE_ARMS.items():
     quantized = nnx.clone(model)
     quantize_params(quantized, impl=impl)
     forward, state = forward_of(quantized)
-    _run_arm(arms, name, budget, forward, state, x)
+    _run_arm(arms, name, budget, forward, state, x, tag="inference")
   bf16_seconds = arms["bf16"].get("seconds")
   print(f"DiT MLP stack inference, {batch} x {DIT_TOKENS} tokens, {DIT_BLOCKS} blocks:")
   for name, arm in arms.items():
@@ -302,7 +311,12 @@ def main():
                            "(from the process start; one compile and the report may follow)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--json", default=None, metavar="PATH", help="also write every number here as JSON")
+  parser.add_argument("--hlo_dir", default=None, metavar="DIR",
+                      help="GPU: write each arm's optimised HLO here (which GEMM XLA chose, and why not FP8)")
   args = parser.parse_args()
+  if args.hlo_dir:
+    os.makedirs(args.hlo_dir, exist_ok=True)
+    HLO_DIR.append(args.hlo_dir)
   nnx.use_eager_sharding(False)
   budget = Budget(args.budget_s, PROCESS_START)
 
