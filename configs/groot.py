@@ -9,6 +9,9 @@ the model's size and per-device memory without allocating it:
 Expect: ~2.4B parameters (DiT 0.55B, VL self-attention 0.20B, per-embodiment MLPs 0.32B, Qwen3
 truncated at layer 12 0.92B, SigLIP2 0.4B), LLM and vision frozen as LeRobot fine-tunes them; the
 flow-matching loss falls from ~1.5 to ~0.05 over a fine-tuning run.
+The packed VL row is chosen at start-up from the dataset's first 512 samples and logged (model.packing.
+row_length 0, ejax/data/row_plan.py: e.g. 8 samples a row of 2,176 tokens for 261-269-token samples,
+2.6 % padding); set model.packing.row_length and samples_per_row to fix one.
 
 CPU-sized run of the same architecture (the README's quickstart): the first run records ejax.sim's
 scripted-expert demonstrations of five tasks that share one scene and differ by instruction ("lift

@@ -10,7 +10,10 @@ Model summary without allocating it (3.3B parameters: Gemma-2B 2.51B, Gemma-300M
 adaRMS 0.11B, SigLIP So400m 0.41B):
   python -m ejax.main --config=configs/pi05.py --config.job=summary
 openpi's pi05_libero recipe: batch 256, lr 5e-5 cosine, 10k warmup, clip 1.0, EMA 0.999, horizon
-10. Full-size training has not been run in ejax yet (no GPU in the session that wrote this), so
+10. The packed prefix row is chosen at start-up from the dataset's first 512 samples and logged
+(model.packing.row_length 0, ejax/data/row_plan.py: one LIBERO-like sample of two cameras a row of 640
+tokens, ~8.5 % padding); set model.packing.row_length and samples_per_row to fix one.
+Full-size training has not been run in ejax yet (no GPU in the session that wrote this), so
 there is no measured loss curve to quote for it. What was measured: on 8 fake CPU devices under
 fsdp=8, the full-size train step (batch 8, bf16 compute, remat "full") lowers and compiles through
 the trainer (~4 + ~10 min on a loaded 2-core CPU), holding 6.25 GiB of arguments per device (fp32
