@@ -113,7 +113,8 @@ def compile_and_time(fn, *args, calls: int = 10, repeats: int = 5, lowering=None
   """Compiles fn once; the median over `repeats` of the mean time of `calls` back-to-back calls.
 
   Also what XLA compiled the GEMMs into: the custom-call targets in the optimised HLO (cuBLAS /
-  cuBLASLt, FP8 or not; Pallas kernels are `__gpu$xla.gpu.triton`) and Triton GEMM fusions.
+  cuBLASLt, FP8 or not; Pallas kernels are `__gpu$xla.gpu.triton`), Triton GEMM fusions (XLA's
+  autotuner may pick one over cuBLASLt), and dots left with fp8 operands (inside such fusions).
   """
   start = time.perf_counter()
   with lowering or contextlib.nullcontext():
@@ -131,7 +132,16 @@ def compile_and_time(fn, *args, calls: int = 10, repeats: int = 5, lowering=None
     jax.block_until_ready(out)
     samples.append((time.perf_counter() - start) / calls)
   return {"seconds": statistics.median(samples), "compile_s": compile_seconds, "custom_calls": targets,
-          "cublaslt_fp8": CUBLASLT_FP8 in hlo, "triton_gemm_fusions": hlo.count("__triton_gemm"), "hlo": hlo}
+          "cublaslt_fp8": CUBLASLT_FP8 in hlo, "triton_gemm_fusions": hlo.count('"__triton_gemm"'),
+          "fp8_dots": fp8_dots(hlo), "hlo": hlo}
+
+
+def fp8_dots(hlo: str) -> int:
+  """How many dots of the HLO text have an fp8 operand (operands are printed by name or with shape)."""
+  types = dict(re.findall(r"^\s*(?:ROOT )?(%[\w.-]+) = (\w+)\[", hlo, re.MULTILINE))
+  return sum("f8e" in operands or any(types.get(name, "").startswith("f8e")
+                                      for name in re.findall(r"%[\w.-]+", operands))
+             for operands in re.findall(r" dot\(([^)]*)\)", hlo))
 
 
 HLO_DIR: list[str] = []  # --hlo_dir: where each arm's optimised HLO is written (it stays out of the JSON)
@@ -162,9 +172,14 @@ def _describe(arm: dict, flops: float, bf16_seconds: float | None) -> str:
   if bf16_seconds:
     arm["speedup_vs_bf16"] = bf16_seconds / arm["seconds"]
     text += f" = {arm['speedup_vs_bf16']:.2f}x bf16"
-  gemm = "cuBLASLt FP8" if arm["cublaslt_fp8"] else ",".join(
-      t for t in arm["custom_calls"] if "cublas" in t or "triton" in t) or "no library GEMM"
-  return text + f" [{gemm}{', Triton GEMM fusion' if arm['triton_gemm_fusions'] else ''}]"
+  if arm["cublaslt_fp8"]:
+    gemm = "cuBLASLt FP8"
+  elif arm["fp8_dots"]:
+    gemm = "FP8 dot in a Triton GEMM fusion" if arm["triton_gemm_fusions"] else "FP8 dot"
+  else:
+    gemm = ",".join(t for t in arm["custom_calls"] if "cublas" in t or "triton" in t) or "no library GEMM"
+    gemm += ", Triton GEMM fusion" if arm["triton_gemm_fusions"] else ""
+  return text + f" [{gemm}]"
 
 
 def gpu_gemms(tokens: int, budget: Budget) -> list[dict]:
@@ -191,7 +206,8 @@ def gpu_gemms(tokens: int, budget: Budget) -> list[dict]:
     for impl, scaling in (("xla", "tensor"), ("xla_rowwise", "row")):
       w_q, w_scale = fp8_xla.quantize_weight(w, scaling)  # K-major [out, in]
       gemm = lambda x, w_q, w_scale, scaling=scaling: fp8_xla.forward(x, w_q, w_scale, scaling, jnp.bfloat16)[0]
-      if _run_arm(arms, impl, budget, gemm, x, w_q, w_scale, tag=tag(row)) and not arms[impl]["cublaslt_fp8"]:
+      if (_run_arm(arms, impl, budget, gemm, x, w_q, w_scale, tag=tag(row))
+          and not arms[impl]["cublaslt_fp8"] and not arms[impl]["fp8_dots"]):
         # Diagnosis: XLA may drop the fp32 -> fp8 -> bf16 round trip under excess precision (see
         # BENCHMARKS.md, the error table on GPU) before its GEMM rewriter sees the fp8 operands.
         _run_arm(arms, f"{impl}+no_excess_precision", budget, lambda *args: gemm(*args), x, w_q,
