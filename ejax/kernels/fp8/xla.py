@@ -23,6 +23,9 @@ rounding and the CPU emulation computes exactly what the GPU does):
 
 Gradients (custom_vjp): dY in e5m2, dX = dY . W and dW = X^T . dY as FP8 GEMMs too. With "row",
 each backward GEMM re-scales its operands along their non-contracted dimension.
+
+Not used: `jax.nn.scaled_matmul` / `scaled_dot_general` (block scales in the GEMM itself) lower to
+cuDNN's block-scaled GEMM for MX / NVFP4 formats, which needs Blackwell, not Hopper.
 """
 
 from __future__ import annotations
