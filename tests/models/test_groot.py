@@ -351,7 +351,10 @@ def test_heatmap_context_layers_and_position_term():
   changed = model.action_head.heatmap_logits(normalize_images(jnp.asarray(moved), jnp.float32), instruction)
   grid = size // 2
   delta = np.abs(np.asarray(changed - base)).reshape(2, grid, grid, -1).max(axis=(0, 3))
-  assert delta[0, 0] > 1e-6 and delta[0, 10] < 1e-6     # reach 1 + 2 + 2 = 5 cells: 4 away moves, 6 away does not
+  # Reach 1 + 2 + 2 = 5 cells: 4 away moves, 6 away does not beyond float rounding (exactly 0 on
+  # jax 0.9.2; jax 0.11's CPU convolutions leave ~1e-6 on logits of ~10 everywhere).
+  noise = 1e-6 * float(jnp.abs(base).max())
+  assert delta[0, 0] > 1e3 * noise and delta[0, 10] < noise
 
   c.update(aux_heatmap_position=True)
   model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
