@@ -147,11 +147,14 @@ def resolve(model_config, lengths: Sequence[int], *, samples_per_batch: int | No
   return with_plan(model_config, plan), plan
 
 
-def resolve_for_examples(model_config, example_lengths: Callable[..., Sequence[int]]):
+def resolve_for_examples(model_config, example_lengths: Callable[..., Sequence[int]],
+                         samples_per_batch: int | None = None):
   """model_config with its row chosen from EXAMPLE_SAMPLES example-batch lengths (a fixed draw, so that
-  example batches of every size and seed share one layout, EXAMPLE_SAMPLES_PER_ROW samples a row);
+  example batches of every size and seed share one layout, EXAMPLE_SAMPLES_PER_ROW samples a row),
+  for batches of `samples_per_batch` (a device's share, as the train job plans; None: whole rows);
   unchanged where the row is set."""
   if not is_auto(model_config.packing):
     return model_config
   lengths = example_lengths(model_config, EXAMPLE_SAMPLES, 0)
-  return resolve(model_config, lengths, allowed_samples_per_row=EXAMPLE_SAMPLES_PER_ROW)[0]
+  return resolve(model_config, lengths, samples_per_batch=samples_per_batch,
+                 allowed_samples_per_row=EXAMPLE_SAMPLES_PER_ROW)[0]

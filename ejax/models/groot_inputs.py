@@ -252,9 +252,10 @@ def libero_like_lengths(model_config, num_samples: int, seed: int = 0) -> np.nda
   return 2 + model_config.num_cameras * tokens_per_image(model_config) + instruction
 
 
-def example_config(model_config):
-  """model_config with packing.row_length = 0 (auto) resolved from the example batch's lengths."""
-  return row_plan.resolve_for_examples(model_config, example_lengths)
+def example_config(model_config, samples_per_batch: int | None = None):
+  """model_config with packing.row_length = 0 (auto) resolved from the example batch's lengths, for
+  batches of `samples_per_batch` samples a device (None: whole rows)."""
+  return row_plan.resolve_for_examples(model_config, example_lengths, samples_per_batch)
 
 
 def example_batch(model_config, batch_size: int, seed: int = 0, *, pack: bool = True) -> dict[str, np.ndarray]:

@@ -24,8 +24,8 @@ class ModelSpec:
   trainable_filter: Callable[..., Any] | None = None
   # (model_config, data_config) -> collate(list of per-sample dicts) -> batch; None stacks fields.
   make_collate: Callable[..., Any] | None = None
-  # (model_config) -> model_config with a packing.row_length of 0 ("auto") chosen from the example
-  # batch's lengths (ejax.data.row_plan); None: the model has no packed rows.
+  # (model_config, samples_per_batch=None) -> model_config with a packing.row_length of 0 ("auto")
+  # chosen from the example batch's lengths (ejax.data.row_plan); None: the model has no packed rows.
   example_config: Callable[..., Any] | None = None
 
 
@@ -41,8 +41,9 @@ def get_model_spec(name: str) -> ModelSpec:
   return load_entry(MODELS, name, "model", "config.model.name")
 
 
-def example_config(model_config):
+def example_config(model_config, samples_per_batch: int | None = None):
   """model_config as its example batches lay it out: an auto packed row (packing.row_length = 0)
-  resolved from the example batch's lengths; any other config unchanged."""
+  resolved from the example batch's lengths, for batches of `samples_per_batch` samples a device
+  (None: whole rows); any other config unchanged."""
   spec = get_model_spec(model_config.name)
-  return spec.example_config(model_config) if spec.example_config else model_config
+  return spec.example_config(model_config, samples_per_batch) if spec.example_config else model_config

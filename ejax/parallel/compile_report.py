@@ -66,11 +66,13 @@ def abstract_batch(model_config, global_batch: int, mesh, rules, accum: int = 1)
   import numpy as np
 
   from ejax.models.registry import example_config, get_model_spec
-  from ejax.parallel.data import batch_sharding
+  from ejax.parallel.data import batch_sharding, process_batch_shards
 
   spec = get_model_spec(model_config.name)
-  model_config = example_config(model_config)  # an auto packed row: the example batch's (ejax/data/row_plan.py)
   micro = global_batch // accum
+  # An auto packed row: the example batch's, planned for a device's share as the train job plans it
+  # (ejax/data/row_plan.py), so that every device holds whole rows.
+  model_config = example_config(model_config, max(1, micro // max(process_batch_shards(mesh, rules), 1)))
   small = 8 * int(model_config.get("packing", {}).get("samples_per_row", 1))
   one, two = spec.example_batch(model_config, small, 0), spec.example_batch(model_config, 2 * small, 0)
   out = {}
