@@ -1,6 +1,6 @@
 """The same example samples in three batch layouts, for a packed-vs-padded train-step comparison.
 
-  configured: the model config's packed row (an auto row: the one its example batches use);
+  configured: the model config's packed row (an auto row: the example batch's plan for this many samples);
   padded:     one sample a row, every row the longest sample's length rounded up to ROW_MULTIPLE;
   best_fit:   the row ejax.data.row_plan chooses for exactly these samples (packed best-fit);
   seed_padded: one sample a row of the fixed shape the seed and openpi pad to (every camera slot's
@@ -114,11 +114,10 @@ def train_step_arms(model_config, num_samples: int, seed: int = 0, *, flops: boo
     raise ValueError(f"train_step_arms needs at least one sample, got num_samples={num_samples}")
   inputs = _inputs(model_config)
   lengths = np.asarray(inputs.example_lengths(model_config, num_samples, seed))
-  configured = inputs.example_config(model_config)
+  configured = inputs.example_config(model_config, num_samples)  # an auto row: as one device's batch plans it
   padded = _with_row(model_config, row_plan.round_up(int(lengths.max()), row_plan.ROW_MULTIPLE), 1)
-  plan = row_plan.choose_row_plan(lengths, samples_per_batch=num_samples,
-                                  **{k: v for k, v in row_plan.packing_options(model_config.packing).items()
-                                     if k == "max_row_length"})
+  max_row_length = row_plan.packing_options(model_config.packing)["max_row_length"]
+  plan = row_plan.choose_row_plan(lengths, samples_per_batch=num_samples, max_row_length=max_row_length)
   best_fit = row_plan.with_plan(model_config, plan)
   weights = None
   if flops:
