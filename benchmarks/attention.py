@@ -12,9 +12,9 @@ reach at its block size.
 On GPU it then measures every route side by side in TFLOP/s, forward and forward+backward, with the
 FLOPs counted over the (query, key) pairs the mask allows (4 * pairs * head_dim * heads forward,
 3.5x that with the backward): ejax's Triton-backend kernel ("pallas"), tokamax's Mosaic GPU kernel
-("tokamax"), cuDNN over the segments as offsets ("cudnn_packed": causal rows only, it has no
-block-causal form), cuDNN with the dense mask ("cudnn") and the XLA loop ("xla"), on the VLA rows
-(block-causal) and on the same rows as causal LM segments. `--sweep` adds tile / launch settings of
+("tokamax"; "tokamax_fwd": its forward with ejax's backward), cuDNN over the segments as offsets
+("cudnn_packed": causal rows only, it has no block-causal form), cuDNN with the dense mask ("cudnn")
+and the XLA loop ("xla"), on the VLA rows (block-causal) and on the same rows as causal LM segments. `--sweep` adds tile / launch settings of
 ejax's kernel and tokamax configs. An arm that fails prints its error and the others go on;
 `--json PATH` writes every number (rewritten after each arm). The last line is the figure: the
 speedup on CPU, on GPU the fastest forward+backward TFLOP/s.
@@ -106,7 +106,8 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
   """(label, impl, extra flash_attention kwargs) of the TFLOP/s comparison."""
   if not (on_gpu or all_arms):
     return []
-  listed = [("pallas", "pallas", {}), ("tokamax", "tokamax", {}), ("cudnn_packed", "cudnn_packed", {}),
+  listed = [("pallas", "pallas", {}), ("tokamax", "tokamax", {}), ("tokamax_fwd", "tokamax_fwd", {}),
+            ("cudnn_packed", "cudnn_packed", {}),
             ("cudnn (dense mask)", "cudnn", {}), ("xla", "xla", {})]
   if sweep:
     for blocks in PALLAS_SWEEP:

@@ -48,7 +48,7 @@ def _packed_layout(rng: np.random.Generator, length: int):
 
 class AttentionTest:
   INTERPRET = False
-  IMPLS = ("pallas", "xla", pytest.param("tokamax", marks=TOKAMAX))
+  IMPLS = ("pallas", "xla", pytest.param("tokamax", marks=TOKAMAX), pytest.param("tokamax_fwd", marks=TOKAMAX))
 
   @pytest.fixture(scope="class")
   def data(self):
@@ -106,7 +106,8 @@ class AttentionTest:
     assert not np.asarray(out)[padding].any()
 
   @pytest.mark.parametrize("impl,mask_kind", [("pallas", "block_causal"), ("xla", "causal"),
-                                              pytest.param("tokamax", "block_causal", marks=TOKAMAX)])
+                                              pytest.param("tokamax", "block_causal", marks=TOKAMAX),
+                                              pytest.param("tokamax_fwd", "causal", marks=TOKAMAX)])
   def test_packed_rows_bf16(self, data, impl, mask_kind):
     self._check(impl, data["q"], data["k"], data["v"], data["d_out"],
                 self._mask_kwargs(data, mask_kind), dtype=jnp.bfloat16, atol=3e-2, grad_atol=3e-2)
@@ -282,14 +283,15 @@ def test_packed_segments_offsets_and_checks():
 
 
 @TOKAMAX
-def test_tokamax_falls_back_to_ejax_for_a_layout_that_is_not_ranges():
+@pytest.mark.parametrize("impl", ["tokamax", "tokamax_fwd"])
+def test_tokamax_falls_back_to_ejax_for_a_layout_that_is_not_ranges(impl):
   rng = np.random.default_rng(1)
   mask, _ = _interval_case("causal")
   segment_ids = np.asarray(mask.q_segment_ids).copy()
   segment_ids[0, 2] = 0  # padding inside segment 1: no key range holds this mask
   q, k, v = (jnp.asarray(rng.normal(size=(2, 24, 2, 16)), jnp.float32) for _ in range(3))
   kwargs = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, mask_kind="causal")
-  np.testing.assert_allclose(flash_attention(q, k, v, impl="tokamax", **kwargs),
+  np.testing.assert_allclose(flash_attention(q, k, v, impl=impl, **kwargs),
                              attention_reference(q, k, v, **kwargs), atol=2e-5)
 
 

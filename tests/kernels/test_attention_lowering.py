@@ -70,8 +70,9 @@ def test_triton_launch_settings_reach_every_kernel(forbid_fallbacks):
 
 
 @pytest.mark.skipif(not tokamax_gpu.available(), reason=tokamax_gpu.unavailable_reason())
-@pytest.mark.parametrize("mask_kind", ["bidirectional", "causal", "block_causal"])
-def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, monkeypatch, mask_kind):
+@pytest.mark.parametrize("impl,mask_kind", [("tokamax", "bidirectional"), ("tokamax", "causal"),
+                                            ("tokamax", "block_causal"), ("tokamax_fwd", "block_causal")])
+def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, monkeypatch, impl, mask_kind):
   import tokamax
   from jax._src.pallas.triton import gpu_info
   from tokamax._src import gpu_utils
@@ -84,7 +85,9 @@ def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, monkeypatch, mas
   # A persistent kernel sizes its grid from the device's core count, which a CPU has not.
   config = tokamax_gpu.sm90_config(persistent=False)
   with tokamax.config.cross_compile(True):
-    module = lower_for_cuda(_loss("tokamax", mask_kind, tokamax_config=config), *_args())
+    module = lower_for_cuda(_loss(impl, mask_kind, tokamax_config=config), *_args())
   calls = custom_calls(module)
-  assert calls["mosaic_gpu_v2"] == 3  # forward, and the backward's dQ and dK/dV kernels
+  # tokamax: its forward and its backward's dQ and dK/dV kernels; tokamax_fwd: its forward only, the
+  # backward is ejax's (Triton) as in the fallback branch.
+  assert calls["mosaic_gpu_v2"] == (3 if impl == "tokamax" else 1)
   assert set(triton_kernels(module)) == ATTENTION_KERNELS

@@ -39,7 +39,7 @@ from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_
 from ejax.parallel.axes import ACT_BATCH, ACT_HEADS
 from ejax.parallel.rules import current_context, logical_to_spec
 
-IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "cudnn_packed")
+IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd", "cudnn_packed")
 # What "auto" runs on a Hopper GPU (compute capability 9.x) where that impl applies (else "pallas"):
 # set from benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128 (BENCHMARKS.md).
 # Until measured on an H100/H200, ejax's own kernel.
@@ -100,6 +100,35 @@ def _blockwise_bwd(plan: _Plan, residuals, d_out):
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tokamax_forward(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *mask):
+  return _tokamax_forward_fwd(plan, options, q, k, v, k_start, k_end, has_keys, *mask)[0]
+
+
+def _tokamax_forward_fwd(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *mask):
+  config, on_gpu = options
+  ranges = intervals.KeyRanges(k_start, k_end, has_keys, jnp.bool_(True))
+  out, lse = tokamax_gpu.forward_with_lse(q, k, v, ranges, scale=plan.scale, on_gpu=on_gpu, config=config)
+  return out, (q, k, v, MaskInputs(*mask), out, lse)
+
+
+def _tokamax_forward_bwd(plan: _Plan, options, residuals, d_out):
+  """ejax's blockwise backward from tokamax's out and lse, on block-padded copies."""
+  q, k, v, mask, out, lse = residuals
+  q_len, kv_len = q.shape[1], k.shape[1]
+  q_p, k_p, v_p, mask_p = pad_to_blocks(q, k, v, mask, plan.blocks)
+  q_pad = q_p.shape[1] - q_len
+  pad_rows = lambda x: jnp.pad(x, [(0, 0), (0, q_pad), (0, 0), (0, 0)])
+  lse_p = jnp.pad(lse, [(0, 0), (0, 0), (0, q_pad)])
+  if plan.backend == "xla":  # its lse is [batch, kv_heads, groups, len]; q head h reads kv head h // groups
+    lse_p = lse_p.reshape(lse.shape[0], k.shape[2], -1, lse_p.shape[-1])
+  dq, dk, dv = _backward(plan, q_p, k_p, v_p, mask_p, pad_rows(out), lse_p, pad_rows(d_out))
+  return (dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]) + (None,) * 7
+
+
+_tokamax_forward.defvjp(_tokamax_forward_fwd, _tokamax_forward_bwd)
+
+
 def _cudnn_attention(q, k, v, scale: float, **mask_kwargs):
   if not platform.on_gpu():
     raise ValueError(f"attention impl='cudnn' needs a GPU, the backend is {platform.target_backend()!r}; "
@@ -153,6 +182,8 @@ def _applies(impl: str, q, k, mask_kind: str) -> bool:
     return pallas_gpu.supports(q, k)
   if impl == "tokamax":
     return tokamax_gpu.available() and q.dtype in (jnp.bfloat16, jnp.float16)
+  if impl == "tokamax_fwd":
+    return _applies("tokamax", q, k, mask_kind) and pallas_gpu.supports(q, k)
   if impl == "cudnn_packed":
     return (mask_kind in cudnn_packed.MASK_KINDS and q.shape[1] == k.shape[1]
             and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and q.dtype in (jnp.bfloat16, jnp.float16))
@@ -190,7 +221,7 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
                        f"{mask_kind!r}), bf16/fp16 and head_dim <= 256 a multiple of 8 (here {q.dtype}, "
                        f"{q.shape[-1]}); use impl='auto'")
   elif not tokamax_gpu.available():
-    raise ValueError(f"attention impl='tokamax': {tokamax_gpu.unavailable_reason()}; use impl='auto'")
+    raise ValueError(f"attention impl={impl!r}: {tokamax_gpu.unavailable_reason()}; use impl='auto'")
   mask, ordered = normalise_mask(batch, q_len, kv_len, **mask_kwargs)
   k, v = k.astype(q.dtype), v.astype(q.dtype)
   if impl == "tokamax":
@@ -198,6 +229,16 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
     valid = ranges.valid
     fast = lambda q, k, v: tokamax_gpu.attention(q, k, v, ranges, scale=scale, on_gpu=on_gpu,
                                                  config=tokamax_config)
+  elif impl == "tokamax_fwd":
+    if on_gpu and not pallas_gpu.supports(q, k):
+      raise ValueError(f"attention impl='tokamax_fwd' runs ejax's Pallas backward, which needs head_dim in "
+                       f"{pallas_gpu.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}; use impl='auto'")
+    ranges = intervals.key_ranges(mask, ordered)
+    valid = ranges.valid
+    blocks = (block_sizes or (GPU_BLOCK_SIZES if on_gpu else CPU_BLOCK_SIZES)).fitted(q_len, kv_len)
+    plan = _Plan("pallas" if on_gpu else "xla", ordered, scale, blocks, False)
+    fast = lambda q, k, v: _tokamax_forward(plan, (tokamax_config, on_gpu), q, k, v, ranges.k_start,
+                                            ranges.k_end, ranges.has_keys, *mask)
   else:
     segments = intervals.packed_segments(mask, ordered, cudnn_packed.MAX_SEGMENTS)
     valid = segments.valid
@@ -246,7 +287,7 @@ def flash_attention(
     return attention_reference(q, k, v, scale=scale, **mask_kwargs)
   if impl == "cudnn":
     return _cudnn_attention(q, k, v, scale, **mask_kwargs)
-  if impl in ("tokamax", "cudnn_packed"):
+  if impl in ("tokamax", "tokamax_fwd", "cudnn_packed"):
     return _external_attention(impl, q, k, v, mask_kind, mask_kwargs, scale, block_sizes, interpret,
                                tokamax_config)
   if impl == "pallas" and not pallas_gpu.supports(q, k):

@@ -66,21 +66,38 @@ def sm90_config(block_q: int = 64, block_kv: int = 128, num_stages: int = 2, per
                            persistent=persistent)
 
 
+def _op(on_gpu: bool, config):
+  base, mosaic = _require()
+  if not on_gpu:
+    return base.DotProductAttention()
+  if config is None:
+    return mosaic.PallasMosaicGpuFlashAttention()
+  return mosaic.PallasMosaicGpuFlashAttention(config=config)
+
+
+def _mask(ranges: KeyRanges):
+  base, _ = _require()
+  # A query with no allowed key gets a one-key range (key 0) and its output is zeroed: an empty
+  # range would divide by a zero softmax sum inside the kernel, and NaNs would reach the gradients.
+  k_start = jnp.where(ranges.has_keys, ranges.k_start, 0)
+  k_end = jnp.where(ranges.has_keys, ranges.k_end, 1)
+  return base.Mask(k_start=k_start[:, None, :], k_end=k_end[:, None, :])  # [batch, 1 (heads), q_len]
+
+
 def attention(q, k, v, ranges: KeyRanges, *, scale: float, on_gpu: bool, config=None):
   """out [batch, q_len, heads, d]: attention over each query's key range; zeros where it is empty.
 
   Differentiable (tokamax's op is a custom_vjp with its own Mosaic GPU backward kernels on GPU).
   """
-  base, mosaic = _require()
-  # A query with no allowed key gets a one-key range (key 0) and its output is zeroed: an empty
-  # range would divide by a zero softmax sum inside the kernel, and NaNs would reach the gradients.
-  k_start = jnp.where(ranges.has_keys, ranges.k_start, 0)
-  k_end = jnp.where(ranges.has_keys, ranges.k_end, 1)
-  mask = base.Mask(k_start=k_start[:, None, :], k_end=k_end[:, None, :])  # [batch, 1 (heads), q_len]
-  if on_gpu:
-    op = mosaic.PallasMosaicGpuFlashAttention() if config is None else \
-        mosaic.PallasMosaicGpuFlashAttention(config=config)
-  else:
-    op = base.DotProductAttention()
-  out = op(q, k, v, mask=mask, logits_scale=scale)
+  out = _op(on_gpu, config)(q, k, v, mask=_mask(ranges), logits_scale=scale)
   return jnp.where(ranges.has_keys[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def forward_with_lse(q, k, v, ranges: KeyRanges, *, scale: float, on_gpu: bool, config=None):
+  """(out, lse [batch, heads, q_len] fp32) in ejax's convention (zeros where a query sees no key), for
+  a backward pass by ejax's kernel: tokamax's SM90 backward skips only causal blocks, not key ranges."""
+  out, (row_max, row_sum) = _op(on_gpu, config)(q, k, v, mask=_mask(ranges), logits_scale=scale,
+                                                 return_residuals=True)
+  seen = ranges.has_keys[:, None, :]
+  lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), 0.0).astype(jnp.float32)
+  return jnp.where(ranges.has_keys[:, :, None, None], out, jnp.zeros((), out.dtype)), lse
