@@ -8,8 +8,11 @@ rows (segment ids, per-segment positions) and every mask kind behave the same in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import weakref
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend.core
@@ -65,11 +68,47 @@ def param_key(rngs: nnx.Rngs) -> jax.Array:
   return jax.random.fold_in(entry[1], entry[2])
 
 
+@dataclasses.dataclass(frozen=True)
+class DeferredInit:
+  """How to make one parameter's value later: `init(key, shape, dtype)`, as make_param would have."""
+  init: Initializer
+  key: jax.Array
+  shape: tuple[int, ...]
+  dtype: Any
+
+
+# While `deferred_init()` is active: id(nnx.Param) -> (the Param, its DeferredInit).
+_deferred: contextvars.ContextVar[dict | None] = contextvars.ContextVar("ejax_deferred_init", default=None)
+
+
+@contextlib.contextmanager
+def deferred_init():
+  """Models built inside get shape-only parameters (jax.ShapeDtypeStruct values, no computation);
+  yields a dict id(param) -> (param, DeferredInit) that says how to make each value.
+
+  The keys are the ones make_param draws under a trace, so initialising every parameter from its
+  DeferredInit gives the values of the traced init bit for bit (ejax/train/state.py makes them with
+  one small program per distinct initializer and shape instead of one program for the whole model).
+  """
+  records: dict = {}
+  token = _deferred.set(records)
+  try:
+    yield records
+  finally:
+    _deferred.reset(token)
+
+
 def make_param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], names: Sequence[str | None],
                param_dtype=jnp.float32) -> nnx.Param:
   """An nnx.Param initialised by `init` and carrying one logical axis name per dimension."""
   if len(names) != len(shape):
     raise ValueError(f"parameter of shape {tuple(shape)} needs {len(shape)} axis names, got {tuple(names)}")
+  records = _deferred.get()
+  if records is not None:
+    shape, dtype = tuple(int(n) for n in shape), jnp.dtype(param_dtype)
+    param = nnx.Param(jax.ShapeDtypeStruct(shape, dtype), sharding_names=tuple(names))
+    records[id(param)] = (param, DeferredInit(init, param_key(rngs), shape, dtype))
+    return param
   return nnx.Param(init(param_key(rngs), tuple(shape), param_dtype), sharding_names=tuple(names))
 
 

@@ -30,7 +30,7 @@ from ejax.train import resume, vision_pretrain
 from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
-from ejax.train.state import abstract_train_state, count_params, make_init_fn, model_parts
+from ejax.train.state import count_params, materialize, model_parts, plan_train_state
 from ejax.train.step import jit_train_step, make_train_step
 from ejax.train.signals import StartupInterrupted, StopSignal, signal_name
 from ejax.train.workdir import WorkdirLock, prepare_workdir, refuse_or_move_old_run, saved_steps
@@ -103,7 +103,9 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   # --- Model, optimizer, checkpoints and data ----------------------------------------------------
   tx, schedule = make_optimizer(train_cfg)
   parts = model_parts(config.model)
-  abstract, shardings = abstract_train_state(config.model, train_cfg, tx, mesh, rules)
+  started = time.perf_counter()
+  plan = plan_train_state(config.model, train_cfg, tx, mesh, rules, seed=config.seed)
+  abstract, shardings = plan.abstract, plan.shardings
   logging.info("parameters: %d trainable, %d frozen", count_params(abstract.params), count_params(abstract.frozen))
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                               async_save=config.checkpoint.async_save, for_writing=True)
@@ -139,12 +141,15 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
     state, data_state = resume.restore(checkpointer, resume_step, abstract_target(abstract, shardings), changes)
     if data_state is not None:
       data_iter.set_state(data_state)
-    logging.info("resumed from step %d", int(state.step))
+    jax.block_until_ready(state)
+    logging.info("resumed from step %d: state restored in %.1f s", int(state.step), time.perf_counter() - started)
   else:
     stop.phase = "initialising the parameters"
-    state = jax.jit(make_init_fn(config.model, train_cfg, tx), out_shardings=shardings)(jax.random.key(config.seed))
+    state = jax.block_until_ready(materialize(plan))
     if pretrained_vision is not None:
       state = vision_pretrain.load_into(state, pretrained_vision)
+    logging.info("state ready in %.1f s (%d parameters initialised)", time.perf_counter() - started,
+                 len(plan.deferred))
   start_step = int(jax.device_get(state.step))
 
   # --- Compile the step once; report memory and FLOPs ------------------------------------------
@@ -156,7 +161,9 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   stop.phase = "compiling the train step"
   logging.info("compiling the train step")
   step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings, batch_shardings, mesh)
+  compile_started = time.perf_counter()
   compiled = step_fn.lower(state, batch).compile()
+  logging.info("train step compiled in %.1f s", time.perf_counter() - compile_started)
   metrics_lib.log_memory_analysis(compiled)
   flops = metrics_lib.compiled_flops(compiled)
   peak = metrics_lib.peak_flops_per_device(override=config.metrics.get("peak_flops_per_device"))

@@ -1,0 +1,95 @@
+"""The train state built from shapes (issue 31 point 3): the same values as tracing the whole model's
+init, without one random-init computation per parameter; loaded weights are placed, not initialised."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from ejax.parallel import make_mesh
+from ejax.train import state as state_lib
+from ejax.train.optim import make_optimizer
+from tests.train.helpers import load_config, tiny_config
+
+
+def _bits(x):
+  return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+
+
+def _traced_state(config, shardings, seed):
+  tx, _ = make_optimizer(config.train)
+  return jax.jit(state_lib.make_init_fn(config.model, config.train, tx), out_shardings=shardings)(jax.random.key(seed))
+
+
+def _setup(config):
+  mesh = make_mesh(config.mesh.to_dict())
+  rules = [tuple(r) for r in config.sharding_rules]
+  tx, _ = make_optimizer(config.train)
+  return mesh, rules, tx
+
+
+@pytest.mark.parametrize("which", ["tiny", "groot"])
+def test_state_from_shapes_equals_the_traced_init_bit_for_bit(which):
+  config = tiny_config() if which == "tiny" else load_config("configs/groot.py", "runlocal,dataset=synthetic")
+  config.train.ema_decay = 0.99  # the EMA copy too
+  mesh, rules, tx = _setup(config)
+  plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=5)
+  with mesh:
+    built = state_lib.materialize(plan)
+  traced = _traced_state(config, plan.shardings, seed=5)
+  assert jax.tree.structure(built) == jax.tree.structure(traced)
+  # Parameters made outside layers.make_param (tiny's position table and nnx.Embed: values written in
+  # the module) are computed op by op while the model is built: equal up to the fused program's rounding.
+  for part in ("params", "frozen", "opt_state", "ema_params", "rest", "step", "rng"):
+    ours, theirs = getattr(built, part), getattr(traced, part)
+    deferred = None
+    if part in ("params", "frozen", "ema_params"):
+      variables = jax.tree.leaves(getattr(plan, "params" if part == "ema_params" else part),
+                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+      deferred = [id(v) in plan.deferred for v in variables]
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(ours), jax.tree.leaves(theirs))):
+      assert a.shape == b.shape and a.dtype == b.dtype and a.sharding == b.sharding
+      if deferred is not None and not deferred[i]:
+        np.testing.assert_allclose(_bits(a), _bits(b), rtol=1e-6, atol=1e-7)
+      else:
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{part} leaf {i}")
+  # Repeated layers share one vmapped init: far fewer random-init computations than parameters.
+  if which == "groot":
+    leaves = state_lib._sort_leaves(plan, {})
+    assert len(leaves.groups) <= 0.25 * len(plan.deferred) and not leaves.values
+
+
+def test_the_abstract_state_needs_no_computation_of_model_size():
+  config = load_config("configs/groot.py")  # full size: 2.4B parameters, FSDP over the test's devices
+  mesh, rules, tx = _setup(config)
+  abstract, shardings = state_lib.abstract_train_state(config.model, config.train, tx, mesh, rules)
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves((abstract.params, abstract.frozen)))
+  assert 2.2e9 < total < 2.6e9
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+
+
+def test_loaded_weights_are_placed_and_the_rest_initialised():
+  config = tiny_config()
+  mesh, rules, tx = _setup(config)
+  plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=1)
+  flat = nnx.to_flat_state(plan.abstract.params)
+  path, target = next((p, v) for p, v in flat if len(v.shape) == 2)
+  value = np.full(target.shape, 0.25, np.float32)
+  pure = {}
+  node = pure
+  for key in path[:-1]:
+    node = node.setdefault(key, {})
+  node[path[-1]] = value
+  with mesh:
+    built = state_lib.materialize(plan, {"params": pure})
+    reference = state_lib.materialize(plan)
+  got = dict(nnx.to_flat_state(built.params))
+  np.testing.assert_array_equal(np.asarray(got[path].get_value()), value)
+  for (p, a), (_, b) in zip(nnx.to_flat_state(built.params), nnx.to_flat_state(reference.params)):
+    if p != path:
+      np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()))
+
+  node[path[-1]] = np.zeros((3, 3), np.float32)
+  with pytest.raises(ValueError, match=r"has shape \(3, 3\), the model needs"):
+    state_lib.materialize(plan, {"params": pure})
