@@ -67,7 +67,9 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.name = "groot"
   c.dtype = "bfloat16"
   c.param_dtype = "float32"
-  c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8
+  c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8: slower than bf16
+  #                                    on Hopper until a GPU shows otherwise (BENCHMARKS.md, FP8)
+  c.fp8_impl = "blockwise"           # with fp8: blockwise (Pallas) | xla | xla_rowwise (cuBLASLt FP8)
   c.remat = "full"                   # per-block rematerialisation (ejax.parallel.remat)
   c.attention_impl = "auto"          # every attention call: ejax.kernels.attention IMPLS ("auto": per backend)
   c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224, conv_stem=(),
@@ -308,7 +310,8 @@ class GrootActionHead(nnx.Module):
     attention_impl = config.get("attention_impl", "auto")
     self.vl_self_attention = VLSelfAttentionTransformer(VLTransformerConfig(**config.vl_transformer),
                                                         remat=config.remat, attention_impl=attention_impl, **common)
-    self.dit = DiT(dit_config, fp8=config.fp8, remat=config.remat, attention_impl=attention_impl, **common)
+    fp8 = config.fp8 and config.get("fp8_impl", True)
+    self.dit = DiT(dit_config, fp8=fp8, remat=config.remat, attention_impl=attention_impl, **common)
     self.state_encoder = CategorySpecificMLP(config.max_num_embodiments, config.max_state_dim, config.hidden_size,
                                              width, **common)
     self.action_encoder = MultiEmbodimentActionEncoder(config.max_num_embodiments, config.max_action_dim, width,

@@ -1,0 +1,55 @@
+"""Downloads into .whl/ the wheels the GPU machines' image lacks, for benchmarks/gpu.py to install there.
+
+The image (Python 3.12, x86-64, jax 0.11.x with CUDA, flax, optax, orbax, numpy, safetensors,
+tokenizers, sentencepiece) has no network; ejax also needs the packages below, at the versions
+constraints.txt pins. flax is carried too, so the GPU runs the flax the tests pass on. Run where pip
+reaches PyPI, in the repository root; .whl/ is git-ignored and travels with the device call (~26 MB).
+
+  python benchmarks/download_wheels.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# ejax's imports the image lacks, and theirs (mujoco 4 is split into mujoco + mujoco-core).
+PACKAGES = ("ml_collections", "mujoco", "mujoco-core", "mujoco-mjx", "glfw", "pyopengl", "trimesh", "grain",
+            "array_record", "dm-tree", "portpicker", "tensorboardX", "websockets", "openpi-client", "flax")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64", "any")
+# Pins for what constraints.txt does not list (mujoco's split packages come with mujoco 4.0.0).
+EXTRA_PINS = {"mujoco-core": "4.0.0", "pyopengl": "3.1.10", "portpicker": "1.6.0"}
+
+
+def pins() -> dict[str, str]:
+  out = dict(EXTRA_PINS)
+  with open(os.path.join(REPO, "constraints.txt")) as f:
+    for line in f:
+      match = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;]+)", line.strip())
+      if match:
+        out[match.group(1).lower().replace("_", "-")] = match.group(2)
+  return out
+
+
+def main() -> None:
+  versions = pins()
+  destination = os.path.join(REPO, ".whl")
+  os.makedirs(destination, exist_ok=True)
+  for package in PACKAGES:
+    version = versions.get(package.lower().replace("_", "-"))
+    requirement = f"{package}=={version}" if version else package
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.12", "--implementation", "cp", "-d", destination, requirement]
+    for platform in PLATFORMS:
+      command += ["--platform", platform]
+    subprocess.run(command, check=True)
+  size = sum(os.path.getsize(os.path.join(destination, n)) for n in os.listdir(destination))
+  print(f"{len(os.listdir(destination))} wheels in {destination}, {size / 2**20:.0f} MiB")
+
+
+if __name__ == "__main__":
+  main()

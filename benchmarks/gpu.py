@@ -1,0 +1,184 @@
+"""Every GPU figure in one command, for a short window on a bare GPU machine.
+
+GPU time comes in short windows (minutes) on a machine that starts bare: an image with jax 0.11.x
+and CUDA but without ml-collections, mujoco or grain, and no network. This script installs what the
+image lacks from wheels carried beside the checkout (.whl/, made here by --download_wheels), then
+runs each figure's benchmark in its own process under its own time limit, most important first,
+skipping what no longer fits the total budget, and writes one JSON per figure plus all.json to --out:
+
+  train_step  benchmarks/train_step.py: GR00T-N1.5 and pi0.5 full-size train steps, every arm
+  startup     benchmarks/train_step.py --startup: full GR00T state and step compiled from shapes
+  attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
+  fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
+  packing     benchmarks/packing.py, the GPU-sized case
+  sim         benchmarks/sim.py --gpu: MJX batches
+  serve       benchmarks/serve.py: served vs in-process chunks per second
+
+  python benchmarks/download_wheels.py        # here, once: the wheels into .whl/ (git-ignored)
+  python benchmarks/gpu.py --out $OUT/gpu     # there: ~8 minutes, then record BENCHMARKS.md
+  python benchmarks/gpu.py --smoke            # any machine: the same figures at CPU sizes, seconds each
+
+The last line: `GPU figures: <n> of <m> ran (goal all)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WHEELS = os.path.join(REPO, ".whl")
+SITE = "/tmp/ejax-site"
+# Modules ejax imports that the GPU image lacks (its jax, optax, orbax, numpy, safetensors stay).
+NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client")
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+  name: str
+  args: tuple[str, ...]          # on a GPU
+  smoke_args: tuple[str, ...]    # --smoke: CPU-sized
+  limit: float                   # seconds on a GPU
+  json_flag: bool = True         # the script takes --json PATH
+
+
+FIGURES = (
+    Figure("train_step", ("benchmarks/train_step.py", "--steps", "8"),
+           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1"), 240),
+    Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
+                         "--head_dim", "128"),
+           ("benchmarks/attention.py", "--rows", "1", "--row_length", "512", "--repeats", "1"), 90),
+    Figure("fp8", ("benchmarks/fp8.py",), ("benchmarks/fp8.py", "--tokens", "128"), 90),
+    Figure("startup", ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py"),
+           ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py:runlocal", "--per_device_batch", "6"),
+           60),
+    Figure("packing", ("benchmarks/packing.py", "--width", "1024", "--depth", "8", "--heads", "8", "--samples", "192",
+                       "--padded_batch", "32", "--rows_per_batch", "8"),
+           ("benchmarks/packing.py", "--samples", "8", "--padded_batch", "4", "--rounds", "1", "--width", "32",
+            "--depth", "1"), 60, json_flag=False),
+    Figure("sim", ("benchmarks/sim.py", "--gpu"), ("benchmarks/sim.py", "--camera-envs", "2", "--camera-steps", "1",
+                                                   "--camera-rounds", "1"), 45, json_flag=False),
+    Figure("serve", ("benchmarks/serve.py", "--seconds", "3", "--rounds", "1"),
+           ("benchmarks/serve.py", "--clients", "1", "2", "--seconds", "0.5", "--rounds", "1"), 40, json_flag=False),
+)
+
+
+def missing_modules() -> list[str]:
+  out = []
+  for name in NEEDED:
+    try:
+      if importlib.util.find_spec(name) is None:
+        out.append(name)
+    except ModuleNotFoundError:
+      out.append(name)
+  return out
+
+
+def install_wheels() -> str:
+  """Installs .whl/*.whl into SITE when the image lacks a module; the PYTHONPATH the figures run with."""
+  path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+  missing = missing_modules()
+  if not missing:
+    return path
+  wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl")))
+  if not wheels:
+    raise SystemExit(f"this python lacks {', '.join(missing)} and {WHEELS} holds no wheels: run "
+                     "`python benchmarks/download_wheels.py` where pip reaches PyPI and carry .whl along")
+  start = time.time()
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                  "--no-cache-dir", "--upgrade", "--target", SITE, *wheels], check=True)
+  print(f"installed {len(wheels)} wheels into {SITE} in {time.time() - start:.0f} s", flush=True)
+  return os.pathsep.join((REPO, SITE, os.environ.get("PYTHONPATH", ""))).rstrip(os.pathsep)
+
+
+def environment() -> dict:
+  info = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "python": sys.version.split()[0]}
+  for command in (["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm,temperature.gpu",
+                   "--format=csv,noheader"], ["uptime"]):
+    try:
+      info[command[0]] = subprocess.run(command, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as error:
+      info[command[0]] = f"unavailable: {error}"
+  return info
+
+
+def last_figure_line(output: str) -> str:
+  """The benchmark's `<figure>: <value> (goal <goal>)` line (the last line that has one)."""
+  lines = [line for line in output.strip().splitlines() if "(goal" in line]
+  return lines[-1] if lines else (output.strip().splitlines() or [""])[-1]
+
+
+def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dict) -> dict:
+  path = os.path.join(out_dir, f"{figure.name}.json")
+  args = list(figure.smoke_args if smoke else figure.args)
+  data_path = os.path.join(out_dir, f".{figure.name}.data.json")
+  if figure.json_flag:
+    args += ["--json", data_path]
+  command = [sys.executable, *args]
+  print(f"--- {figure.name}: {' '.join(args)} (limit {limit:.0f} s)", flush=True)
+  start = time.time()
+  try:
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
+    output, code, timed_out = done.stdout + done.stderr, done.returncode, False
+  except subprocess.TimeoutExpired as error:
+    output = ((error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else (error.stdout or ""))
+    output += ((error.stderr or b"").decode(errors="replace") if isinstance(error.stderr, bytes) else (error.stderr or ""))
+    code, timed_out = None, True
+  seconds = time.time() - start
+  result = {"name": figure.name, "command": " ".join(args), "returncode": code, "timed_out": timed_out,
+            "seconds": round(seconds, 1), "line": last_figure_line(output), "output": output[-20000:]}
+  if os.path.exists(data_path):
+    with open(data_path) as f:
+      result["data"] = json.load(f)
+    os.remove(data_path)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+  tail = "\n".join(output.strip().splitlines()[-25:])
+  print(tail, flush=True)
+  status = "timed out" if timed_out else f"exit {code}"
+  print(f"--- {figure.name}: {status} after {seconds:.0f} s", flush=True)
+  return result
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "gpu"))
+  parser.add_argument("--budget", type=float, default=470.0, help="seconds for all figures together")
+  parser.add_argument("--only", default="", help="figures to run, comma-separated (default: all)")
+  parser.add_argument("--smoke", action="store_true", help="CPU-sized arguments, short limits (the CPU test)")
+  args = parser.parse_args(argv)
+  deadline = time.time() + args.budget
+  os.makedirs(args.out, exist_ok=True)
+  env = dict(os.environ, PYTHONPATH=install_wheels(), PYTHONUNBUFFERED="1")
+  summary = {"environment": environment(), "figures": {}}
+  print(json.dumps(summary["environment"], indent=1), flush=True)
+  chosen = [f for f in FIGURES if not args.only or f.name in args.only.split(",")]
+  for figure in chosen:
+    left = deadline - time.time()
+    limit = min(figure.limit * (2 if args.smoke else 1), left)
+    if limit < 15:
+      summary["figures"][figure.name] = {"skipped": f"{left:.0f} s of the budget left"}
+      print(f"--- {figure.name}: skipped, {left:.0f} s of the budget left", flush=True)
+      continue
+    summary["figures"][figure.name] = run_figure(figure, args.out, limit, args.smoke, env)
+  for name, result in summary["figures"].items():
+    result.pop("output", None)
+  with open(os.path.join(args.out, "all.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  print("\n=== figures")
+  for name, result in summary["figures"].items():
+    print(f"{name:>11}: {result.get('line') or result.get('skipped')}"
+          f"{'  [timed out]' if result.get('timed_out') else ''}")
+  ran = sum(1 for r in summary["figures"].values() if r.get("returncode") == 0)
+  print(f"GPU figures: {ran} of {len(chosen)} ran (goal all)")
+
+
+if __name__ == "__main__":
+  main()

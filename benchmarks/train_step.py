@@ -1,0 +1,285 @@
+"""The trainer's own train step, full size, timed: samples/s, model TFLOP/s and MFU per arm.
+
+For GR00T-N1.5 and pi0.5 (configs/groot.py, configs/pi05.py) on the devices present, this builds
+what the train job builds (ejax.train.state.create_train_state, ejax.train.step.jit_train_step) and
+feeds it the model's own example batch, in arms timed back to back in one process:
+  configured   the config as it is
+  padded       one sample a row, the row as long as the longest sample (rounded up to 128)
+  best_fit     samples a row and row length chosen from the batch's lengths (ejax.data.row_plan)
+  fp8_<impl>   GR00T's DiT feed-forward through each FP8 route (model.fp8, model.fp8_impl)
+  attn_<impl>  the configured layout with model.attention_impl=<impl>, for each implementation
+Per arm: state-ready seconds (built and on the device), compile seconds, median step ms, samples/s,
+model TFLOP/s and MFU (ejax.train.flops: forward + backward, no recomputation; the device's dense
+bf16 peak), peak memory (XLA's buffer assignment of the step). Beside the packing arms it prints the
+FLOP bound between them (the same samples' model FLOPs padded vs packed). On a CPU it runs the
+runlocal sizes. Last line:
+  GR00T-N1.5 train step on <device>: <x> samples/s, MFU <y> % (goal 40 %)
+
+  python benchmarks/train_step.py                       # both models, every arm
+  python benchmarks/train_step.py --models groot --arms configured,padded --steps 5
+  python benchmarks/train_step.py --startup --config=configs/groot.py
+
+--startup compiles the full-size state and train step from shapes, allocating nothing (as
+ejax.parallel.compile_report does), and prints
+  startup configs/groot.py: state <a> s, train step compile <b> s (<device>)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+GOAL_MFU = 40.0
+NAMES = {"groot": "GR00T-N1.5", "pi05": "pi0.5"}
+CONFIGS = {"groot": "configs/groot.py", "pi05": "configs/pi05.py"}
+ALL_ARMS = ("configured", "padded", "best_fit", "fp8", "attn")
+
+
+def load_config(path: str, arg: str | None):
+  from ejax.parallel.compile_report import load_config_file
+  return load_config_file(os.path.join(REPO, path), arg)
+
+
+def on_cpu() -> bool:
+  return jax.default_backend() == "cpu"
+
+
+def model_config_for(name: str):
+  """The config of `name` at the size this machine runs: full on accelerators, runlocal on CPUs."""
+  # On CPUs GR00T's runlocal without the simulator's perception aids (ejax.sim's demonstrations switch
+  # them on): the model as released, at CPU size.
+  arg = {"groot": "runlocal,dataset=synthetic", "pi05": "runlocal"}[name] if on_cpu() else None
+  config = load_config(CONFIGS[name], arg)
+  config.mesh = dict(data=1, fsdp=-1, tensor=1)
+  return config
+
+
+# --- Arms --------------------------------------------------------------------------------------
+
+
+def arm_configs(config, arms: list[str], samples: int) -> dict:
+  """name -> (the config of that arm, its batch: numpy arrays of `samples` samples)."""
+  from ejax.models.layout_arms import train_step_arms
+  layouts = train_step_arms(config.model, samples, flops=False)
+  out = {}
+
+  def with_layout(layout: str):
+    arm_config = config.copy_and_resolve_references()
+    arm = layouts[layout]
+    arm_config.model.packing.update(row_length=arm.row_length, samples_per_row=arm.samples_per_row)
+    return arm_config, arm.batch
+
+  for arm in arms:
+    if arm in ("configured", "padded", "best_fit"):
+      out[arm] = with_layout(arm)
+    elif arm == "fp8" and "fp8" in config.model:
+      from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
+      for impl in FP8_IMPLS:
+        out[f"fp8_{impl}"] = with_layout("configured")
+        out[f"fp8_{impl}"][0].model.update(fp8=True, fp8_impl=impl)
+    elif arm == "attn":
+      for impl in attention_impls(config.model):
+        out[f"attn_{impl}"] = with_layout("configured")
+        out[f"attn_{impl}"][0].model.attention_impl = impl
+  return out
+
+
+def attention_impls(model_config) -> list[str]:
+  if "attention_impl" not in model_config or on_cpu():
+    return []
+  from ejax.kernels.attention.ops import IMPLS
+  return [impl for impl in IMPLS if impl not in ("auto", "reference")]
+
+
+# --- One arm -----------------------------------------------------------------------------------
+
+
+def run_arm(config, example: dict, steps: int) -> dict:
+  """Builds the state, compiles the step, times `steps` steps on `example`; a dict of figures."""
+  from ejax.parallel import global_batch, make_mesh
+  from ejax.parallel.rules import sharding_context
+  from ejax.train import flops as flops_lib
+  from ejax.train.metrics import peak_flops_per_device
+  from ejax.train.optim import make_optimizer
+  from ejax.train.state import create_train_state, model_parts
+  from ejax.train.step import jit_train_step, make_train_step
+
+  mesh = make_mesh(config.mesh.to_dict())
+  rules = [tuple(rule) for rule in config.sharding_rules]
+  tx, schedule = make_optimizer(config.train)
+  arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
+  with mesh, sharding_context(mesh, rules):
+    start = time.perf_counter()
+    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+    jax.block_until_ready(state)
+    state_seconds = time.perf_counter() - start
+    batch = global_batch(arrays, mesh, rules)
+    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
+                          jax.tree.map(lambda x: x.sharding, batch), mesh)
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_seconds = time.perf_counter() - start
+    times = []
+    for i in range(steps + 2):
+      start = time.perf_counter()
+      state, metrics = compiled(state, batch)
+      jax.block_until_ready(metrics["loss"])
+      if i >= 2:  # two warm-up steps
+        times.append(time.perf_counter() - start)
+    loss = float(metrics["loss"])
+  memory = compiled.memory_analysis()
+  step_bytes = sum(int(getattr(memory, f"{name}_size_in_bytes", 0) or 0) for name in ("argument", "output", "temp"))
+  step_bytes -= int(getattr(memory, "alias_size_in_bytes", 0) or 0)
+  samples = int(arrays["actions"].shape[0])
+  layout = flops_lib.layout_of_batch(config.model, arrays)
+  per_sample = flops_lib.train_flops_per_sample(config.model, layout)
+  median = statistics.median(times)
+  samples_per_second = samples / median
+  model_flops = per_sample.model * samples_per_second
+  peak = peak_flops_per_device()
+  stats = jax.devices()[0].memory_stats() or {}
+  del state, compiled, step
+  gc.collect()
+  return dict(
+      state_seconds=state_seconds, compile_seconds=compile_seconds, step_ms=1e3 * median,
+      step_ms_all=[1e3 * t for t in times], samples=samples, samples_per_second=samples_per_second,
+      model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
+      model_flops_per_sample=per_sample.model, row_tokens=layout.row_tokens, loss=loss,
+      packing=dict(config.model.packing), step_peak_gib=step_bytes / 2**30,
+      device_peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30)
+
+
+def describe(name: str, result: dict) -> str:
+  if "error" in result:
+    return f"  {name:<16} failed: {result['error']}"
+  mfu = f"{result['mfu_percent']:.1f} %" if result["mfu_percent"] is not None else "n/a"
+  return (f"  {name:<16} state {result['state_seconds']:6.1f} s  compile {result['compile_seconds']:6.1f} s  "
+          f"step {result['step_ms']:8.1f} ms  {result['samples_per_second']:8.1f} samples/s  "
+          f"{result['model_tflops']:7.1f} TFLOP/s  MFU {mfu:>7}  row {result['packing'].get('row_length')} x "
+          f"{result['packing'].get('samples_per_row')}  ({result['row_tokens']:.0f} tokens/sample)  "
+          f"step peak {result['step_peak_gib']:.1f} GiB")
+
+
+def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str) -> None:
+  config = model_config_for(name)
+  samples = per_device_batch * jax.device_count()
+  results = out.setdefault(name, {})
+  print(f"{NAMES[name]} ({'runlocal' if on_cpu() else 'full size'}), {samples} samples a step on "
+        f"{jax.device_count()} x {jax.devices()[0].device_kind}:", flush=True)
+  for arm, (arm_config, example) in arm_configs(config, arms, samples).items():
+    try:
+      results[arm] = run_arm(arm_config, example, steps)
+    except Exception as error:  # one arm failing (memory, a kernel the device lacks) must not stop the rest
+      message = str(error).strip().splitlines()
+      results[arm] = {"error": f"{type(error).__name__}: {message[0] if message else ''}"[:300]}
+      gc.collect()
+    print(describe(arm, results[arm]), flush=True)
+    if json_path:
+      with open(json_path, "w") as f:
+        json.dump(out, f, indent=1)
+  padded, packed = results.get("padded", {}), [results.get(a, {}) for a in ("configured", "best_fit")]
+  if "samples_per_second" in padded:
+    for arm, result in zip(("configured", "best_fit"), packed):
+      if "samples_per_second" in result:
+        bound = padded["model_flops_per_sample"] / result["model_flops_per_sample"]
+        print(f"  {arm}/padded: {result['samples_per_second'] / padded['samples_per_second']:.2f}x "
+              f"(FLOP bound {bound:.2f}x)")
+
+
+# --- Startup -----------------------------------------------------------------------------------
+
+
+def startup(config_path: str, per_device_batch: int) -> str:
+  """Compiles the state and the step from shapes; the startup line."""
+  from ejax.parallel import make_mesh
+  from ejax.parallel.compile_report import abstract_batch
+  from ejax.parallel.rules import sharding_context
+  from ejax.train.optim import make_optimizer
+  from ejax.train.state import compile_state_init, model_parts, plan_train_state
+  from ejax.train.step import jit_train_step, make_train_step
+
+  path, _, arg = config_path.partition(":")
+  config = load_config(path, arg or None)
+  mesh = make_mesh(config.mesh.to_dict())
+  rules = [tuple(rule) for rule in config.sharding_rules]
+  tx, schedule = make_optimizer(config.train)
+  start = time.perf_counter()
+  plan = plan_train_state(config.model, config.train, tx, mesh, rules)
+  planned = time.perf_counter() - start
+  state_report = compile_state_init(plan)
+  state_seconds = planned + state_report["lower_seconds"] + state_report["compile_seconds"]
+  batch = abstract_batch(config.model, per_device_batch * mesh.size, mesh, rules,
+                         int(config.train.grad_accum_steps))
+  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                plan.abstract, plan.shardings)
+  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), plan.shardings,
+                        {k: v.sharding for k, v in batch.items()}, mesh)
+  start = time.perf_counter()
+  with mesh, sharding_context(mesh, rules):
+    step.lower(abstract_state, batch).compile()
+  step_seconds = time.perf_counter() - start
+  print(f"  state: model built from shapes {planned:.1f} s, {state_report['initialised']} parameters in "
+        f"{state_report['groups']} init groups, lowered {state_report['lower_seconds']:.1f} s, "
+        f"compiled {state_report['compile_seconds']:.1f} s")
+  return (f"startup {config_path}: state {state_seconds:.1f} s, train step compile {step_seconds:.1f} s "
+          f"({jax.devices()[0].device_kind})")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", default="groot,pi05")
+  parser.add_argument("--arms", default=",".join(ALL_ARMS))
+  parser.add_argument("--per_device_batch", type=int, default=0,
+                      help="samples a step per device (0: 32 for GR00T and 8 for pi0.5 on GPUs, 8 on CPUs)")
+  parser.add_argument("--steps", type=int, default=10, help="timed steps per arm (after two warm-up steps)")
+  parser.add_argument("--json", default="", help="write every figure here (rewritten after each arm)")
+  parser.add_argument("--startup", action="store_true", help="compile the state and step from shapes only")
+  parser.add_argument("--config", default="configs/groot.py", help="--startup: the config (':arg' allowed)")
+  parser.add_argument("--cache", action="store_true",
+                      help="use the persistent compilation cache (off: every figure is a cold compile)")
+  args = parser.parse_args(argv)
+  if args.cache:
+    from ejax.config.runtime import enable_compilation_cache
+    enable_compilation_cache("~/.cache/ejax/xla")
+  if args.startup:
+    line = startup(args.config, args.per_device_batch or 32)
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"line": line}, f)
+    print(line)
+    return
+  out = {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "jax": jax.__version__,
+         "date": time.strftime("%Y-%m-%d %H:%M")}
+  arms = [a for a in args.arms.split(",") if a]
+  unknown = sorted(set(arms) - set(ALL_ARMS))
+  if unknown:
+    raise SystemExit(f"--arms {','.join(unknown)}: not one of {','.join(ALL_ARMS)}")
+  for name in [m for m in args.models.split(",") if m]:
+    default_batch = 8 if on_cpu() or name == "pi05" else 32
+    bench_model(name, arms, args.per_device_batch or default_batch, args.steps, out, args.json)
+  groot = out.get("groot", {})
+  best = max((r for r in groot.values() if "samples_per_second" in r), key=lambda r: r["samples_per_second"],
+             default=None)
+  samples = f"{best['samples_per_second']:.1f}" if best else "n/a"
+  mfu = f"{best['mfu_percent']:.1f}" if best and best["mfu_percent"] is not None else "n/a"
+  line = f"GR00T-N1.5 train step on {out['device']}: {samples} samples/s, MFU {mfu} % (goal {GOAL_MFU:.0f} %)"
+  out["line"] = line
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(out, f, indent=1)
+  print(line)
+
+
+if __name__ == "__main__":
+  main()
