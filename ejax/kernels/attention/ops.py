@@ -11,6 +11,8 @@ impl:
 - "tokamax": tokamax's Pallas Mosaic GPU kernel (wgmma + TMA) with each query's keys as one range
   (tokamax_gpu.py, intervals.py); needs tokamax (jax >= 0.11.1, Python >= 3.12). Off GPU it runs
   tokamax's XLA op (tests).
+- "tokamax_fwd": tokamax's forward with ejax's backward (Pallas on GPU): tokamax's SM90 backward skips
+  causal blocks only, so over packed rows it does the dense row's work; ejax's skips by segment.
 - "cudnn_packed": cuDNN flash attention over the segments as offsets (cudnn_packed.py); GPU (Hopper)
   only, self-attention with the "bidirectional" or "causal" mask kind.
   Both run where the rows are packed (each segment contiguous, order keys rising along it); a batch
