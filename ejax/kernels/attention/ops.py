@@ -15,7 +15,7 @@ impl:
   causal blocks only, so over packed rows it does the dense row's work; ejax's skips by segment.
 - "cudnn_packed": cuDNN flash attention over the segments as offsets (cudnn_packed.py); GPU (Hopper)
   only, self-attention with the "bidirectional" or "causal" mask kind.
-  Both run where the rows are packed (each segment contiguous, order keys rising along it); a batch
+  The three run where the rows are packed (each segment contiguous, order keys rising along it); a batch
   that is not runs ejax's own kernel instead (a `lax.cond` on a check made on device), so every impl
   gives reference.py's answer.
 - "auto": on a Hopper GPU `HOPPER_AUTO` where it applies, else pallas on GPU when the kernel supports
