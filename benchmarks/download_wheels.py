@@ -2,8 +2,9 @@
 
 The image (Python 3.12, x86-64, jax 0.11.x with CUDA, flax, optax, orbax, numpy, safetensors,
 tokenizers, sentencepiece) has no network; ejax also needs the packages below, at the versions
-constraints.txt pins. flax is carried too, so the GPU runs the flax the tests pass on. Run where pip
-reaches PyPI, in the repository root; .whl/ is git-ignored and travels with the device call (~26 MB).
+constraints.txt pins. The image's flax is used (the pinned 0.12.6 cannot import on jax 0.11); tokamax
+and a fallback flax 0.12.12 live in .whl/tokamax (see benchmarks/attention_hopper.sh). Run where pip
+reaches PyPI, in the repository root; .whl/ is git-ignored and travels with the device call (~32 MB).
 
   python benchmarks/download_wheels.py
 """
@@ -18,7 +19,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ejax's imports the image lacks, and theirs (mujoco 4 is split into mujoco + mujoco-core).
 PACKAGES = ("ml_collections", "mujoco", "mujoco-core", "mujoco-mjx", "glfw", "pyopengl", "trimesh", "grain",
-            "array_record", "dm-tree", "portpicker", "tensorboardX", "websockets", "openpi-client", "flax")
+            "array_record", "dm-tree", "portpicker", "tensorboardX", "websockets", "openpi-client")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "any")
 # Pins for what constraints.txt does not list (mujoco's split packages come with mujoco 4.0.0).

@@ -2,14 +2,15 @@
 
 GPU time comes in short windows (minutes) on a machine that starts bare: an image with jax 0.11.x
 and CUDA but without ml-collections, mujoco or grain, and no network. This script installs what the
-image lacks from wheels carried beside the checkout (.whl/, made here by --download_wheels), then
+image lacks from wheels carried beside the checkout (.whl/, made by benchmarks/download_wheels.py), then
 runs each figure's benchmark in its own process under its own time limit, most important first,
-skipping what no longer fits the total budget, and writes one JSON per figure plus all.json to --out:
+skipping what no longer fits the total budget, and writes all.json and most figures' own JSON to --out:
 
-  train_step  benchmarks/train_step.py: GR00T-N1.5 and pi0.5 full-size train steps, every arm
-  startup     benchmarks/train_step.py --startup: full GR00T state and step compiled from shapes
+  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, packing and FP8 arms
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
+  train_step_pi05  the same for pi0.5
+  startup     benchmarks/train_step.py --startup: full GR00T state and step compiled from shapes
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
   serve       benchmarks/serve.py: served vs in-process chunks per second
@@ -47,26 +48,32 @@ class Figure:
   smoke_args: tuple[str, ...]    # --smoke: CPU-sized
   limit: float                   # seconds on a GPU
   json_flag: bool = True         # the script takes --json PATH
+  own_file: bool = True          # its JSON beside all.json (a device call brings back 8 files at most)
+  smoke_limit: float = 0         # --smoke: seconds (0: twice the GPU limit)
 
 
 FIGURES = (
-    Figure("train_step", ("benchmarks/train_step.py", "--steps", "8"),
-           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1"), 240),
+    Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded,best_fit,fp8_xla",
+                          "--steps", "8"),
+           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1"), 200),
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
-                         "--head_dim", "128"),
-           ("benchmarks/attention.py", "--rows", "1", "--row_length", "512", "--repeats", "1"), 90),
+                         "--head_dim", "128", "--sweep"),
+           ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
     Figure("fp8", ("benchmarks/fp8.py",), ("benchmarks/fp8.py", "--tokens", "128"), 90),
+    Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms", "configured", "--steps", "5"),
+           ("benchmarks/train_step.py", "--models", "pi05", "--arms", "configured", "--steps", "1"), 100),
     Figure("startup", ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py"),
            ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py:runlocal", "--per_device_batch", "6"),
-           60),
+           60, own_file=False),
     Figure("packing", ("benchmarks/packing.py", "--width", "1024", "--depth", "8", "--heads", "8", "--samples", "192",
                        "--padded_batch", "32", "--rows_per_batch", "8"),
            ("benchmarks/packing.py", "--samples", "8", "--padded_batch", "4", "--rounds", "1", "--width", "32",
-            "--depth", "1"), 60, json_flag=False),
+            "--depth", "1"), 50, json_flag=False),
     Figure("sim", ("benchmarks/sim.py", "--gpu"), ("benchmarks/sim.py", "--camera-envs", "2", "--camera-steps", "1",
-                                                   "--camera-rounds", "1"), 45, json_flag=False),
+                                                   "--camera-rounds", "1"), 40, json_flag=False, smoke_limit=240),
     Figure("serve", ("benchmarks/serve.py", "--seconds", "3", "--rounds", "1"),
-           ("benchmarks/serve.py", "--clients", "1", "2", "--seconds", "0.5", "--rounds", "1"), 40, json_flag=False),
+           ("benchmarks/serve.py", "--clients", "1", "2", "--seconds", "0.5", "--rounds", "1"), 35, json_flag=False,
+           own_file=False),
 )
 
 
@@ -82,19 +89,27 @@ def missing_modules() -> list[str]:
 
 
 def install_wheels() -> str:
-  """Installs .whl/*.whl into SITE when the image lacks a module; the PYTHONPATH the figures run with."""
+  """Installs .whl/*.whl (and tokamax's, .whl/tokamax/*.whl) into SITE when the image lacks a module;
+  the PYTHONPATH the figures run with. The image's flax stays unless it cannot import on its jax; then
+  the carried flax 0.12.12 (.whl/tokamax/flax/) goes in (flax 0.12.6, the CPU pin, cannot import on 0.11)."""
   path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
   missing = missing_modules()
   if not missing:
     return path
-  wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl")))
+  wheels = sorted(glob.glob(os.path.join(WHEELS, "*.whl")) + glob.glob(os.path.join(WHEELS, "tokamax", "*.whl")))
   if not wheels:
     raise SystemExit(f"this python lacks {', '.join(missing)} and {WHEELS} holds no wheels: run "
                      "`python benchmarks/download_wheels.py` where pip reaches PyPI and carry .whl along")
   start = time.time()
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                  "--no-cache-dir", "--upgrade", "--target", SITE, *wheels], check=True)
-  print(f"installed {len(wheels)} wheels into {SITE} in {time.time() - start:.0f} s", flush=True)
+  pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
+         "--upgrade", "--target", SITE]
+  subprocess.run(pip + wheels, check=True)
+  flax_ok = subprocess.run([sys.executable, "-c", "import flax.nnx"], capture_output=True).returncode == 0
+  fallback = glob.glob(os.path.join(WHEELS, "tokamax", "flax", "*.whl"))
+  if not flax_ok and fallback:
+    subprocess.run(pip + fallback, check=True)
+  print(f"installed {len(wheels)} wheels into {SITE} in {time.time() - start:.0f} s"
+        f"{'' if flax_ok else ' (and the carried flax: the image' + chr(39) + 's did not import)'}", flush=True)
   return os.pathsep.join((REPO, SITE, os.environ.get("PYTHONPATH", ""))).rstrip(os.pathsep)
 
 
@@ -138,8 +153,9 @@ def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dic
     with open(data_path) as f:
       result["data"] = json.load(f)
     os.remove(data_path)
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
+  if figure.own_file:
+    with open(path, "w") as f:
+      json.dump(result, f, indent=1)
   tail = "\n".join(output.strip().splitlines()[-25:])
   print(tail, flush=True)
   status = "timed out" if timed_out else f"exit {code}"
@@ -162,14 +178,17 @@ def main(argv=None) -> None:
   chosen = [f for f in FIGURES if not args.only or f.name in args.only.split(",")]
   for figure in chosen:
     left = deadline - time.time()
-    limit = min(figure.limit * (2 if args.smoke else 1), left)
+    limit = min((figure.smoke_limit or 2 * figure.limit) if args.smoke else figure.limit, left)
     if limit < 15:
       summary["figures"][figure.name] = {"skipped": f"{left:.0f} s of the budget left"}
       print(f"--- {figure.name}: skipped, {left:.0f} s of the budget left", flush=True)
       continue
     summary["figures"][figure.name] = run_figure(figure, args.out, limit, args.smoke, env)
   for name, result in summary["figures"].items():
-    result.pop("output", None)
+    if next(f for f in FIGURES if f.name == name).own_file:
+      result.pop("output", None)
+    elif "output" in result:
+      result["output"] = result["output"][-4000:]
   with open(os.path.join(args.out, "all.json"), "w") as f:
     json.dump(summary, f, indent=1)
   print("\n=== figures")

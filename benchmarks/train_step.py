@@ -82,17 +82,25 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
 
   for arm in arms:
     if arm in ("configured", "padded", "best_fit"):
+      if arm == "best_fit" and _same_layout(layouts["best_fit"], layouts["configured"]):
+        print(f"  best_fit: the configured row ({layouts['configured'].row_length} x "
+              f"{layouts['configured'].samples_per_row}) is already the best fit for these samples")
+        continue
       out[arm] = with_layout(arm)
-    elif arm == "fp8" and "fp8" in config.model:
+    elif arm.split("_")[0] == "fp8" and "fp8" in config.model:
       from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
-      for impl in FP8_IMPLS:
+      for impl in FP8_IMPLS if arm == "fp8" else [arm[len("fp8_"):]]:
         out[f"fp8_{impl}"] = with_layout("configured")
         out[f"fp8_{impl}"][0].model.update(fp8=True, fp8_impl=impl)
-    elif arm == "attn":
-      for impl in attention_impls(config.model):
+    elif arm.split("_")[0] == "attn" and "attention_impl" in config.model:
+      for impl in attention_impls(config.model) if arm == "attn" else [arm[len("attn_"):]]:
         out[f"attn_{impl}"] = with_layout("configured")
         out[f"attn_{impl}"][0].model.attention_impl = impl
   return out
+
+
+def _same_layout(a, b) -> bool:
+  return (a.row_length, a.samples_per_row, a.num_rows) == (b.row_length, b.samples_per_row, b.num_rows)
 
 
 def attention_impls(model_config) -> list[str]:
@@ -239,7 +247,9 @@ def startup(config_path: str, per_device_batch: int) -> str:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="groot,pi05")
-  parser.add_argument("--arms", default=",".join(ALL_ARMS))
+  parser.add_argument("--arms", default=",".join(ALL_ARMS),
+                      help="configured, padded, best_fit, fp8 (every FP8 route) or fp8_<impl>, attn (every "
+                           "attention implementation) or attn_<impl>")
   parser.add_argument("--per_device_batch", type=int, default=0,
                       help="samples a step per device (0: 32 for GR00T and 8 for pi0.5 on GPUs, 8 on CPUs)")
   parser.add_argument("--steps", type=int, default=10, help="timed steps per arm (after two warm-up steps)")
@@ -262,18 +272,19 @@ def main(argv=None) -> None:
   out = {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "jax": jax.__version__,
          "date": time.strftime("%Y-%m-%d %H:%M")}
   arms = [a for a in args.arms.split(",") if a]
-  unknown = sorted(set(arms) - set(ALL_ARMS))
+  unknown = sorted(a for a in arms if a not in ALL_ARMS and a.split("_")[0] not in ("fp8", "attn"))
   if unknown:
     raise SystemExit(f"--arms {','.join(unknown)}: not one of {','.join(ALL_ARMS)}")
   for name in [m for m in args.models.split(",") if m]:
     default_batch = 8 if on_cpu() or name == "pi05" else 32
     bench_model(name, arms, args.per_device_batch or default_batch, args.steps, out, args.json)
-  groot = out.get("groot", {})
-  best = max((r for r in groot.values() if "samples_per_second" in r), key=lambda r: r["samples_per_second"],
-             default=None)
+  headline = "groot" if "groot" in out else next((m for m in NAMES if m in out), "groot")
+  best = max((r for r in out.get(headline, {}).values() if "samples_per_second" in r),
+             key=lambda r: r["samples_per_second"], default=None)
   samples = f"{best['samples_per_second']:.1f}" if best else "n/a"
   mfu = f"{best['mfu_percent']:.1f}" if best and best["mfu_percent"] is not None else "n/a"
-  line = f"GR00T-N1.5 train step on {out['device']}: {samples} samples/s, MFU {mfu} % (goal {GOAL_MFU:.0f} %)"
+  line = (f"{NAMES[headline]} train step on {out['device']}: {samples} samples/s, MFU {mfu} % "
+          f"(goal {GOAL_MFU:.0f} %)")
   out["line"] = line
   if args.json:
     with open(args.json, "w") as f:

@@ -219,8 +219,22 @@ def _state_program(plan: StatePlan, leaves: _Leaves, loaded_structs: dict):
   shardings = plan.shardings.replace(rest=None, rng=None)
   key_structs = [jax.ShapeDtypeStruct((len(members),) + jax.random.key_data(members[0][2].key).shape, jnp.uint32)
                  for members in groups]
-  fn = jax.jit(build, out_shardings=shardings, donate_argnums=(2,))
+  # The program depends on the groups, the values' shapes and the shardings, not on the keys: a
+  # second state of the same model in this process (a benchmark's next arm) reuses the compiled one.
+  signature = (tuple((key, tuple((part, index) for part, index, _ in members))
+                     for key, members in leaves.groups.items()),
+               tuple((k, v.shape, str(v.dtype)) for k, v in leaves.values.items()),
+               tuple((k, v.shape, str(v.dtype)) for k, v in loaded_structs.items()),
+               jax.tree.structure(plan.abstract), tuple(jax.tree.leaves(plan.abstract)),
+               tuple(jax.tree.leaves(shardings)), plan.ema)
+  fn = _STATE_PROGRAMS.get(signature)
+  if fn is None:
+    fn = _STATE_PROGRAMS[signature] = jax.jit(build, out_shardings=shardings, donate_argnums=(2,))
   return fn, key_structs
+
+
+# signature -> the jitted state program (the initializers it closes over stay alive with it)
+_STATE_PROGRAMS: dict = {}
 
 
 def _group_keys(leaves: _Leaves) -> list:
