@@ -137,7 +137,7 @@ def matmul_flops(hlo_text: str) -> float:
 
 
 def _replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
-  """The device groups of a collective, from either HLO spelling of replica_groups."""
+  """The device groups of a collective, from any HLO spelling of replica_groups."""
   import numpy as np
   iota = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", attributes)
   if iota:
@@ -147,6 +147,20 @@ def _replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
     if iota.group(3):
       ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
     return ids.reshape(groups[0], -1).tolist()
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attributes)
+  if mesh:
+    # jax 0.11's XLA names the mesh's axes (devices in row-major order over them) and the axes a
+    # group spans: mesh['axis_0'=2,'axis_1'=4] {'axis_1'} is the groups {0..3}, {4..7}.
+    axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+    spanned = re.findall(r"'([^']+)'", mesh.group(2))
+    names = [name for name, _ in axes]
+    if not axes or len(axes) != mesh.group(1).count("=") or any(n not in names for n in spanned):
+      raise ValueError(f"cannot read replica_groups=mesh[{mesh.group(1)}] {{{mesh.group(2)}}}")
+    ids = np.arange(math.prod(int(size) for _, size in axes)).reshape([int(size) for _, size in axes])
+    kept = [i for i, name in enumerate(names) if name not in spanned]
+    order = kept + [names.index(name) for name in spanned]
+    group_size = math.prod(ids.shape[i] for i in order[len(kept):])
+    return ids.transpose(order).reshape(-1, group_size).tolist()
   listed = re.search(r"replica_groups=\{(\{[0-9,\s]*\}(?:,\s*\{[0-9,\s]*\})*)\}", attributes)
   if listed:
     return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9,\s]*)\}", listed.group(1))]

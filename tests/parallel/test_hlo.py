@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ejax.parallel import make_mesh
-from ejax.parallel.hlo import collective_summary, collectives, matmul_flops
+from ejax.parallel.hlo import _replica_groups, collective_summary, collectives, matmul_flops
 from ejax.train.metrics import compiled_flops
 
 
@@ -46,3 +46,16 @@ def test_collectives_of_a_sharded_scan():
   assert any(c.crosses_nodes for c in found)
   np.testing.assert_allclose(summary["all-gather"]["sent_bytes"],
                              sum(c.count * 3 / 4 * c.buffer_bytes for c in gathers))
+
+
+def test_replica_groups_in_every_spelling():
+  # iota (jax 0.9.2's XLA), listed, and named mesh axes (jax 0.11's XLA): the same groups.
+  by_fsdp = [[0, 1, 2, 3], [4, 5, 6, 7]]
+  by_data = [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert _replica_groups("replica_groups=[2,4]<=[8], dimensions={0}", 8) == by_fsdp
+  assert _replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}", 8) == by_data
+  assert _replica_groups("replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}", 8) == by_fsdp
+  assert _replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}", 8) == by_fsdp
+  assert _replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add", 8) == by_data
+  assert _replica_groups("replica_groups=mesh['axis_0'=8] {'axis_0'}, to_apply=%add", 8) == [list(range(8))]
+  assert _replica_groups("channel_id=1, dimensions={0}", 4) == [[0, 1, 2, 3]]
