@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 
 import jax
 from jax.experimental import pallas as pl
@@ -34,6 +35,18 @@ def varying_axes(x) -> frozenset[str]:
   if axes is None:
     axes = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
   return frozenset(axes)
+
+
+def varying_struct(shape, dtype, sources) -> jax.ShapeDtypeStruct:
+  """A ShapeDtypeStruct (a pallas_call's out_shape) typed as varying over every jax.shard_map axis
+  that the arrays in `sources` vary over: under shard_map's varying-axes check a kernel's outputs
+  need it. jax <= 0.10 takes the axes as `vma`, jax 0.11 as a `manual_axis_type`."""
+  leaves = jax.tree.leaves(sources)
+  axes = frozenset().union(*(varying_axes(leaf) for leaf in leaves))
+  if "vma" in inspect.signature(jax.ShapeDtypeStruct).parameters:
+    return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
+  manual = jax.typeof(leaves[0]).manual_axis_type.update(varying=axes)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
 
 
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("ejax_kernel_target", default=None)
