@@ -169,6 +169,7 @@ def main(argv=None) -> None:
   parser.add_argument("--budget", type=float, default=470.0, help="seconds for all figures together")
   parser.add_argument("--only", default="", help="figures to run, comma-separated (default: all)")
   parser.add_argument("--smoke", action="store_true", help="CPU-sized arguments, short limits (the CPU test)")
+  parser.add_argument("--limits", default="", help="per-figure seconds, e.g. train_step=170,fp8=60")
   args = parser.parse_args(argv)
   deadline = time.time() + args.budget
   os.makedirs(args.out, exist_ok=True)
@@ -176,6 +177,8 @@ def main(argv=None) -> None:
   summary = {"environment": environment(), "figures": {}}
   print(json.dumps(summary["environment"], indent=1), flush=True)
   chosen = [f for f in FIGURES if not args.only or f.name in args.only.split(",")]
+  limits = {name: float(seconds) for name, _, seconds in (part.partition("=") for part in args.limits.split(",") if part)}
+  chosen = [dataclasses.replace(f, limit=limits.get(f.name, f.limit)) for f in chosen]
   for figure in chosen:
     left = deadline - time.time()
     limit = min((figure.smoke_limit or 2 * figure.limit) if args.smoke else figure.limit, left)

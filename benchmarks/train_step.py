@@ -237,8 +237,9 @@ def startup(config_path: str, per_device_batch: int) -> str:
   with mesh, sharding_context(mesh, rules):
     step.lower(abstract_state, batch).compile()
   step_seconds = time.perf_counter() - start
-  print(f"  state: model built from shapes {planned:.1f} s, {state_report['initialised']} parameters in "
-        f"{state_report['groups']} init groups, lowered {state_report['lower_seconds']:.1f} s, "
+  print(f"  state: model built from shapes {planned:.1f} s; {state_report['host_initialised']} parameters drawn on "
+        f"the host (no program), {state_report['device_initialised']} in {state_report['device_groups']} device "
+        f"init groups; {state_report['programs']} programs lowered {state_report['lower_seconds']:.1f} s, "
         f"compiled {state_report['compile_seconds']:.1f} s")
   return (f"startup {config_path}: state {state_seconds:.1f} s, train step compile {step_seconds:.1f} s "
           f"({jax.devices()[0].device_kind})")

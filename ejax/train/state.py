@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from ejax.models import layers
+from ejax.train import host_init
 from ejax.models.registry import ModelSpec, get_model_spec
 from ejax.parallel import tree_shardings
 from ejax.parallel.rules import Rules
@@ -87,12 +88,16 @@ def model_parts(model_config: ConfigDict) -> ModelParts:
 #
 # Tracing the whole model's creation under jit made XLA compile one random-init computation per
 # parameter (1,500 for the full GR00T): 50 s on a 2-core CPU and 219 s on an H200 before the train
-# step could even start compiling. Instead the model is built with shape-only parameters
-# (layers.deferred_init); parameters that share an initializer, shape and dtype (the 16 DiT blocks'
-# weights, say) are made by one vmapped computation over their keys, so the program holds one
-# random-init computation per distinct kind of parameter. The keys are those the traced init would
-# draw and vmap does not change random values: the state is bit for bit make_init_fn's. Parameters
-# loaded from elsewhere (imported weights) are never initialised at all.
+# step could even start compiling (one vmapped computation per kind of parameter still took over
+# 200 s to compile on the H200). So the model is built with shape-only parameters
+# (layers.deferred_init), each recording its initializer and the key the traced init would draw, and:
+# - parameters whose initializer is one of jax.nn.initializers' are drawn with numpy on the host and
+#   placed into their shardings (ejax.train.host_init): nothing to compile;
+# - any other initializer runs on the device, one vmapped computation per group of parameters of the
+#   same initializer, shape and dtype, with the traced init's keys (its values bit for bit);
+# - the optimizer's state starts as zeros placed from the host when tx.init gives zeros (checked on
+#   a small stand-in of the parameters), the EMA as copies of the parameters;
+# - loaded values (imported weights) are placed as they are and never initialised.
 
 
 @dataclasses.dataclass
@@ -189,83 +194,102 @@ def _sort_leaves(plan: StatePlan, skip: dict) -> _Leaves:
   return _Leaves(groups, values, counts)
 
 
-def _state_program(plan: StatePlan, leaves: _Leaves, loaded_structs: dict):
-  """One jitted program: every initialised parameter (one vmapped init per group), the optimizer
-  state and the EMA copy, straight into their shardings. Returns (fn, its abstract key inputs)."""
-  groups = list(leaves.groups.values())
+def _device_program(plan: StatePlan, groups: list):
+  """One jitted program making the parameters of `groups` (initializers numpy does not know): one
+  vmapped init per group, with the traced init's keys. Returns (fn, abstract key inputs)."""
+  targets = {part: jax.tree.leaves(getattr(plan.abstract, part)) for part in ("params", "frozen")}
+  shardings = {part: jax.tree.leaves(getattr(plan.shardings, part)) for part in ("params", "frozen")}
 
-  def build(keys_per_group, values, loaded):
-    flat = {part: [None] * n for part, n in leaves.counts.items()}
+  def build(keys_per_group):
+    out = []
     for members, key_data in zip(groups, keys_per_group):
       first = members[0][2]
       make = lambda kd: first.init(jax.random.wrap_key_data(kd, impl=jax.random.key_impl(first.key)),
                                    first.shape, first.dtype)
       stacked = jax.vmap(make)(key_data)
-      for row, (part, index, _) in enumerate(members):
-        flat[part][index] = stacked[row]
-    for (part, index), value in values.items():
-      flat[part][index] = value
-    for (part, index), value in loaded.items():
-      flat[part][index] = value
-    parts = {}
-    for part in ("params", "frozen"):
-      targets = getattr(plan.abstract, part)
-      cast = [x.astype(t.dtype) for x, t in zip(flat[part], jax.tree.leaves(targets))]
-      parts[part] = jax.tree.unflatten(jax.tree.structure(targets), cast)
-    params = parts["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, frozen=parts["frozen"], rest=None,
-                      opt_state=plan.tx.init(params), ema_params=params if plan.ema else None, rng=None)
+      out += [stacked[row].astype(targets[part][index].dtype) for row, (part, index, _) in enumerate(members)]
+    return out
 
-  shardings = plan.shardings.replace(rest=None, rng=None)
+  out_shardings = [shardings[part][index] for members in groups for part, index, _ in members]
   key_structs = [jax.ShapeDtypeStruct((len(members),) + jax.random.key_data(members[0][2].key).shape, jnp.uint32)
                  for members in groups]
-  # The program depends on the groups, the values' shapes and the shardings, not on the keys: a
-  # second state of the same model in this process (a benchmark's next arm) reuses the compiled one.
-  signature = (tuple((key, tuple((part, index) for part, index, _ in members))
-                     for key, members in leaves.groups.items()),
-               tuple((k, v.shape, str(v.dtype)) for k, v in leaves.values.items()),
-               tuple((k, v.shape, str(v.dtype)) for k, v in loaded_structs.items()),
-               jax.tree.structure(plan.abstract), tuple(jax.tree.leaves(plan.abstract)),
-               tuple(jax.tree.leaves(shardings)), plan.ema)
-  fn = _STATE_PROGRAMS.get(signature)
-  if fn is None:
-    fn = _STATE_PROGRAMS[signature] = jax.jit(build, out_shardings=shardings, donate_argnums=(2,))
-  return fn, key_structs
+  return jax.jit(build, out_shardings=out_shardings), key_structs
 
 
-# signature -> the jitted state program (the initializers it closes over stay alive with it)
-_STATE_PROGRAMS: dict = {}
+def _split_groups(leaves: _Leaves) -> tuple[list, list]:
+  """(host jobs [(part, index, host init, DeferredInit)], device groups [members]) of the leaves."""
+  host, device = [], []
+  for members in leaves.groups.values():
+    make = host_init.host_initializer(members[0][2].init)
+    if make is None:
+      device.append(members)
+    else:
+      host += [(part, index, make, init) for part, index, init in members]
+  return host, device
 
 
-def _group_keys(leaves: _Leaves) -> list:
-  return [np.stack([np.asarray(jax.random.key_data(init.key)) for _, _, init in members])
-          for members in leaves.groups.values()]
+def _starts_at_zero(tx: optax.GradientTransformation, abstract_params) -> bool:
+  """Whether tx.init gives all zeros (Adam's moments and counts), tried on a one-element stand-in."""
+  stand_in = jax.tree.map(lambda x: jnp.ones((1,) * len(x.shape), x.dtype), abstract_params)
+  return all(not np.any(np.asarray(x)) for x in jax.tree.leaves(tx.init(stand_in)))
 
 
 def compile_state_init(plan: StatePlan) -> dict[str, float]:
-  """Compiles the program that creates the state, from shapes (nothing is allocated); seconds."""
+  """Compiles every program creating the state needs, from shapes (nothing is allocated); seconds."""
   start = time.perf_counter()
-  leaves = _sort_leaves(plan, {})
-  fn, key_structs = _state_program(plan, leaves, {})
-  values = {k: _to_struct(v) for k, v in leaves.values.items()}
-  lowered = fn.lower(key_structs, values, {})
-  lowered_at = time.perf_counter()
-  lowered.compile()
-  done = time.perf_counter()
-  return {"groups": len(leaves.groups), "initialised": sum(map(len, leaves.groups.values())),
-          "lower_seconds": lowered_at - start, "compile_seconds": done - lowered_at}
+  host, device = _split_groups(_sort_leaves(plan, {}))
+  lowered_seconds = compile_seconds = 0.0
+  programs = []
+  if device:
+    fn, key_structs = _device_program(plan, device)
+    programs.append((fn, key_structs))
+  if not _starts_at_zero(plan.tx, plan.abstract.params):
+    programs.append((jax.jit(plan.tx.init, out_shardings=plan.shardings.opt_state), plan.abstract.params))
+  for fn, args in programs:
+    lowered_at = time.perf_counter()
+    lowered = fn.lower(args)
+    compiled_at = time.perf_counter()
+    lowered.compile()
+    lowered_seconds += compiled_at - lowered_at
+    compile_seconds += time.perf_counter() - compiled_at
+  return {"host_initialised": len(host), "device_initialised": sum(map(len, device)), "device_groups": len(device),
+          "programs": len(programs), "lower_seconds": lowered_seconds, "compile_seconds": compile_seconds,
+          "seconds": time.perf_counter() - start}
 
 
 def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
   """The state's values. `loaded` maps "params" / "frozen" to a pure dict of some of their values
   (imported weights): those are put in place and not initialised; every other parameter comes from
   its own initializer."""
-  skip = _loaded_leaves(plan, loaded or {})
-  leaves = _sort_leaves(plan, skip)
-  fn, _ = _state_program(plan, leaves, skip)
-  state = fn(_group_keys(leaves), leaves.values, skip)
-  rest = jax.device_put(plan.rest, plan.shardings.rest)
-  return state.replace(rest=rest, rng=jax.device_put(plan.state_rng, plan.shardings.rng))
+  flat = {part: [None] * len(jax.tree.leaves(getattr(plan.abstract, part))) for part in ("params", "frozen")}
+  for (part, index), value in _loaded_leaves(plan, loaded or {}).items():
+    flat[part][index] = value
+  leaves = _sort_leaves(plan, {(p, i) for p in flat for i, v in enumerate(flat[p]) if v is not None})
+  targets = {part: jax.tree.leaves(getattr(plan.abstract, part)) for part in flat}
+  shardings = {part: jax.tree.leaves(getattr(plan.shardings, part)) for part in flat}
+  host, device = _split_groups(leaves)
+  jobs = [(make, init.key, init.shape, targets[part][index].dtype, shardings[part][index])
+          for part, index, make, init in host]
+  for (part, index, _, _), value in zip(host, host_init.make_all(jobs)):
+    flat[part][index] = value
+  if device:
+    fn, _ = _device_program(plan, device)
+    keys = [np.stack([np.asarray(jax.random.key_data(init.key)) for _, _, init in members]) for members in device]
+    members = [(part, index) for group in device for part, index, _ in group]
+    for (part, index), value in zip(members, fn(keys)):
+      flat[part][index] = value
+  for (part, index), value in leaves.values.items():
+    flat[part][index] = jax.device_put(jnp.asarray(value).astype(targets[part][index].dtype), shardings[part][index])
+  params, frozen = (jax.tree.unflatten(jax.tree.structure(getattr(plan.abstract, part)), flat[part])
+                    for part in ("params", "frozen"))
+  if _starts_at_zero(plan.tx, plan.abstract.params):
+    opt_state = jax.tree.map(host_init.zeros, plan.abstract.opt_state, plan.shardings.opt_state)
+  else:
+    opt_state = jax.jit(plan.tx.init, out_shardings=plan.shardings.opt_state)(params)
+  ema = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params) if plan.ema else None
+  return TrainState(step=host_init.zeros(plan.abstract.step, plan.shardings.step), params=params, frozen=frozen,
+                    rest=jax.device_put(plan.rest, plan.shardings.rest), opt_state=opt_state, ema_params=ema,
+                    rng=jax.device_put(plan.state_rng, plan.shardings.rng))
 
 
 def _loaded_leaves(plan: StatePlan, loaded: dict) -> dict:

@@ -29,9 +29,15 @@ def _setup(config):
   return mesh, rules, tx
 
 
+def _groot():
+  return load_config("configs/groot.py", "runlocal,dataset=synthetic")
+
+
 @pytest.mark.parametrize("which", ["tiny", "groot"])
-def test_state_from_shapes_equals_the_traced_init_bit_for_bit(which):
-  config = tiny_config() if which == "tiny" else load_config("configs/groot.py", "runlocal,dataset=synthetic")
+def test_device_initialised_state_equals_the_traced_init_bit_for_bit(which, monkeypatch):
+  """Initializers numpy does not know run on the device with the traced init's keys: the same values."""
+  monkeypatch.setattr(state_lib.host_init, "host_initializer", lambda init: None)
+  config = tiny_config() if which == "tiny" else _groot()
   config.train.ema_decay = 0.99  # the EMA copy too
   mesh, rules, tx = _setup(config)
   plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=5)
@@ -54,10 +60,39 @@ def test_state_from_shapes_equals_the_traced_init_bit_for_bit(which):
         np.testing.assert_allclose(_bits(a), _bits(b), rtol=1e-6, atol=1e-7)
       else:
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{part} leaf {i}")
-  # Repeated layers share one vmapped init: far fewer random-init computations than parameters.
   if which == "groot":
     leaves = state_lib._sort_leaves(plan, {})
     assert len(leaves.groups) <= 0.25 * len(plan.deferred) and not leaves.values
+
+
+def test_host_drawn_parameters_follow_the_initializers_distributions():
+  config = _groot()
+  mesh, rules, tx = _setup(config)
+  plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=2)
+  host, device = state_lib._split_groups(state_lib._sort_leaves(plan, {}))
+  assert host and not device  # every GR00T initializer is one numpy draws: no program to compile
+  assert state_lib.compile_state_init(plan)["programs"] == 0
+  with mesh:
+    built, again = state_lib.materialize(plan), state_lib.materialize(plan)
+  traced = _traced_state(config, plan.shardings, seed=2)
+  other = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=3)
+  with mesh:
+    reseeded = state_lib.materialize(other)
+  compared = 0
+  for a, b, c, d in zip(*(jax.tree.leaves(s.params) for s in (built, again, traced, reseeded))):
+    a, b, c, d = (np.asarray(x) for x in (a, b, c, d))
+    np.testing.assert_array_equal(a, b)  # deterministic per seed
+    assert a.dtype == c.dtype and a.shape == c.shape
+    if np.all(c == c.flat[0]):  # zeros, ones: exactly
+      np.testing.assert_array_equal(a, c)
+    elif c.size >= 4096:
+      assert not np.array_equal(a, d)  # another seed, other draws
+      assert abs(a.std() / c.std() - 1) < 0.05 and abs(a.mean()) < 0.05 * c.std() + 1e-3
+      assert np.abs(a).max() <= np.abs(c).max() * 1.6  # truncated where jax truncates
+      compared += 1
+  assert compared >= 10
+  for x in jax.tree.leaves(built.opt_state):
+    assert not np.any(np.asarray(x))
 
 
 def test_the_abstract_state_needs_no_computation_of_model_size():
