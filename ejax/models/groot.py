@@ -67,9 +67,11 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.name = "groot"
   c.dtype = "bfloat16"
   c.param_dtype = "float32"
-  c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8: slower than bf16
-  #                                    on Hopper until a GPU shows otherwise (BENCHMARKS.md, FP8)
-  c.fp8_impl = "blockwise"           # with fp8: blockwise (Pallas) | xla | xla_rowwise (cuBLASLt FP8)
+  c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8 (off: at the DiT's
+  #                                    1536-wide GEMMs FP8 measured 1.12x of bf16 on an H200, the
+  #                                    train step's FP8 arm is unmeasured; BENCHMARKS.md, FP8)
+  c.fp8_impl = "xla"                 # with fp8: xla (cuBLASLt FP8, per-tensor scales; 1.30x bf16 over
+  #                                    the DiT and LLM GEMMs) | xla_rowwise (1.12x) | blockwise (Pallas, 0.33x)
   c.remat = "full"                   # per-block rematerialisation (ejax.parallel.remat)
   c.attention_impl = "auto"          # every attention call: ejax.kernels.attention IMPLS ("auto": per backend)
   c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224, conv_stem=(),

@@ -25,7 +25,7 @@ ATTENTION_GRAD = ATTENTION | {"ejax_varlen_attention_dq", "ejax_varlen_attention
 FP8 = {"ejax_fp8_blockwise_matmul"}
 # config path -> (overrides, kernels the train step must call, kernels sampling must call)
 MODELS = {
-    "configs/groot.py": (dict(fp8=True), ATTENTION_GRAD | FP8, ATTENTION | FP8),
+    "configs/groot.py": (dict(fp8=True, fp8_impl="blockwise"), ATTENTION_GRAD | FP8, ATTENTION | FP8),
     "configs/pi05.py": (dict(attention_impl="pallas"), ATTENTION_GRAD, ATTENTION),
 }
 BATCH = 4

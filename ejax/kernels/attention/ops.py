@@ -43,9 +43,9 @@ from ejax.parallel.rules import current_context, logical_to_spec
 
 IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd", "cudnn_packed")
 # What "auto" runs on a Hopper GPU (compute capability 9.x) where that impl applies (else "pallas"):
-# set from benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128 (BENCHMARKS.md).
-# Until measured on an H100/H200, ejax's own kernel.
-HOPPER_AUTO = "pallas"
+# set from benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128 (BENCHMARKS.md):
+# on an H200 (2026-11-27) forward / forward+backward tokamax_fwd 153 / 90, tokamax 125 / 69, pallas 59 / 73.
+HOPPER_AUTO = "tokamax_fwd"
 # Below this many (query, key) pairs per head the dense reference is the fastest path off GPU.
 _TINY_PAIRS = 256 * 256
 
