@@ -119,6 +119,15 @@ def make_all(jobs: list, workers: int | None = None) -> list[jax.Array]:
     return list(pool.map(one, jobs))
 
 
+def place_value(value, sharding) -> jax.Array:
+  """A small value made while building the model (RNG keys and counts, eagerly computed parameters)
+  as a global jax.Array in `sharding`; typed PRNG keys travel as their key data."""
+  if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(place(np.asarray(jax.random.key_data(value)), sharding),
+                                    impl=jax.random.key_impl(value))
+  return place(np.asarray(value), sharding)
+
+
 def zeros(struct, sharding) -> jax.Array:
   """A zero array of `struct`'s shape and dtype in `sharding` (no program compiled)."""
   return place(np.zeros(struct.shape, struct.dtype), sharding)

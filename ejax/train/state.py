@@ -279,7 +279,8 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
     for (part, index), value in zip(members, fn(keys)):
       flat[part][index] = value
   for (part, index), value in leaves.values.items():
-    flat[part][index] = jax.device_put(jnp.asarray(value).astype(targets[part][index].dtype), shardings[part][index])
+    flat[part][index] = host_init.place_value(np.asarray(value).astype(targets[part][index].dtype),
+                                              shardings[part][index])
   params, frozen = (jax.tree.unflatten(jax.tree.structure(getattr(plan.abstract, part)), flat[part])
                     for part in ("params", "frozen"))
   if _starts_at_zero(plan.tx, plan.abstract.params):
@@ -288,8 +289,8 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
     opt_state = jax.jit(plan.tx.init, out_shardings=plan.shardings.opt_state)(params)
   ema = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params) if plan.ema else None
   return TrainState(step=host_init.zeros(plan.abstract.step, plan.shardings.step), params=params, frozen=frozen,
-                    rest=jax.device_put(plan.rest, plan.shardings.rest), opt_state=opt_state, ema_params=ema,
-                    rng=jax.device_put(plan.state_rng, plan.shardings.rng))
+                    rest=jax.tree.map(host_init.place_value, plan.rest, plan.shardings.rest), opt_state=opt_state,
+                    ema_params=ema, rng=host_init.place_value(plan.state_rng, plan.shardings.rng))
 
 
 def _loaded_leaves(plan: StatePlan, loaded: dict) -> dict:
@@ -308,7 +309,7 @@ def _loaded_leaves(plan: StatePlan, loaded: dict) -> dict:
       if tuple(value.shape) != tuple(targets[index].shape):
         raise ValueError(f"loaded {part} value {name} has shape {tuple(value.shape)}, the model needs "
                          f"{tuple(targets[index].shape)}")
-      out[(part, index)] = jax.device_put(value, shardings[index])
+      out[(part, index)] = host_init.place(np.asarray(value, targets[index].dtype), shardings[index])
   return out
 
 

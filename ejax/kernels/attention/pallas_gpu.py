@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ejax.kernels import platform
 from ejax.kernels.platform import pallas_dot
 from ejax.kernels.attention.tiles import MASKED_SCORE, MaskInputs, active_tiles, compact, pair_mask
 
@@ -150,8 +151,8 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
                 _ids_spec(block_q, q_len), _ids_spec(None, kv_len)],
       out_specs=[_seq_specs(block_q, q_len, 1, head_dim, blocked=True),
                  pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
+      out_shape=[platform.varying_struct(q.shape, q.dtype, (q, k, v, mask, count, order)),
+                 platform.varying_struct((batch, heads, q_len), jnp.float32, (q, k, v, mask, count, order))],
       compiler_params=_compiler_params(head_dim, num_warps, num_stages),
       interpret=interpret,
       name="ejax_varlen_attention_fwd",
@@ -188,7 +189,7 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
                 _ids_spec(block_q, q_len), _ids_spec(None, kv_len),
                 _ids_spec(block_q, q_len), _ids_spec(None, kv_len)],
       out_specs=_seq_specs(block_q, q_len, 1, head_dim, blocked=True),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=platform.varying_struct(q.shape, q.dtype, (q_count, q_order, q, k, v, d_out, lse, delta, ids)),
       name="ejax_varlen_attention_dq", **common,
   )(q_count, q_order, q, k, v, d_out, lse, delta, *ids)
 
@@ -208,7 +209,8 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
                 _ids_spec(None, q_len), _ids_spec(block_kv, kv_len),
                 _ids_spec(None, q_len), _ids_spec(block_kv, kv_len)],
       out_specs=[per_head_out, per_head_out],
-      out_shape=[jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), jnp.float32)] * 2,
+      out_shape=[platform.varying_struct((batch, kv_len, heads, head_dim), jnp.float32,
+                                         (kv_count, kv_order, q, k, v, d_out, lse, delta, ids))] * 2,
       name="ejax_varlen_attention_dkv", **common,
   )(kv_count, kv_order, q, k, v, d_out, lse, delta, *ids)
   group_sum = lambda x: x.reshape(batch, kv_len, kv_heads, groups, head_dim).sum(3)
