@@ -65,6 +65,8 @@ def base_config() -> ConfigDict:
       ema_decay=0.0,             # 0 disables the EMA copy of the parameters
       transfer_guard="disallow",  # accidental host<->device copies in the loop are errors
       stop_at=0,                 # >0: end this run after that step (to fit a time slice); resume later
+      init_weights="",           # weights imported by the convert job: loaded into the fresh state, never
+                                 # initialised (a resumed run reads its own checkpoint instead)
   ))
   config.checkpoint = ConfigDict(dict(
       every_steps=500, keep=3, async_save=True,

@@ -3,8 +3,12 @@
 Launch (one host, all its GPUs; the dataset and Qwen3's tokenizer.json are local files):
   python -m ejax.main --config=configs/groot.py --workdir=runs/groot \
       --config.data.path=/data/my_lerobot_dataset --config.model.tokenizer_path=/ckpt/groot/tokenizer.json
-Start from the released GR00T-N1.5-3B weights by importing them first (the convert job), and see
-the model's size and per-device memory without allocating it:
+Start from the released GR00T-N1.5-3B weights by importing them first (the convert job) and naming
+the import (its parameters are read straight into their shardings, never randomly initialised):
+  python -m ejax.main --config=configs/groot.py --config.job=convert --config.convert.direction=import \
+      --config.convert.source=/ckpt/GR00T-N1.5-3B --config.convert.destination=/ckpt/groot_ejax
+  python -m ejax.main --config=configs/groot.py --workdir=runs/groot --config.train.init_weights=/ckpt/groot_ejax ...
+See the model's size and per-device memory without allocating it:
   python -m ejax.main --config=configs/groot.py --config.job=summary
 Expect: ~2.4B parameters (DiT 0.55B, VL self-attention 0.20B, per-embodiment MLPs 0.32B, Qwen3
 truncated at layer 12 0.92B, SigLIP2 0.4B), LLM and vision frozen as LeRobot fine-tunes them; the

@@ -30,7 +30,7 @@ from ejax.train import resume, vision_pretrain
 from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
-from ejax.train.state import count_params, materialize, model_parts, plan_train_state
+from ejax.train.state import count_params, materialize, model_parts, plan_train_state, read_weights
 from ejax.train.step import jit_train_step, make_train_step
 from ejax.train.signals import StartupInterrupted, StopSignal, signal_name
 from ejax.train.workdir import WorkdirLock, prepare_workdir, refuse_or_move_old_run, saved_steps
@@ -144,8 +144,12 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
     jax.block_until_ready(state)
     logging.info("resumed from step %d: state restored in %.1f s", int(state.step), time.perf_counter() - started)
   else:
+    loaded = None
+    if train_cfg.get("init_weights"):
+      stop.phase = "reading the imported weights"
+      loaded = read_weights(train_cfg.init_weights, plan)
     stop.phase = "initialising the parameters"
-    state = jax.block_until_ready(materialize(plan))
+    state = jax.block_until_ready(materialize(plan, loaded))
     if pretrained_vision is not None:
       state = vision_pretrain.load_into(state, pretrained_vision)
     logging.info("state ready in %.1f s (%d parameters initialised)", time.perf_counter() - started,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Any, Hashable
 
@@ -258,9 +259,9 @@ def compile_state_init(plan: StatePlan) -> dict[str, float]:
 
 
 def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
-  """The state's values. `loaded` maps "params" / "frozen" to a pure dict of some of their values
-  (imported weights): those are put in place and not initialised; every other parameter comes from
-  its own initializer."""
+  """The state's values. `loaded` is a pure dict of some of the model's parameters (imported weights,
+  read_weights): those are put in place and never initialised; every other parameter comes from its
+  own initializer."""
   flat = {part: [None] * len(jax.tree.leaves(getattr(plan.abstract, part))) for part in ("params", "frozen")}
   for (part, index), value in _loaded_leaves(plan, loaded or {}).items():
     flat[part][index] = value
@@ -293,24 +294,90 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
                     ema_params=ema, rng=host_init.place_value(plan.state_rng, plan.shardings.rng))
 
 
-def _loaded_leaves(plan: StatePlan, loaded: dict) -> dict:
-  """(part, leaf index) -> value placed in its sharding, for every loaded leaf; checks each one."""
+def _leaf_paths(plan: StatePlan) -> dict:
+  """"a/b/0/kernel" -> (part, leaf index, target ShapeDtypeStruct, sharding) for every parameter."""
   out = {}
-  for part, pure in loaded.items():
+  for part in ("params", "frozen"):
     abstract = getattr(plan.abstract, part)
-    paths = {path: i for i, (path, _) in enumerate(nnx.to_flat_state(abstract))}
-    targets, shardings = jax.tree.leaves(abstract), jax.tree.leaves(getattr(plan.shardings, part))
-    for path, value in nnx.to_flat_state(nnx.State(pure)):
-      name = "/".join(map(str, path))
-      if path not in paths:
-        raise ValueError(f"loaded {part} value {name} has no parameter in the model")
-      index = paths[path]
-      value = getattr(value, "value", value)
-      if tuple(value.shape) != tuple(targets[index].shape):
-        raise ValueError(f"loaded {part} value {name} has shape {tuple(value.shape)}, the model needs "
-                         f"{tuple(targets[index].shape)}")
-      out[(part, index)] = host_init.place(np.asarray(value, targets[index].dtype), shardings[index])
+    shardings = jax.tree.leaves(getattr(plan.shardings, part))
+    for index, ((path, _), target) in enumerate(zip(nnx.to_flat_state(abstract), jax.tree.leaves(abstract))):
+      out["/".join(map(str, path))] = (part, index, target, shardings[index])
   return out
+
+
+def _flat_pure(pure: dict, prefix: str = "") -> dict:
+  out = {}
+  for key, value in pure.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict):
+      out.update(_flat_pure(value, name + "/"))
+    else:
+      out[name] = getattr(value, "value", value)
+  return out
+
+
+def _loaded_leaves(plan: StatePlan, loaded: dict) -> dict:
+  """(part, leaf index) -> value in its sharding, for every value of `loaded` (a pure dict of the
+  model's parameters, trainable and frozen together, as the convert job writes them); checks each."""
+  paths = _leaf_paths(plan)
+  out = {}
+  for name, value in _flat_pure(loaded).items():
+    if name not in paths:
+      raise ValueError(f"loaded value {name} has no parameter in the model")
+    part, index, target, sharding = paths[name]
+    if tuple(value.shape) != tuple(target.shape):
+      raise ValueError(f"loaded value {name} has shape {tuple(value.shape)}, the model needs {tuple(target.shape)}")
+    if isinstance(value, jax.Array) and value.sharding == sharding and value.dtype == target.dtype:
+      out[(part, index)] = value
+    else:
+      out[(part, index)] = host_init.place(np.asarray(value, target.dtype), sharding)
+  return out
+
+
+def read_weights(directory: str, plan: StatePlan) -> dict:
+  """Parameters imported by the convert job (an orbax checkpoint of the model's nnx.Param state),
+  restored straight into the plan's dtypes and shardings; a pure dict for materialize(plan, loaded).
+
+  Parameters the checkpoint lacks are left to their initializers (how many is logged); a tensor the
+  model does not have, or of another shape, is a one-line error."""
+  import orbax.checkpoint as ocp
+  from absl import logging
+
+  from ejax.errors import UserError
+  path = os.path.abspath(os.path.expanduser(directory))
+  if not os.path.isdir(path):
+    raise UserError(f"train.init_weights={directory!r} is not a directory: give the destination of the convert "
+                    "job (--config.job=convert --config.convert.direction=import)")
+  checkpointer = ocp.StandardCheckpointer()
+  try:
+    saved = checkpointer.metadata(path).item_metadata.tree
+  except Exception as error:  # not an orbax checkpoint, or a damaged one
+    raise UserError(f"train.init_weights={directory!r} is not an orbax checkpoint of imported weights ({error}): "
+                    "write one with the convert job") from None
+  paths = _leaf_paths(plan)
+
+  def target(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+      name = f"{prefix}{key}"
+      if isinstance(value, dict):
+        out[key] = target(value, name + "/")
+        continue
+      if name not in paths:
+        raise UserError(f"train.init_weights: tensor {name} {tuple(value.shape)} has no parameter in config.model: "
+                        "import weights of the same model and size")
+      _, _, struct, sharding = paths[name]
+      if tuple(value.shape) != tuple(struct.shape):
+        raise UserError(f"train.init_weights: tensor {name} has shape {tuple(value.shape)}, config.model needs "
+                        f"{tuple(struct.shape)}: import weights of the same model and size")
+      out[key] = jax.ShapeDtypeStruct(struct.shape, struct.dtype, sharding=sharding)
+    return out
+
+  restored = checkpointer.restore(path, target(saved))
+  missing = len(paths) - len(_flat_pure(restored))
+  logging.info("imported weights %s: %d parameters loaded, %d left to their initializers", directory,
+               len(paths) - missing, missing)
+  return restored
 
 
 def create_train_state(model_config, train, tx, mesh: Mesh, rules: Rules, seed: int) -> tuple[TrainState, Any]:

@@ -117,7 +117,7 @@ def test_loaded_weights_are_placed_and_the_rest_initialised():
     node = node.setdefault(key, {})
   node[path[-1]] = value
   with mesh:
-    built = state_lib.materialize(plan, {"params": pure})
+    built = state_lib.materialize(plan, pure)
     reference = state_lib.materialize(plan)
   got = dict(nnx.to_flat_state(built.params))
   np.testing.assert_array_equal(np.asarray(got[path].get_value()), value)
@@ -127,4 +127,40 @@ def test_loaded_weights_are_placed_and_the_rest_initialised():
 
   node[path[-1]] = np.zeros((3, 3), np.float32)
   with pytest.raises(ValueError, match=r"has shape \(3, 3\), the model needs"):
-    state_lib.materialize(plan, {"params": pure})
+    state_lib.materialize(plan, pure)
+
+
+def test_the_train_job_starts_from_imported_weights(tmp_path):
+  """train.init_weights: the convert job's output is read straight into the state's shardings and
+  trains from there; a checkpoint of another model is one line."""
+  from ejax.errors import UserError
+  from ejax.models.io.convert import save_params
+  from ejax.train.loop import train
+  from ejax.models.registry import get_model_spec
+
+  config = tiny_config(steps=1)
+  model = get_model_spec(config.model.name).create(config.model, nnx.Rngs(42))
+  save_params(model, str(tmp_path / "imported"))
+  imported = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+  mesh, rules, tx = _setup(config)
+  plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+  with mesh:
+    state = state_lib.materialize(plan, state_lib.read_weights(str(tmp_path / "imported"), plan))
+  got = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state.params)}
+  assert got.keys() == imported.keys()
+  for name, value in imported.items():
+    np.testing.assert_array_equal(got[name], value)
+
+  config.train.init_weights = str(tmp_path / "imported")
+  result = train(config, str(tmp_path / "run"))
+  assert result["final_step"] == 1
+
+  other = tiny_config()
+  other.model.width = 64
+  bigger = get_model_spec(other.model.name).create(other.model, nnx.Rngs(0))
+  save_params(bigger, str(tmp_path / "other"))
+  with pytest.raises(UserError, match=r"train.init_weights: tensor .* has shape .* config.model needs"):
+    state_lib.read_weights(str(tmp_path / "other"), plan)
+  with pytest.raises(UserError, match=r"is not a directory"):
+    state_lib.read_weights(str(tmp_path / "nothing"), plan)
