@@ -154,6 +154,7 @@ def test_the_last_line_says_how_the_run_ended(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_plain_cpu_run_prints_no_noise(tmp_path):
   cache = tmp_path / "xla_cache"
+  entries = {}
   for attempt in ("cold", "warm"):  # the warm run loads its programs from the compilation cache
     result = subprocess.run(
         [sys.executable, "-m", "ejax.main", "--config=configs/tiny.py:runlocal,steps=10", "--config.model.width=32",
@@ -163,7 +164,9 @@ def test_a_plain_cpu_run_prints_no_noise(tmp_path):
     for noise in NOISE:
       assert noise not in result.stdout + result.stderr, (attempt, noise, result.stderr[-3000:])
     assert result.stdout.strip().splitlines()[-1].startswith("train: finished at step 10")
-  assert os.listdir(cache)
+    entries[attempt] = set(os.listdir(cache))
+  # The same command compiles nothing the second time: every program came from the cache.
+  assert entries["cold"] and entries["warm"] == entries["cold"]
 
 
 @pytest.mark.timeout(300)

@@ -8,8 +8,9 @@ import jax
 from absl import logging
 
 
-def enable_compilation_cache(directory: str | None, min_compile_seconds: float = 1.0) -> None:
-  """Persists compiled programs so a resumed or repeated run skips recompiling its step.
+def enable_compilation_cache(directory: str | None, min_compile_seconds: float = 0.0) -> None:
+  """Persists compiled programs so a resumed or repeated run compiles nothing: its step and every
+  small program (by default whatever the compile time).
 
   Programs are keyed by their HLO, compile options and the jax/XLA version, so a stale entry can
   never be used for a different program. An empty directory disables the cache.
