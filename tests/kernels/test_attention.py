@@ -157,7 +157,7 @@ def test_choose_impl_and_errors():
   with pytest.raises(ValueError, match="not one of"):
     attention(q, q, q, impl="flash")
   with pytest.raises(ValueError, match="head_dim"):
-    attention(jnp.zeros((1, 16, 2, 24)), jnp.zeros((1, 16, 2, 24)), jnp.zeros((1, 16, 2, 24)),
+    attention(jnp.zeros((1, 16, 2, 320)), jnp.zeros((1, 16, 2, 320)), jnp.zeros((1, 16, 2, 320)),
               impl="pallas")
   with pytest.raises(ValueError, match="multiple of kv_heads"):
     attention(jnp.zeros((1, 16, 3, 32)), q[:, :16], q[:, :16], impl="xla")
@@ -322,3 +322,29 @@ def test_block_sizes_carry_launch_settings():
   assert (blocks.block_q, blocks.block_kv, blocks.num_warps, blocks.num_stages) == (64, 64, 4, 3)
   with pytest.raises(ValueError, match="num_warps"):
     BlockSizes(num_warps=3)
+
+
+@pytest.mark.parametrize("head_dim", [24, 48, 72])
+def test_head_sizes_the_kernels_lack_run_padded_with_the_same_values_and_gradients(head_dim):
+  """SigLIP's 72-wide and the DiT's 48-wide heads run in the Pallas kernel on zero-padded heads
+  (interpret mode here) instead of the XLA tile loops: same attention, same gradients."""
+  rng = np.random.default_rng(head_dim)
+  segment_ids, positions, _ = _packed_layout(rng, 48)
+  q, k, v, d_out = (jnp.asarray(rng.normal(size=(BATCH, 48, 2, head_dim)), jnp.float32) for _ in range(4))
+  kwargs = dict(q_segment_ids=jnp.asarray(segment_ids), kv_segment_ids=jnp.asarray(segment_ids),
+                q_positions=jnp.asarray(positions), kv_positions=jnp.asarray(positions), mask_kind="causal")
+  assert ops._kernel_head_dim(q, "pallas") == next(d for d in (32, 64, 128) if d > head_dim)
+  assert ops._kernel_head_dim(q, "xla") == head_dim
+  blocks = BlockSizes(block_q=16, block_kv=16, block_q_bwd=16, block_kv_bwd=16)
+
+  def loss(fn):
+    return lambda q, k, v: jnp.sum(fn(q, k, v) * d_out)
+
+  padded = lambda q, k, v: flash_attention(q, k, v, impl="pallas", block_sizes=blocks, interpret=True, **kwargs)
+  reference = lambda q, k, v: attention_reference(q, k, v, **kwargs)
+  out = padded(q, k, v)
+  assert out.shape == q.shape
+  np.testing.assert_allclose(out, reference(q, k, v), atol=2e-5, rtol=2e-5)
+  for ours, theirs in zip(jax.grad(loss(padded), argnums=(0, 1, 2))(q, k, v),
+                          jax.grad(loss(reference), argnums=(0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(ours, theirs, atol=5e-5, rtol=5e-5)

@@ -79,3 +79,22 @@ def test_sample_actions_lowers_with_the_gpu_kernels(forbid_fallbacks, path):
   module = lower_for_cuda(jax.jit(sample), state, batch, noise)
   assert set(custom_calls(module)) == {TRITON}
   assert set(triton_kernels(module)) == MODELS[path][2]
+
+
+def test_full_size_groot_runs_every_attention_in_the_gpu_kernels(forbid_fallbacks):
+  """At full size SigLIP's heads are 72 wide and the DiT's 48: padded to 128 and 64 they take the
+  Pallas kernels too, no attention falls back to the XLA tile loops (a GPU launches their tiles one
+  small kernel at a time)."""
+  config = load_config("configs/groot.py")
+  mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  rules = [tuple(rule) for rule in config.sharding_rules]
+  tx, schedule = make_optimizer(config.train)
+  abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  batch = _abstract_batch(config, mesh, rules)
+  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train),
+                        shardings, {k: v.sharding for k, v in batch.items()}, mesh)
+  with mesh:
+    module = lower_for_cuda(step, state, batch)
+  assert set(custom_calls(module)) == {TRITON}
+  assert set(triton_kernels(module)) == ATTENTION_GRAD

@@ -251,6 +251,17 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
   return jax.lax.cond(valid, fast, exact, q, k, v)
 
 
+def _kernel_head_dim(q, impl: str) -> int:
+  """The head size the GPU kernels run `q` at: its own, or the next one they support when the call
+  would take a GPU kernel (impl pallas / tokamax / tokamax_fwd, or auto on a GPU) and they lack it."""
+  head_dim = q.shape[-1]
+  wants_kernel = impl in ("pallas", "tokamax", "tokamax_fwd") or (impl == "auto" and platform.on_gpu())
+  if (not wants_kernel or head_dim in pallas_gpu.SUPPORTED_HEAD_DIMS or head_dim > pallas_gpu.SUPPORTED_HEAD_DIMS[-1]
+      or not jnp.issubdtype(q.dtype, jnp.floating)):
+    return head_dim
+  return next(d for d in pallas_gpu.SUPPORTED_HEAD_DIMS if d > head_dim)
+
+
 def flash_attention(
     q: jax.Array,
     k: jax.Array,
@@ -284,6 +295,15 @@ def flash_attention(
                      kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                      kv_positions=kv_positions, q_block_ids=q_block_ids, kv_block_ids=kv_block_ids)
   scale = float(head_dim**-0.5 if scale is None else scale)
+  padded = _kernel_head_dim(q, impl)
+  if padded != head_dim:
+    # SigLIP's 72-wide and GR00T's DiT's 48-wide heads: the GPU kernels take power-of-two head sizes,
+    # and the XLA path's tile loops launch small kernels per tile on a GPU. Zero columns change no
+    # score and give zero output columns, so the padded heads compute the same attention.
+    widen = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, padded - head_dim)])
+    out = flash_attention(widen(q), widen(k), widen(v), scale=scale, impl=impl, block_sizes=block_sizes,
+                          interpret=interpret, tokamax_config=tokamax_config, **mask_kwargs)
+    return out[..., :head_dim]
   impl = choose_impl(q, k, impl, mask_kind)
   if impl == "reference":
     return attention_reference(q, k, v, scale=scale, **mask_kwargs)
