@@ -177,7 +177,8 @@ def main(argv=None) -> None:
   env = dict(os.environ, PYTHONPATH=install_wheels(), PYTHONUNBUFFERED="1")
   # cuBLAS for every GEMM: XLA's Triton GEMM autotuning stalled the FP8 figure's compiles on the first
   # H200 window (2026-11-27); the second ran with this (MaxText sets it for GPUs too).
-  env.setdefault("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
+  if not args.smoke:
+    env.setdefault("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
   summary = {"environment": environment(), "figures": {}}
   print(json.dumps(summary["environment"], indent=1), flush=True)
   chosen = [f for f in FIGURES if not args.only or f.name in args.only.split(",")]
