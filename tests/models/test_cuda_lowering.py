@@ -44,10 +44,8 @@ def _abstract_batch(config, mesh=None, rules=()):
           for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
 
 
-@pytest.mark.parametrize("path", MODELS)
-def test_train_step_lowers_with_the_gpu_kernels(forbid_fallbacks, path):
-  # The trainer's own step (ejax/train/step.py) with its shardings, on a one-device mesh.
-  config = _config(path)
+def _lowered_train_step(config) -> str:
+  """The trainer's own step (ejax/train/step.py) with its shardings, on a one-device mesh, lowered for CUDA."""
   mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   rules = [tuple(rule) for rule in config.sharding_rules]
   tx, schedule = make_optimizer(config.train)
@@ -57,7 +55,12 @@ def test_train_step_lowers_with_the_gpu_kernels(forbid_fallbacks, path):
   step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train),
                         shardings, {k: v.sharding for k, v in batch.items()}, mesh)
   with mesh:
-    module = lower_for_cuda(step, state, batch)
+    return lower_for_cuda(step, state, batch)
+
+
+@pytest.mark.parametrize("path", MODELS)
+def test_train_step_lowers_with_the_gpu_kernels(forbid_fallbacks, path):
+  module = _lowered_train_step(_config(path))
   assert set(custom_calls(module)) == {TRITON}
   assert set(triton_kernels(module)) == MODELS[path][1]
 
@@ -85,16 +88,6 @@ def test_full_size_groot_runs_every_attention_in_the_gpu_kernels(forbid_fallback
   """At full size SigLIP's heads are 72 wide and the DiT's 48: padded to 128 and 64 they take the
   Pallas kernels too, no attention falls back to the XLA tile loops (a GPU launches their tiles one
   small kernel at a time)."""
-  config = load_config("configs/groot.py")
-  mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
-  rules = [tuple(rule) for rule in config.sharding_rules]
-  tx, schedule = make_optimizer(config.train)
-  abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-  batch = _abstract_batch(config, mesh, rules)
-  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train),
-                        shardings, {k: v.sharding for k, v in batch.items()}, mesh)
-  with mesh:
-    module = lower_for_cuda(step, state, batch)
+  module = _lowered_train_step(load_config("configs/groot.py"))
   assert set(custom_calls(module)) == {TRITON}
   assert set(triton_kernels(module)) == ATTENTION_GRAD
