@@ -62,16 +62,17 @@ FIGURES = (
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 80),
     Figure("fp8", ("benchmarks/fp8.py",), ("benchmarks/fp8.py", "--tokens", "128"), 60),
     Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms", "configured", "--steps", "5"),
-           ("benchmarks/train_step.py", "--models", "pi05", "--arms", "configured", "--steps", "1"), 100),
+           (), 100),  # --smoke: the same script as train_step's
     Figure("startup", ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py"),
-           ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py:runlocal", "--per_device_batch", "6"),
+           ("benchmarks/train_step.py", "--startup", "--config=configs/tiny.py:runlocal", "--per_device_batch", "4"),
            60, own_file=False),
     Figure("packing", ("benchmarks/packing.py", "--width", "1024", "--depth", "8", "--heads", "8", "--samples", "192",
                        "--padded_batch", "32", "--rows_per_batch", "8"),
            ("benchmarks/packing.py", "--samples", "8", "--padded_batch", "4", "--rounds", "1", "--width", "32",
             "--depth", "1"), 50, json_flag=False),
-    Figure("sim", ("benchmarks/sim.py", "--gpu"), ("benchmarks/sim.py", "--camera-envs", "2", "--camera-steps", "1",
-                                                   "--camera-rounds", "1"), 40, json_flag=False, smoke_limit=240),
+    Figure("sim", ("benchmarks/sim.py", "--gpu"), ("benchmarks/sim.py", "--quick", "--camera-envs", "2",
+                                                   "--camera-steps", "1", "--camera-rounds", "1"), 40, json_flag=False,
+           smoke_limit=240),
     Figure("serve", ("benchmarks/serve.py", "--seconds", "3", "--rounds", "1"),
            ("benchmarks/serve.py", "--clients", "1", "2", "--seconds", "0.5", "--rounds", "1"), 35, json_flag=False,
            own_file=False),
@@ -181,7 +182,7 @@ def main(argv=None) -> None:
     env.setdefault("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
   summary = {"environment": environment(), "figures": {}}
   print(json.dumps(summary["environment"], indent=1), flush=True)
-  chosen = [f for f in FIGURES if not args.only or f.name in args.only.split(",")]
+  chosen = [f for f in FIGURES if (not args.only or f.name in args.only.split(",")) and (f.smoke_args or not args.smoke)]
   limits = {name: float(seconds) for name, _, seconds in (part.partition("=") for part in args.limits.split(",") if part)}
   chosen = [dataclasses.replace(f, limit=limits.get(f.name, f.limit)) for f in chosen]
   for figure in chosen:

@@ -87,6 +87,7 @@ def main() -> None:
   parser.add_argument("--camera-envs", type=int, default=64, help="batch of the native camera comparison")
   parser.add_argument("--camera-steps", type=int, default=2, help="steps per round of the camera comparison")
   parser.add_argument("--camera-rounds", type=int, default=8, help="alternating rounds of the camera comparison")
+  parser.add_argument("--quick", action="store_true", help="only the batch-64 pair the ratio needs, few steps (tests)")
   args = parser.parse_args()
   device = jax.devices()[0]
   print(f"# ejax.sim throughput, {device.platform} ({device.device_kind}), {platform.node()}, "
@@ -98,6 +99,8 @@ def main() -> None:
   ]
   if args.gpu:
     configurations += [("mjx", 1024, None, 20), ("mjx", 4096, None, 10), ("mjx", 1024, "jax", 5)]
+  if args.quick:
+    configurations = [("native", 64, None, 2), ("mjx", 64, None, 2)]
   results = {}
   print(f"{'backend':<8} {'envs':>6} {'cameras':>8} {'env-steps/s':>12}")
   for backend, num_envs, renderer, steps in configurations:
