@@ -2,9 +2,12 @@
 
 Parameters are split by a trainable filter: trainable ones get fp32 master weights, an optimizer
 state and (optionally) an EMA copy; frozen ones (GR00T's LLM) are kept as they are and never
-touched by the optimizer. Full-size models are built abstractly first (nnx.eval_shape), their
-shardings derived from the logical axis names, and then initialised by one jitted call whose
-out_shardings place every shard directly on its device: no host ever holds the full model.
+touched by the optimizer. The model is built with shape-only parameters (plan_train_state: seconds,
+nothing of model size computed), the shardings come from the logical axis names, and materialize
+makes the values straight into their shardings: imported weights where given (read_weights),
+else each parameter's own initializer, drawn on the host where numpy knows it (see "Building the
+state from shapes" below). make_init_fn, the whole init traced as one function, stays the
+reference the tests compare against.
 """
 
 from __future__ import annotations
