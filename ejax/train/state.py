@@ -176,15 +176,14 @@ class _Leaves:
   """Where each params / frozen leaf comes from: a group of same-kind initializers, or a value."""
   groups: dict          # group key -> list of (part, leaf index, DeferredInit)
   values: dict          # (part, leaf index) -> small concrete value made while building the model
-  counts: dict          # part -> number of leaves
 
 
-def _sort_leaves(plan: StatePlan, skip: dict) -> _Leaves:
+def _sort_leaves(plan: StatePlan, skip) -> _Leaves:
+  """Groups the deferred parameters by initializer, shape and dtype; `skip`: (part, index) to leave out."""
   is_var = lambda x: isinstance(x, nnx.Variable)
-  groups, values, counts = {}, {}, {}
+  groups, values = {}, {}
   for part in ("params", "frozen"):
     variables = jax.tree.leaves(getattr(plan, part), is_leaf=is_var)
-    counts[part] = len(variables)
     for index, variable in enumerate(variables):
       if (part, index) in skip:
         continue
@@ -195,7 +194,7 @@ def _sort_leaves(plan: StatePlan, skip: dict) -> _Leaves:
       init = record[1]
       key = (_init_signature(init.init), init.shape, init.dtype, jax.random.key_impl(init.key))
       groups.setdefault(key, []).append((part, index, init))
-  return _Leaves(groups, values, counts)
+  return _Leaves(groups, values)
 
 
 def _device_program(plan: StatePlan, groups: list):
