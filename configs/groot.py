@@ -30,7 +30,8 @@ What to expect (2026-11-25 night, 2 idle cores): 7 min 36 s from a clean cache (
 ~130 samples/s); the flow-matching loss falls from ~1.7 to ~0.26 (the logged total adds the keypoint
 heatmaps' cross-entropy, ~3.8 at the end: a point label on a many-pixel object cannot reach 0); the
 eval command above (replanning every 2 steps) measures 60 % [50, 69] over the five tasks (lifts 75 / 55 %,
-drawers 100 / 65 %, the pick-and-place 5 %; 7 min 36 s for recording and training, 59 s for the eval).
+drawers 100 / 65 %, the pick-and-place 5 %; 7 min 36 s for recording and training, 59 s for the eval);
+re-run 2026-11-27 with the host-drawn initial weights (ejax.train.host_init): 63 % [53, 72].
 The perception that gets there is _sim_keypoint_estimate's (below); without it the same model
 measured 18-33 %.
 The longer CPU recipe on all 15 tasks of ejax.sim's suites (issue 14, point 3): `suites` (see _suites)
