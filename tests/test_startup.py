@@ -86,7 +86,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
 
 
 WATCHED = """
-import sys
+import sys, time
 import jax, jax.numpy as jnp
 from ejax.train.signals import StartupInterrupted, StopSignal, signal_name
 stop = StopSignal(lambda: "the newest checkpoint is step 4", watch=True)
@@ -100,9 +100,9 @@ print("ready", flush=True)
 try:
   lowered.compile()  # ~15 s inside XLA, where Python signal handlers cannot run
 except StartupInterrupted as interrupt:  # XLA returned within the watcher's grace: what the launcher does
-  print(f"train: interrupted by {signal_name(interrupt.signum)} during start-up ({interrupt.phase}); "
-        "nothing was trained or saved", flush=True)
-  stop.finished()
+  if not stop.say_last(f"train: interrupted by {signal_name(interrupt.signum)} during start-up "
+                       f"({interrupt.phase}); nothing was trained or saved"):
+    time.sleep(6)
   sys.exit(128 + interrupt.signum)
 print("the watcher did not end the run", flush=True)
 """

@@ -32,7 +32,7 @@ from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
 from ejax.train.state import count_params, materialize, model_parts, plan_train_state, read_weights
 from ejax.train.step import jit_train_step, make_train_step
-from ejax.train.signals import StartupInterrupted, StopSignal, signal_name
+from ejax.train.signals import GRACE_S, StartupInterrupted, StopSignal, signal_name
 from ejax.train.workdir import WorkdirLock, prepare_workdir, refuse_or_move_old_run, saved_steps
 
 
@@ -274,17 +274,17 @@ def _run_job(config: ConfigDict, workdir: str, stop: StopSignal) -> None:
   try:
     result = train(config, workdir, stop=stop)
   except StartupInterrupted as interrupt:
-    print(f"train: interrupted by {signal_name(interrupt.signum)} during start-up ({interrupt.phase}); "
-          "nothing was trained or saved", flush=True)
-    stop.finished()
+    if not stop.say_last(f"train: interrupted by {signal_name(interrupt.signum)} during start-up "
+                         f"({interrupt.phase}); nothing was trained or saved"):
+      time.sleep(2 * GRACE_S)  # the watcher wrote the line and is ending the process
     sys.exit(128 + interrupt.signum)
   last = result["history"][-1] if result["history"] else {}
   who = f"process {jax.process_index()} of {jax.process_count()} " if jax.process_count() > 1 else ""
   # No loss before the first logged step: "loss nan" there would read as a non-finite stop.
   loss = (f"loss {last['loss']!r}, " if "loss" in last else "") + f"workdir {result['workdir']}"
   if result["stopped_by"] is None:
-    print(f"train: {who}finished at step {result['final_step']}, {loss}", flush=True)
+    stop.say_last(f"train: {who}finished at step {result['final_step']}, {loss}")
   else:
     cause = "train.stop_at" if result["stopped_by"] == "train.stop_at" else result["stopped_by"]
-    print(f"train: {who}stopped at step {result['final_step']} by {cause}, checkpoint saved, {loss}: "
-          "run the same command to resume", flush=True)
+    stop.say_last(f"train: {who}stopped at step {result['final_step']} by {cause}, checkpoint saved, {loss}: "
+                  "run the same command to resume")

@@ -11,6 +11,10 @@
   folder and renames it when complete, so the newest complete checkpoint is intact.
 The watcher and its os._exit belong to the launcher (`run_job`); train() called from a notebook
 or a test only ever raises KeyboardInterrupt in the main thread.
+
+Exactly one line ends a run. The main thread and the watcher may both reach an ending at once (XLA
+returns just as the grace period runs out), so every ending goes through `StopSignal.say_last`,
+which writes it under a lock once; whoever comes second stays quiet.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class StopSignal:
     self.describe_abort = describe_abort
     self._count = 0  # signals seen by the watcher
     self._handled = 0  # signals seen by the main thread's handler
-    self._done = threading.Event()  # the run has printed its last line; the watcher stays quiet
+    self._ending = threading.Lock()  # held while the last line is written
+    self._ended = False  # the last line is out (or the run's owner said no line will come)
     self._previous: dict[int, object] = {}
     self._previous_wakeup = None
     self._sockets = None
@@ -115,9 +120,26 @@ class StopSignal:
     flags = multihost_utils.process_allgather(np.array([int(self.requested is not None)]))
     return bool(np.max(flags))
 
+  def say_last(self, line: str, file=None) -> bool:
+    """Writes the run's last line, whole and once, unless another thread already has: True if
+    this call wrote it. A main thread that gets False leaves the ending to the watcher, which
+    exits the process right after its line."""
+    with self._ending:
+      if self._ended:
+        return False
+      self._ended = True
+      logging.flush()
+      sys.stderr.flush()
+      sys.stdout.flush()
+      file = file or sys.stdout
+      file.write(line + "\n")
+      file.flush()
+      return True
+
   def finished(self) -> None:
-    """The run printed its last line: a late watcher must not print another."""
-    self._done.set()
+    """The run's owner has written (or will write) its last line: the watcher must not."""
+    with self._ending:
+      self._ended = True
 
   def restore(self) -> None:
     for sig, handler in self._previous.items():
@@ -160,14 +182,14 @@ class StopSignal:
         else:
           where = self.describe_abort()
           self._exit(signum, f"second signal ({signal_name(signum)}): exited at once without saving"
-                             + (f"; {where}" if where else ""))
+                     + (f"; {where}" if where else ""), always=True)
 
-  def _exit(self, signum: int, line: str) -> None:
-    if not self._done.is_set():
-      logging.flush()
-      sys.stderr.flush()
-      print(f"train: {line}", file=sys.stdout, flush=True)
-    os._exit(128 + signum)
+  def _exit(self, signum: int, line: str, *, always: bool = False) -> bool:
+    """Ends the process with `line` unless the main thread already ended the run: then only a
+    second signal (`always`) still exits, at once and silently. Returns False if it did not exit."""
+    if self.say_last(f"train: {line}") or always:
+      os._exit(128 + signum)
+    return False
 
 
 def _drop_swallowed_interrupts() -> None:
