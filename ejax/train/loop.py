@@ -25,8 +25,7 @@ from ejax.parallel import barrier, global_batch, initialize_distributed, make_me
 from ejax.parallel.data import process_batch_shards
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
-from ejax.errors import UserError
-from ejax.train import resume, vision_pretrain
+from ejax.train import resume
 from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
@@ -120,16 +119,6 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   data_iter = make_input(config, local_batch_size=local_batch_size, shards=process_batch_shards(mesh, rules))
   if hasattr(data_iter, "close"):
     cleanup.push(_closing(data_iter.close))
-  pretrained_vision = None
-  if resume_step is None and config.model.get("vision_pretrain") and config.model.vision_pretrain.layouts:
-    if config.data.name != "sim_demos" and not config.model.vision_pretrain.tasks:
-      raise UserError(f"model.vision_pretrain renders ejax.sim layouts, but data.name={config.data.name!r} is not "
-                      "ejax.sim's demonstrations: set --config.model.vision_pretrain.layouts=0, or name the sim "
-                      "tasks to pre-train on in model.vision_pretrain.tasks")
-    stop.phase = "pre-training the vision tower"
-    demos = config.data.sim_demos
-    pretrained_vision = vision_pretrain.cached_pretrain(config.model, str(demos.tasks),
-                                                        (int(demos.image_height), int(demos.image_width)))
   meta = {"config": json.loads(config.to_json_best_effort()),
           "norm_stats": to_jsonable(getattr(data_iter, "norm_stats", None))}
 
@@ -150,8 +139,6 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
       loaded = read_weights(train_cfg.init_weights, plan)
     stop.phase = "initialising the parameters"
     state = jax.block_until_ready(materialize(plan, loaded))
-    if pretrained_vision is not None:
-      state = vision_pretrain.load_into(state, pretrained_vision)
     logging.info("state ready in %.1f s (%d parameters initialised)", time.perf_counter() - started,
                  len(plan.deferred))
   start_step = int(jax.device_get(state.step))
