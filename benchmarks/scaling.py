@@ -3,7 +3,7 @@
 Measured (CPU only, nothing of model size allocated): each model's full-size train step, the
 trainer's own, compiled by XLA for 1,024 fake CPU devices in the layout a 128-node x 8-GPU cluster
 uses, data=128 x fsdp=8, 32 samples a device (the configs' 256 per 8-GPU node), by
-`python -m ejax.parallel.compile_report` (~1.5 min a model; the result is cached under
+`python -m ejax.train.compile_report` (~1.5 min a model; the result is cached under
 ~/.cache/ejax/scaling, keyed by the source it compiled). From its per-device program come:
   - FLOPs per sample: the matmuls of the compiled HLO with every loop counted as often as it runs
     (ejax.parallel.hlo; XLA's cost_analysis counts a scan body once), checked against the analytic
@@ -88,7 +88,7 @@ def compiled(config_path: str, recompile: bool) -> dict:
   if recompile or not os.path.exists(path):
     mesh = ",".join(f"{k}={v}" for k, v in COMPILED_MESH.items())
     start = time.time()
-    done = subprocess.run([sys.executable, "-m", "ejax.parallel.compile_report", f"--config={config_path}",
+    done = subprocess.run([sys.executable, "-m", "ejax.train.compile_report", f"--config={config_path}",
                            f"--mesh={mesh}", f"--json={path}"], cwd=REPO, capture_output=True, text=True)
     if done.returncode:
       raise SystemExit(f"compiling {config_path} failed:\n{done.stderr[-3000:]}")
@@ -167,7 +167,7 @@ def main():
   args = parser.parse_args()
 
   from ejax.models.registry import example_config, get_model_spec
-  from ejax.parallel.compile_report import load_config_file
+  from ejax.train.compile_report import load_config_file
   from ejax.train.flops import layout_of_batch, train_flops_per_sample
 
   print(f"assumed: H100 {PEAK / 1e12:.0f} TFLOP/s peak, every FLOP at {MATMUL_RATE / 1e12:.0f} TFLOP/s; NVLink "

@@ -20,7 +20,7 @@ runlocal sizes. Last line:
   python benchmarks/train_step.py --startup --config=configs/groot.py
 
 --startup compiles the full-size state and train step from shapes, allocating nothing (as
-ejax.parallel.compile_report does), and prints
+ejax.train.compile_report does), and prints
   startup configs/groot.py: state <a> s, train step compile <b> s (<device>)
 """
 
@@ -47,7 +47,7 @@ ALL_ARMS = ("configured", "padded", "best_fit", "fp8", "attn")
 
 
 def load_config(path: str, arg: str | None):
-  from ejax.parallel.compile_report import load_config_file
+  from ejax.train.compile_report import load_config_file
   return load_config_file(os.path.join(REPO, path), arg)
 
 
@@ -70,7 +70,7 @@ def model_config_for(name: str):
 
 def arm_configs(config, arms: list[str], samples: int) -> dict:
   """name -> (the config of that arm, its batch: numpy arrays of `samples` samples)."""
-  from ejax.models.layout_arms import train_step_arms
+  from ejax.train.layout_arms import train_step_arms
   layouts = train_step_arms(config.model, samples, flops=False)
   out = {}
 
@@ -211,7 +211,7 @@ def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, o
 def startup(config_path: str, per_device_batch: int) -> str:
   """Compiles the state and the step from shapes; the startup line."""
   from ejax.parallel import make_mesh
-  from ejax.parallel.compile_report import abstract_batch
+  from ejax.train.compile_report import abstract_batch
   from ejax.parallel.rules import sharding_context
   from ejax.train.optim import make_optimizer
   from ejax.train.state import compile_state_init, model_parts, plan_train_state

@@ -10,7 +10,7 @@
 local batch); `get_state()` is JSON-serialisable and `set_state()` continues on the next unseen
 sample. Every random choice is a function of (seed, position), so resume is exact.
 
-config.data fields read here (and by `make_source`, `transforms.make_sample_transform`):
+config.data fields read here (and by `ejax.data.sources.make_source`, `transforms.make_sample_transform`):
   name                "lerobot" | "rlds"
   path                LeRobot dataset root, or the TFDS data_dir for rlds
   rlds_name, split    TFDS builder name ("name" or "name/config:version") and split ("train")
@@ -56,7 +56,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ejax.data import stats as stats_lib
-from ejax.data.source import DEFAULT_SKIP_LIMIT
+from ejax.data.sources import make_source
 from ejax.data import transforms
 
 _INDEX_ROUNDS = 4  # Feistel rounds of grain's index_shuffle, as grain's own shuffle uses
@@ -72,40 +72,6 @@ def _quiet_grain_import():
   finally:
     absl_logger.setLevel(level)
   return grain
-
-
-def make_source(data_config):
-  """The random-access sample source named by data.name."""
-  name = data_config.get("name", "lerobot")
-  path = data_config.get("path")
-  if name == "sim_demos":
-    # ejax.sim's scripted-expert demonstrations: a LeRobot v3 dataset, recorded on first use.
-    from ejax.sim.demos import cached_dataset
-    name, path = "lerobot", cached_dataset(data_config.sim_demos, path)
-  common = dict(horizon=int(data_config.get("horizon", 16)),
-                cameras=data_config.get("cameras", None),
-                image_size=data_config.get("image_size", None),
-                embodiment_id=data_config.get("embodiment_id", 0),
-                on_bad_sample=data_config.get("on_bad_sample", "error"),
-                skip_limit=int(data_config.get("skip_limit", DEFAULT_SKIP_LIMIT)))
-  if name == "lerobot":
-    from ejax.data.lerobot import DEFAULT_TOLERANCE_S, LeRobotSource
-    return LeRobotSource(
-        path, observation_offsets=tuple(data_config.get("observation_offsets", (0,))),
-        state_key=data_config.get("state_key", "observation.state"),
-        action_key=data_config.get("action_key", "action"),
-        aux_keys=[data_config.aux_state_key] if data_config.get("aux_state_key", None) else [],
-        raw_keys=[data_config.aux_pixel_key] if data_config.get("aux_pixel_key", None) else [],
-        tolerance_s=float(data_config.get("tolerance_s", DEFAULT_TOLERANCE_S)),
-        max_open_videos=int(data_config.get("max_open_videos", 32)), **common)
-  if name == "rlds":
-    from ejax.data.rlds import RldsSource
-    return RldsSource(path, data_config.rlds_name,
-                      split=data_config.get("split", "train"),
-                      state_field=data_config.get("rlds_state_field", "state"),
-                      instruction_field=data_config.get("rlds_instruction_field",
-                                                        "language_instruction"), **common)
-  raise ValueError(f"data.name={name!r} is not a dataset source: use 'lerobot', 'rlds' or 'sim_demos'")
 
 
 class _ShuffledShard:

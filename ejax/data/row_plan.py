@@ -36,7 +36,7 @@ PROBE_SAMPLES = 512         # dataset samples the train job measures (model.pack
 EXAMPLE_SAMPLES = 1024      # example-batch samples a plan for examples is chosen from
 PADDING_TOLERANCE = 0.005   # a longer row must save more than this much padding to be chosen
 # Samples a row for example batches: powers of two, so that the 8k-sample batches the compile paths
-# build (ejax.parallel.compile_report.abstract_batch) and any power-of-two batch fill whole rows.
+# build (ejax.train.compile_report.abstract_batch) and any power-of-two batch fill whole rows.
 EXAMPLE_SAMPLES_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
 
 

@@ -77,7 +77,7 @@ def load_or_compute_stats(data_config, source) -> dict[str, dict[str, np.ndarray
 
 def run_job(config, workdir: str) -> dict[str, Any]:
   """Job `stats`: computes and saves <workdir>/stats.json; returns the stats and timing."""
-  from ejax.data.pipeline import make_source
+  from ejax.data.sources import make_source
   data_config = config.data.copy_and_resolve_references() if hasattr(
       config.data, "copy_and_resolve_references") else config.data
   source = make_source(data_config)

@@ -125,7 +125,7 @@ class Pi05(nnx.Module):
     common = dict(dtype=self.dtype, param_dtype=param_dtype, rngs=rngs)
     # Rematerialised per block like the decoders: the trained tower otherwise keeps every block's
     # activations of 3 images a sample. Full size, 32 samples a device: 101 -> 43 GiB of temporaries
-    # per device (XLA:CPU's estimate, ejax.parallel.compile_report).
+    # per device (XLA:CPU's estimate, ejax.train.compile_report).
     self.vision = SiglipVisionTransformer(vision_config, remat=config.remat, **common)
     # openpi "img/head": SigLIP width -> PaliGemma width (PaliGemma's multi-modal projector).
     self.vision_projection = layers.Dense(vision_config.width, llm_config.width, axes=(ax.IN_FEATURES, ax.EMBED),

@@ -28,7 +28,7 @@ import numpy as np
 
 from ejax.sim import control, raycast_native, scene
 from ejax.sim import env as env_lib
-from ejax.sim.batched import BatchedEnv, _mjx_functions
+from ejax.sim.batch_common import BatchedEnv, _mjx_functions
 
 _PHYSICS_FIELDS = ("qpos", "qvel", "qacc_warmstart", "mocap_pos", "mocap_quat", "ctrl")
 # MuJoCo 4.0.0's plane-cylinder collider misses the contact for about a quarter of yaw angles when an

@@ -9,7 +9,7 @@ import pytest
 from ejax.data import row_plan
 from ejax.data.packing import pack_sequences
 from ejax.models import groot, groot_inputs, pi05, pi05_inputs
-from ejax.models.layout_arms import train_step_arms
+from ejax.train.layout_arms import train_step_arms
 
 PER_DEVICE = 32  # configs/groot.py and pi05.py: batch 256 on a node of 8 GPUs
 

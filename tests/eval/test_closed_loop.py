@@ -25,7 +25,7 @@ from ml_collections import ConfigDict
 
 from configs import common
 from ejax.data import stats as stats_lib
-from ejax.data.pipeline import make_source
+from ejax.data.sources import make_source
 from ejax.data import transforms
 from ejax.eval.evaluate import evaluate_policy
 from ejax.sim import demos as demos_lib

@@ -13,7 +13,7 @@ from ejax.kernels.attention import attention
 from ejax.models import groot, pi05
 from ejax.models.registry import get_model_spec
 from ejax.parallel import batch_sharding, make_mesh, sharding_context
-from ejax.parallel.compile_report import compile_train_step
+from ejax.train.compile_report import compile_train_step
 from ejax.parallel.hlo import collective_summary, collectives
 from ejax.parallel.shard_local import set_rows, take_rows
 from tests.train.helpers import load_config

@@ -47,7 +47,7 @@ def test_demos_job_writes_a_lerobot_v3_dataset(recorded):
   pixels = np.asarray(table.column("observation.environment_pixels").to_pylist(), np.float32)
   assert pixels.shape == (table.num_rows, 8) and np.all(np.abs(pixels[:, :2]) < 1)
   # The pipeline reads them as they are (data.aux_pixel_key: not normalised, unlike data.aux_state_key).
-  from ejax.data.pipeline import make_source
+  from ejax.data.sources import make_source
   from ejax.data.stats import normalized_keys
   from ml_collections import ConfigDict
   source = make_source(ConfigDict(dict(name="lerobot", path=str(root), horizon=4,
@@ -80,7 +80,7 @@ def test_sim_demos_source_records_once_into_the_cache_and_never_leaves_a_partial
   from ml_collections import ConfigDict
 
   from configs import common
-  from ejax.data.pipeline import make_source
+  from ejax.data.sources import make_source
   calls = []
 
   def fake_record(settings, root):  # the real recording is the fixture's; copy it (seconds, not minutes)

@@ -9,7 +9,7 @@ import pytest
 
 from ejax.models.registry import example_config, get_model_spec
 from ejax.parallel import make_mesh
-from ejax.parallel.compile_report import compile_train_step
+from ejax.train.compile_report import compile_train_step
 from ejax.parallel.hlo import matmul_flops
 from ejax.train.flops import layout_of_batch, train_flops_per_sample
 from tests.train.helpers import load_config

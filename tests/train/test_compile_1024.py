@@ -4,7 +4,7 @@ CPU devices, from shapes only, and fit an 80 GB H100 at 32 samples a GPU (the co
 Opt-in (`pytest -m slow`): each compile is a fresh process (the device count is fixed when JAX
 starts) and takes 1.5-3 minutes on a 2-core CPU (BENCHMARKS.md, "1,024 devices"). Memory is
 XLA:CPU's buffer assignment of the per-device program; collectives are read from its HLO
-(ejax.parallel.compile_report).
+(ejax.train.compile_report).
 """
 
 import json
@@ -34,7 +34,7 @@ CASES = {  # id: (config, mesh, micro-batches of the 32 samples a GPU)
 
 def compile_report(config: str, mesh: str, accum: int, tmp_path) -> dict:
   path = tmp_path / "report.json"
-  done = subprocess.run([sys.executable, "-m", "ejax.parallel.compile_report", f"--config={config}", f"--mesh={mesh}",
+  done = subprocess.run([sys.executable, "-m", "ejax.train.compile_report", f"--config={config}", f"--mesh={mesh}",
                          f"--grad_accum={accum}", f"--json={path}"], cwd=REPO, capture_output=True, text=True,
                         env={**os.environ, "XLA_FLAGS": ""})
   assert done.returncode == 0, done.stderr[-3000:]

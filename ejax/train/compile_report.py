@@ -7,8 +7,8 @@ would run, so its buffer assignment (`memory_analysis()`) and its collectives ar
 only the code generated is for CPUs. Run it in a fresh process (the device count is fixed when JAX
 starts):
 
-  python -m ejax.parallel.compile_report --config=configs/groot.py --mesh=data=128,fsdp=8
-  python -m ejax.parallel.compile_report --config=configs/pi05.py --mesh=data=64,fsdp=8,tensor=2
+  python -m ejax.train.compile_report --config=configs/groot.py --mesh=data=128,fsdp=8
+  python -m ejax.train.compile_report --config=configs/pi05.py --mesh=data=64,fsdp=8,tensor=2
 
 The batch: the config's global_batch_size is the batch of one 8-GPU node (the configs' launch
 line), so the global batch is global_batch_size / 8 samples per device (--per_device_batch to

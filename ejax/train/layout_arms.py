@@ -23,6 +23,7 @@ import importlib
 import numpy as np
 
 from ejax.data import row_plan
+from ejax.train.flops import layout_of_batch, train_flops_per_sample, weight_shapes
 
 # model name -> its input-assembly module (example_batch(..., pack=), example_lengths, example_config)
 _INPUTS = {"groot": "ejax.models.groot_inputs", "pi05": "ejax.models.pi05_inputs"}
@@ -98,7 +99,6 @@ def _arm(name: str, model_config, batch: dict, weights) -> Arm:
   real = int(np.count_nonzero(segments))
   flops = None
   if weights is not None:
-    from ejax.train.flops import layout_of_batch, train_flops_per_sample
     samples = batch["actions"].shape[0]
     flops = train_flops_per_sample(model_config, layout_of_batch(model_config, batch), weights).hardware * samples
   return Arm(name, batch, int(segments.shape[1]), int(model_config.packing.samples_per_row), int(segments.shape[0]),
@@ -121,7 +121,6 @@ def train_step_arms(model_config, num_samples: int, seed: int = 0, *, flops: boo
   best_fit = row_plan.with_plan(model_config, plan)
   weights = None
   if flops:
-    from ejax.train.flops import weight_shapes
     weights = weight_shapes(configured)
   arms = {}
   seed_padded = _with_row(model_config, max(seed_padded_length(model_config), int(lengths.max())), 1)

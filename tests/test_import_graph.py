@@ -1,0 +1,93 @@
+"""ejax's import graph, read statically from the sources (every import, function-level ones too):
+no cycles, and no package importing one above it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "ejax"
+
+# package -> packages it must never import (the layers above it)
+FORBIDDEN = {
+    "parallel": ("train", "models", "data", "sim", "eval", "rl", "serve"),
+    "kernels": ("train", "models", "data", "sim", "eval", "rl", "serve"),
+    "models": ("train", "eval", "rl", "serve"),
+    "data": ("models", "train", "eval", "rl", "serve"),
+    "sim": ("models", "train", "eval", "rl", "serve"),
+}
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+  parts = ("ejax",) + path.relative_to(root).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+  """module -> the ejax modules it imports (a name imported from a package counts as its submodule
+  where one of that name exists, else as the package)."""
+  paths = {module_name(p, root): p for p in root.rglob("*.py")}
+  graph = {}
+  for name, path in paths.items():
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        imported.update(alias.name for alias in node.names)
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+          anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+          base = ".".join(anchor + ([node.module] if node.module else []))
+        imported.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names)
+    graph[name] = {other for other in imported if other in paths and other != name}
+  return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan)."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(node):
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    on_stack.add(node)
+    for other in sorted(graph[node]):
+      if other not in index:
+        visit(other)
+        low[node] = min(low[node], low[other])
+      elif other in on_stack:
+        low[node] = min(low[node], index[other])
+    if low[node] == index[node]:
+      component = []
+      while not component or component[-1] != node:
+        component.append(stack.pop())
+        on_stack.discard(component[-1])
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for node in sorted(graph):
+    if node not in index:
+      visit(node)
+  return found
+
+
+def test_cycles_finds_a_planted_cycle(tmp_path):
+  (tmp_path / "a.py").write_text("from ejax import b\n")
+  (tmp_path / "b.py").write_text("def f():\n  import ejax.a\n")
+  (tmp_path / "c.py").write_text("from ejax import a\n")
+  graph = import_graph(tmp_path)
+  assert graph == {"ejax.a": {"ejax.b"}, "ejax.b": {"ejax.a"}, "ejax.c": {"ejax.a"}}
+  assert cycles(graph) == [["ejax.a", "ejax.b"]]
+
+
+def test_ejax_has_no_import_cycles():
+  graph = import_graph()
+  assert len(graph) > 100 and "ejax.data.sources" in graph["ejax.data.stats"]
+  assert cycles(graph) == []
+
+
+def test_no_package_imports_one_above_it():
+  upward = [f"{name} -> {other}" for name, imported in import_graph().items() for other in imported
+            if other.split(".")[1] in FORBIDDEN.get(name.split(".")[1], ())]
+  assert upward == []
