@@ -256,8 +256,8 @@ def test_key_ranges_are_the_mask_on_packed_rows(kind):
   keys = np.arange(24)
   got = (keys >= np.asarray(ranges.k_start)[..., None]) & (keys < np.asarray(ranges.k_end)[..., None])
   assert bool(ranges.valid)
-  np.testing.assert_array_equal(got, pair_mask(*mask, ordered))
-  np.testing.assert_array_equal(ranges.has_keys, np.asarray(pair_mask(*mask, ordered)).any(-1))
+  np.testing.assert_array_equal(got, pair_mask(*mask[:4], ordered))
+  np.testing.assert_array_equal(ranges.has_keys, np.asarray(pair_mask(*mask[:4], ordered)).any(-1))
 
 
 def test_key_ranges_flag_layouts_that_are_not_ranges():

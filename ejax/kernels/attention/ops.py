@@ -82,13 +82,13 @@ def _backward(plan: _Plan, q, k, v, mask: MaskInputs, out, lse, d_out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blockwise(plan: _Plan, q, k, v, q_segment_ids, kv_segment_ids, q_keys, kv_keys):
-  mask = MaskInputs(q_segment_ids, kv_segment_ids, q_keys, kv_keys)
+def _blockwise(plan: _Plan, q, k, v, q_segment_ids, kv_segment_ids, q_keys, kv_keys, q_groups, kv_groups):
+  mask = MaskInputs(q_segment_ids, kv_segment_ids, q_keys, kv_keys, q_groups, kv_groups)
   return _forward(plan, q, k, v, mask)[0]
 
 
-def _blockwise_fwd(plan: _Plan, q, k, v, q_segment_ids, kv_segment_ids, q_keys, kv_keys):
-  mask = MaskInputs(q_segment_ids, kv_segment_ids, q_keys, kv_keys)
+def _blockwise_fwd(plan: _Plan, q, k, v, q_segment_ids, kv_segment_ids, q_keys, kv_keys, q_groups, kv_groups):
+  mask = MaskInputs(q_segment_ids, kv_segment_ids, q_keys, kv_keys, q_groups, kv_groups)
   out, lse = _forward(plan, q, k, v, mask)
   return out, (q, k, v, mask, out, lse)
 
@@ -96,7 +96,7 @@ def _blockwise_fwd(plan: _Plan, q, k, v, q_segment_ids, kv_segment_ids, q_keys, 
 def _blockwise_bwd(plan: _Plan, residuals, d_out):
   q, k, v, mask, out, lse = residuals
   dq, dk, dv = _backward(plan, q, k, v, mask, out, lse, d_out)
-  return dq, dk, dv, None, None, None, None
+  return dq, dk, dv, None, None, None, None, None, None
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -125,7 +125,7 @@ def _tokamax_forward_bwd(plan: _Plan, options, residuals, d_out):
   if plan.backend == "xla":  # its lse is [batch, kv_heads, groups, len]; q head h reads kv head h // groups
     lse_p = lse_p.reshape(lse.shape[0], k.shape[2], -1, lse_p.shape[-1])
   dq, dk, dv = _backward(plan, q_p, k_p, v_p, mask_p, pad_rows(out), lse_p, pad_rows(d_out))
-  return (dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]) + (None,) * 7
+  return (dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]) + (None,) * (3 + len(mask))
 
 
 _tokamax_forward.defvjp(_tokamax_forward_fwd, _tokamax_forward_bwd)
@@ -142,6 +142,10 @@ def _cudnn_attention(q, k, v, scale: float, **mask_kwargs):
   # cuDNN averages over all keys for a query with none allowed; the spec says zeros.
   return out * mask.any(-1)[:, :, None, None].astype(out.dtype)
 
+
+# Mask kinds only ejax's own kernels take: a "wam" query's keys are two ranges (the shared context up
+# to its position, and its own chunk), which neither tokamax's one range nor cuDNN's segments express.
+_OWN_KERNEL_ONLY = ("wam",)
 
 _SCOPED_IMPL: contextvars.ContextVar[str] = contextvars.ContextVar("ejax_attention_impl", default="auto")
 
@@ -180,6 +184,8 @@ def _hopper() -> bool:
 
 def _applies(impl: str, q, k, mask_kind: str) -> bool:
   """Whether `impl` takes this case on a GPU (shapes, mask kind, installed libraries)."""
+  if mask_kind in _OWN_KERNEL_ONLY and impl in ("tokamax", "tokamax_fwd", "cudnn_packed"):
+    return False
   if impl == "pallas":
     return pallas_gpu.supports(q, k)
   if impl == "tokamax":
@@ -213,6 +219,9 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
   batch, q_len, _, _ = q.shape
   kv_len = k.shape[1]
   on_gpu = platform.on_gpu()
+  if mask_kind in _OWN_KERNEL_ONLY:
+    raise ValueError(f"attention impl={impl!r} does not take mask_kind={mask_kind!r} (each query's keys "
+                     "are two ranges); use impl='auto', 'pallas' or 'xla'")
   if impl == "cudnn_packed":
     if not on_gpu:
       raise ValueError(f"attention impl='cudnn_packed' needs a GPU, the backend is "

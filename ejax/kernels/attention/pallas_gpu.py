@@ -38,8 +38,21 @@ def _compiler_params(head_dim: int, num_warps: int | None = None, num_stages: in
                               num_stages=num_stages or 2)
 
 
+def _split_groups(refs, grouped: bool):
+  """(q_group_ref, kv_group_ref, *rest): the "wam" mask's group ids follow the order keys."""
+  return tuple(refs) if grouped else (None, None, *refs)
+
+
+def _groups(q_group_ref, kv_group_ref, q_rows, kv_rows) -> dict:
+  """pair_mask's group arguments for a tile's queries and keys (none without groups)."""
+  if q_group_ref is None:
+    return {}
+  return dict(q_groups=q_group_ref[q_rows], kv_groups=kv_group_ref[kv_rows])
+
+
 def _forward_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, q_key_ref,
-                    kv_key_ref, out_ref, lse_ref, *, scale: float, ordered: bool, block_kv: int):
+                    kv_key_ref, *refs, scale: float, ordered: bool, block_kv: int, grouped: bool):
+  q_group_ref, kv_group_ref, out_ref, lse_ref = _split_groups(refs, grouped)
   q = q_ref[...]  # [block_q, d]
   q_seg, q_key = q_seg_ref[...], q_key_ref[...]
   block_q, head_dim = q.shape
@@ -48,7 +61,8 @@ def _forward_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg
     acc, row_max, row_sum = carry
     kv = pl.ds(pl.multiple_of(order_ref[t] * block_kv, block_kv), block_kv)
     k, v = k_ref[kv, :], v_ref[kv, :]
-    allowed = pair_mask(q_seg, kv_seg_ref[kv], q_key, kv_key_ref[kv], ordered)
+    allowed = pair_mask(q_seg, kv_seg_ref[kv], q_key, kv_key_ref[kv], ordered,
+                        **_groups(q_group_ref, kv_group_ref, slice(None), kv))
     scores = jnp.where(allowed, pallas_dot(q, k, trans_b=True) * scale, MASKED_SCORE)
     new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
     correction = jnp.exp(row_max - new_max)
@@ -67,8 +81,9 @@ def _forward_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg
 
 
 def _dq_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-               kv_seg_ref, q_key_ref, kv_key_ref, dq_ref, *, scale: float, ordered: bool,
-               block_kv: int):
+               kv_seg_ref, q_key_ref, kv_key_ref, *refs, scale: float, ordered: bool,
+               block_kv: int, grouped: bool):
+  q_group_ref, kv_group_ref, dq_ref = _split_groups(refs, grouped)
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   q_seg, q_key = q_seg_ref[...], q_key_ref[...]
@@ -76,7 +91,8 @@ def _dq_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
   def kv_tile(t, dq):
     kv = pl.ds(pl.multiple_of(order_ref[t] * block_kv, block_kv), block_kv)
     k, v = k_ref[kv, :], v_ref[kv, :]
-    allowed = pair_mask(q_seg, kv_seg_ref[kv], q_key, kv_key_ref[kv], ordered)
+    allowed = pair_mask(q_seg, kv_seg_ref[kv], q_key, kv_key_ref[kv], ordered,
+                        **_groups(q_group_ref, kv_group_ref, slice(None), kv))
     probs = jnp.where(allowed, jnp.exp(pallas_dot(q, k, trans_b=True) * scale - lse[:, None]), 0.0)
     d_scores = probs * (pallas_dot(do, v, trans_b=True) - delta[:, None]) * scale
     return dq + pallas_dot(d_scores.astype(k.dtype), k)
@@ -86,8 +102,9 @@ def _dq_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
 
 
 def _dkv_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-                kv_seg_ref, q_key_ref, kv_key_ref, dk_ref, dv_ref, *, scale: float, ordered: bool,
-                block_q: int):
+                kv_seg_ref, q_key_ref, kv_key_ref, *refs, scale: float, ordered: bool,
+                block_q: int, grouped: bool):
+  q_group_ref, kv_group_ref, dk_ref, dv_ref = _split_groups(refs, grouped)
   k, v = k_ref[...], v_ref[...]  # [block_kv, d]
   kv_seg, kv_key = kv_seg_ref[...], kv_key_ref[...]
 
@@ -95,7 +112,8 @@ def _dkv_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(order_ref[t] * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
-    allowed = pair_mask(q_seg_ref[rows], kv_seg, q_key_ref[rows], kv_key, ordered)
+    allowed = pair_mask(q_seg_ref[rows], kv_seg, q_key_ref[rows], kv_key, ordered,
+                        **_groups(q_group_ref, kv_group_ref, rows, slice(None)))
     probs = jnp.where(allowed, jnp.exp(pallas_dot(q, k, trans_b=True) * scale
                                        - lse_ref[rows][:, None]), 0.0)
     d_scores = probs * (pallas_dot(do, v, trans_b=True) - delta_ref[rows][:, None]) * scale
@@ -128,6 +146,10 @@ def _tile_list_specs(n_tiles: int):
           pl.BlockSpec((None, None, n_tiles), lambda b, h, i: (b, i, 0))]
 
 
+def _group_ids(mask: MaskInputs) -> tuple:
+  return () if mask.q_groups is None else (mask.q_groups, mask.kv_groups)
+
+
 _STATIC = ("ordered", "scale", "block_q", "block_kv", "interpret", "num_warps", "num_stages")
 
 
@@ -139,7 +161,9 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
   kv_len, kv_heads = k.shape[1], k.shape[2]
   groups = heads // kv_heads
   order, count = compact(active_tiles(mask, block_q, block_kv, ordered))
-  kernel = functools.partial(_forward_kernel, scale=scale, ordered=ordered, block_kv=block_kv)
+  grouped = mask.q_groups is not None
+  kernel = functools.partial(_forward_kernel, scale=scale, ordered=ordered, block_kv=block_kv, grouped=grouped)
+  group_specs = [_ids_spec(block_q, q_len), _ids_spec(None, kv_len)] if grouped else []
   return pl.pallas_call(
       kernel,
       grid=(batch, heads, q_len // block_q),
@@ -148,7 +172,7 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
                 _seq_specs(block_kv, kv_len, groups, head_dim, blocked=False),
                 _seq_specs(block_kv, kv_len, groups, head_dim, blocked=False),
                 _ids_spec(block_q, q_len), _ids_spec(None, kv_len),
-                _ids_spec(block_q, q_len), _ids_spec(None, kv_len)],
+                _ids_spec(block_q, q_len), _ids_spec(None, kv_len), *group_specs],
       out_specs=[_seq_specs(block_q, q_len, 1, head_dim, blocked=True),
                  pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))],
       out_shape=[platform.varying_struct(q.shape, q.dtype, (q, k, v, mask, count, order)),
@@ -156,7 +180,8 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
       compiler_params=_compiler_params(head_dim, num_warps, num_stages),
       interpret=interpret,
       name="ejax_varlen_attention_fwd",
-  )(count, order, q, k, v, mask.q_segment_ids, mask.kv_segment_ids, mask.q_keys, mask.kv_keys)
+  )(count, order, q, k, v, mask.q_segment_ids, mask.kv_segment_ids, mask.q_keys, mask.kv_keys,
+    *_group_ids(mask))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -173,11 +198,12 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
   kv_order, kv_count = compact(jnp.swapaxes(active, 1, 2))
   # delta_i = sum_d out_id * dout_id, the softmax-Jacobian term; [batch, heads, q_len] like lse.
   delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
-  ids = (mask.q_segment_ids, mask.kv_segment_ids, mask.q_keys, mask.kv_keys)
+  grouped = mask.q_groups is not None
+  ids = (mask.q_segment_ids, mask.kv_segment_ids, mask.q_keys, mask.kv_keys, *_group_ids(mask))
   common = dict(compiler_params=_compiler_params(head_dim, num_warps, num_stages), interpret=interpret)
 
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, scale=scale, ordered=ordered, block_kv=block_kv),
+      functools.partial(_dq_kernel, scale=scale, ordered=ordered, block_kv=block_kv, grouped=grouped),
       grid=(batch, heads, n_q),
       in_specs=[*_tile_list_specs(n_kv),
                 _seq_specs(block_q, q_len, 1, head_dim, blocked=True),
@@ -187,7 +213,8 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
                 pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i)),
                 pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i)),
                 _ids_spec(block_q, q_len), _ids_spec(None, kv_len),
-                _ids_spec(block_q, q_len), _ids_spec(None, kv_len)],
+                _ids_spec(block_q, q_len), _ids_spec(None, kv_len),
+                *([_ids_spec(block_q, q_len), _ids_spec(None, kv_len)] if grouped else [])],
       out_specs=_seq_specs(block_q, q_len, 1, head_dim, blocked=True),
       out_shape=platform.varying_struct(q.shape, q.dtype, (q_count, q_order, q, k, v, d_out, lse, delta, ids)),
       name="ejax_varlen_attention_dq", **common,
@@ -197,7 +224,7 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
   whole_row = lambda length: pl.BlockSpec((None, length, None, head_dim), lambda b, h, j: (b, 0, h, 0))
   per_head_out = pl.BlockSpec((None, block_kv, None, head_dim), lambda b, h, j: (b, j, h, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, scale=scale, ordered=ordered, block_q=block_q),
+      functools.partial(_dkv_kernel, scale=scale, ordered=ordered, block_q=block_q, grouped=grouped),
       grid=(batch, heads, n_kv),
       in_specs=[*_tile_list_specs(n_q),
                 whole_row(q_len),
@@ -207,7 +234,8 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
                 pl.BlockSpec((None, None, q_len), lambda b, h, j: (b, h, 0)),
                 pl.BlockSpec((None, None, q_len), lambda b, h, j: (b, h, 0)),
                 _ids_spec(None, q_len), _ids_spec(block_kv, kv_len),
-                _ids_spec(None, q_len), _ids_spec(block_kv, kv_len)],
+                _ids_spec(None, q_len), _ids_spec(block_kv, kv_len),
+                *([_ids_spec(None, q_len), _ids_spec(block_kv, kv_len)] if grouped else [])],
       out_specs=[per_head_out, per_head_out],
       out_shape=[platform.varying_struct((batch, kv_len, heads, head_dim), jnp.float32,
                                          (kv_count, kv_order, q, k, v, d_out, lse, delta, ids))] * 2,

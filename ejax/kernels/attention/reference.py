@@ -10,7 +10,12 @@ Query i may attend to key j when all of these hold:
   per-segment in packed rows);
 - mask kind "block_causal": q_block_ids[i] >= kv_block_ids[j], where block ids are the running sum
   of per-token "autoregressive" flags (pi0's prefix/suffix mask; see `block_ids_from_ar_flags`);
-- mask kind "bidirectional": no further condition.
+- mask kind "bidirectional": no further condition;
+- mask kind "wam" (DreamZero's world-action-model mask, ejax/models/dreamzero/sequence.py): block ids
+  are groups, 0 the shared context: q_positions[i] >= kv_positions[j] and (kv_block_ids[j] == 0 or
+  kv_block_ids[j] == q_block_ids[i]). A query sees the shared context up to its position plus the
+  keys of its own group at or below its position; the order keys make a group see part of itself
+  (DreamZero's state tokens see their own chunk's states, not its video and actions, which see them).
 A query with no allowed key outputs zeros. Softmax runs in fp32; the output has q's dtype.
 """
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MASK_KINDS = ("bidirectional", "causal", "block_causal")
+MASK_KINDS = ("bidirectional", "causal", "block_causal", "wam")
 
 
 def block_ids_from_ar_flags(ar_flags: jax.Array) -> jax.Array:
@@ -59,6 +64,11 @@ def attention_mask(
     if q_block_ids is None or kv_block_ids is None:
       raise ValueError("mask_kind='block_causal' needs q_block_ids and kv_block_ids")
     mask &= q_block_ids[:, :, None] >= kv_block_ids[:, None, :]
+  elif mask_kind == "wam":
+    if q_positions is None or kv_positions is None or q_block_ids is None or kv_block_ids is None:
+      raise ValueError("mask_kind='wam' needs q_positions, kv_positions, q_block_ids and kv_block_ids")
+    mask &= q_positions[:, :, None] >= kv_positions[:, None, :]
+    mask &= (kv_block_ids[:, None, :] == 0) | (kv_block_ids[:, None, :] == q_block_ids[:, :, None])
   return mask
 
 

@@ -4,6 +4,8 @@ Every blockwise implementation sees one normalised form of the mask (see referen
 - `segment ids` [batch, len] int32, 0 = padding (all ones when the caller gave none);
 - an `order key` [batch, len] int32 with one rule, `q_key >= kv_key`, that covers both masks with
   an order: positions for "causal", block ids for "block_causal" (unused when bidirectional).
+- for the "wam" mask, `groups` [batch, len] int32 beside the order keys (0 = the shared context): a pair
+  also needs kv_group == 0 or kv_group == q_group (None for every other mask kind).
 Sequences are padded with segment id 0 to a multiple of the block size, so padding never needs a
 special case in a kernel.
 
@@ -91,11 +93,13 @@ def next_power_of_2(n: int) -> int:
 
 
 class MaskInputs(NamedTuple):
-  """The normalised mask: segment ids and order keys, [batch, len] int32 each."""
+  """The normalised mask: segment ids and order keys, [batch, len] int32 each; groups for "wam"."""
   q_segment_ids: jax.Array
   kv_segment_ids: jax.Array
   q_keys: jax.Array
   kv_keys: jax.Array
+  q_groups: jax.Array | None = None
+  kv_groups: jax.Array | None = None
 
 
 def normalise_mask(batch: int, q_len: int, kv_len: int, mask_kind: str, q_segment_ids,
@@ -118,12 +122,17 @@ def normalise_mask(batch: int, q_len: int, kv_len: int, mask_kind: str, q_segmen
     if q_block_ids is None or kv_block_ids is None:
       raise ValueError("mask_kind='block_causal' needs q_block_ids and kv_block_ids")
     q_keys, kv_keys = q_block_ids, kv_block_ids
+  elif mask_kind == "wam":
+    if q_positions is None or kv_positions is None or q_block_ids is None or kv_block_ids is None:
+      raise ValueError("mask_kind='wam' needs q_positions, kv_positions, q_block_ids and kv_block_ids")
+    q_keys, kv_keys = q_positions, kv_positions
   else:
     q_keys = jnp.zeros((batch, q_len), jnp.int32)
     kv_keys = jnp.zeros((batch, kv_len), jnp.int32)
   as_int = lambda x, n: jnp.broadcast_to(jnp.asarray(x), (batch, n)).astype(jnp.int32)
+  groups = ((as_int(q_block_ids, q_len), as_int(kv_block_ids, kv_len)) if mask_kind == "wam" else (None, None))
   return MaskInputs(as_int(q_segment_ids, q_len), as_int(kv_segment_ids, kv_len),
-                    as_int(q_keys, q_len), as_int(kv_keys, kv_len)), ordered
+                    as_int(q_keys, q_len), as_int(kv_keys, kv_len), *groups), ordered
 
 
 def pad_to_blocks(q, k, v, mask: MaskInputs, blocks: BlockSizes):
@@ -131,18 +140,21 @@ def pad_to_blocks(q, k, v, mask: MaskInputs, blocks: BlockSizes):
   q_len, kv_len = q.shape[1], k.shape[1]
   q_pad = -q_len % blocks.q_multiple
   kv_pad = -kv_len % blocks.kv_multiple
-  pad_seq = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2)) if n else x
+  pad_seq = lambda x, n: x if x is None or not n else jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
   return (pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad),
           MaskInputs(pad_seq(mask.q_segment_ids, q_pad), pad_seq(mask.kv_segment_ids, kv_pad),
-                     pad_seq(mask.q_keys, q_pad), pad_seq(mask.kv_keys, kv_pad)))
+                     pad_seq(mask.q_keys, q_pad), pad_seq(mask.kv_keys, kv_pad),
+                     pad_seq(mask.q_groups, q_pad), pad_seq(mask.kv_groups, kv_pad)))
 
 
-def pair_mask(q_segment_ids, kv_segment_ids, q_keys, kv_keys, ordered: bool):
+def pair_mask(q_segment_ids, kv_segment_ids, q_keys, kv_keys, ordered: bool, *, q_groups=None, kv_groups=None):
   """[..., q, kv] bool from [..., q] and [..., kv] pieces: the rule of reference.py."""
   allowed = q_segment_ids[..., :, None] == kv_segment_ids[..., None, :]
   allowed &= (q_segment_ids != 0)[..., :, None]
   if ordered:
     allowed &= q_keys[..., :, None] >= kv_keys[..., None, :]
+  if kv_groups is not None:
+    allowed &= (kv_groups[..., None, :] == 0) | (q_groups[..., :, None] == kv_groups[..., None, :])
   return allowed
 
 
@@ -167,6 +179,16 @@ def active_tiles(mask: MaskInputs, block_q: int, block_kv: int, ordered: bool) -
             & (kv_seg_min[:, None, :] <= q_seg_max[:, :, None]))
   if ordered:
     active &= q_key_max[:, :, None] >= kv_key_min[:, None, :]
+  if mask.kv_groups is not None:
+    # A tile is live if its kv block holds shared context (group 0) or the group ranges overlap:
+    # a noisy chunk's queries skip every other chunk's tiles.
+    _, _, q_group_min, q_group_max = _block_summary(mask.q_segment_ids, mask.q_groups, block_q)
+    _, _, kv_group_min, kv_group_max = _block_summary(mask.kv_segment_ids, mask.kv_groups, block_kv)
+    real_kv = mask.kv_segment_ids != 0
+    shared = ((mask.kv_groups == 0) & real_kv).reshape(real_kv.shape[0], -1, block_kv).any(-1)
+    overlap = ((q_group_min[:, :, None] <= kv_group_max[:, None, :])
+               & (kv_group_min[:, None, :] <= q_group_max[:, :, None]))
+    active &= shared[:, None, :] | overlap
   return active
 
 

@@ -48,6 +48,11 @@ def _carry(shape, value: float, sources) -> jax.Array:
   return lax.pcast(carry, tuple(sorted(axes)), to="varying") if axes else carry
 
 
+def _rows_of(ids, b, start, block: int):
+  """ids[b, start:start + block], or None where the mask has no such ids (groups outside "wam")."""
+  return None if ids is None else lax.dynamic_slice_in_dim(ids[b], start, block)
+
+
 def _tile_lists(mask: MaskInputs, block_q: int, block_kv: int, ordered: bool):
   return compact(active_tiles(mask, block_q, block_kv, ordered))
 
@@ -99,13 +104,15 @@ def forward(q, k, v, mask: MaskInputs, *, ordered: bool, scale: float, block_q: 
     q_rows = _q_rows(q_hm[b], q_start, block_q)  # [kv_heads, groups * bq, d]
     q_seg = lax.dynamic_slice_in_dim(mask.q_segment_ids[b], q_start, block_q)
     q_key = lax.dynamic_slice_in_dim(mask.q_keys[b], q_start, block_q)
+    q_group = _rows_of(mask.q_groups, b, q_start, block_q)
 
     def kv_tile(t, carry):
       acc, row_max, row_sum = carry
       kv_start = tile_order[b, i, t] * block_kv
       kv_take = lambda x, axis: lax.dynamic_slice_in_dim(x, kv_start, block_kv, axis)
       allowed = pair_mask(q_seg, kv_take(mask.kv_segment_ids[b], 0), q_key,
-                          kv_take(mask.kv_keys[b], 0), ordered)
+                          kv_take(mask.kv_keys[b], 0), ordered, q_groups=q_group,
+                          kv_groups=_rows_of(mask.kv_groups, b, kv_start, block_kv))
       k_blk, v_blk = kv_take(k_hm[b], 1), kv_take(v_hm[b], 1)  # [kv_heads, bk, d]
       scores = _scores(q_rows, k_blk, allowed)
       new_max = jnp.maximum(row_max, scores.max(-1))
@@ -162,13 +169,15 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
       lse_rows, delta_rows = _q_rows(lse[b], q_start, block_q), _q_rows(delta[b], q_start, block_q)
       q_seg = lax.dynamic_slice_in_dim(mask.q_segment_ids[b], q_start, block_q)
       q_key = lax.dynamic_slice_in_dim(mask.q_keys[b], q_start, block_q)
+      q_group = _rows_of(mask.q_groups, b, q_start, block_q)
 
       def kv_tile(t, inner):
         dq, dk, dv = inner
         kv_start = tile_order[b, i, t] * block_kv
         kv_take = lambda x, axis: lax.dynamic_slice_in_dim(x, kv_start, block_kv, axis)
         allowed = pair_mask(q_seg, kv_take(mask.kv_segment_ids[b], 0), q_key,
-                            kv_take(mask.kv_keys[b], 0), ordered)
+                            kv_take(mask.kv_keys[b], 0), ordered, q_groups=q_group,
+                            kv_groups=_rows_of(mask.kv_groups, b, kv_start, block_kv))
         k_blk, v_blk = kv_take(k_hm[b], 1), kv_take(v_hm[b], 1)  # [kv_heads, bk, d]
         scores = _scores(q_rows, k_blk, allowed)
         # Masked scores give exp(MASKED_SCORE - lse) = 0 (lse is 0 for rows with no key).
