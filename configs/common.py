@@ -79,6 +79,12 @@ def base_config() -> ConfigDict:
       log_every_steps=10, tensorboard=True, progress_bar=True,
       peak_flops_per_device=placeholder(float)))  # else from ejax/train/metrics.py's table
   config.serve = serve_defaults()
+  # Job `convert` (ejax/models/io/convert.py): released weights <-> ejax parameters.
+  config.convert = ConfigDict(dict(
+      direction="",    # import (released -> ejax) | export (ejax -> released)
+      source="",       # import: the released checkpoint; export: an earlier import's destination
+      destination="",  # a new path: the job never overwrites
+  ))
   return config
 
 

@@ -52,9 +52,14 @@ def main(argv: list[str]) -> None:
     job(config, workdir)
   except UserError as error:
     logging.flush()
-    print(f"error: {error}", file=sys.stderr, flush=True)
+    print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
     _exit_now_if_stuck(2)
     sys.exit(2)
+
+
+def one_line(error: BaseException) -> str:
+  """The message on one line: a library's text quoted inside it (orbax's, a file's) may hold newlines."""
+  return " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
 
 
 def _exit_now_if_stuck(code: int) -> None:

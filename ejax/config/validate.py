@@ -11,6 +11,7 @@ from ejax.errors import UserError
 
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+DATASET_SOURCES = ("lerobot", "rlds", "sim_demos")  # data.name values that are datasets on disk (not synthetic)
 
 
 class ConfigError(UserError, ValueError):
@@ -54,6 +55,9 @@ def validate(config: ConfigDict) -> None:
     raise ConfigError(
         f"data.name={data.name!r} needs --config.data.path=<dataset directory> "
         f"(record one with --config.job=demos, or use the built-in --config.data.name=synthetic)")
+  if config.get("job") == "stats" and (data is None or data.get("name") not in DATASET_SOURCES):
+    raise ConfigError(f"job stats computes a dataset's statistics and data.name={(data or {}).get('name')!r} is none: "
+                      "set --config.data.name=lerobot --config.data.path=<dataset> (or rlds, or sim_demos)")
   model = config.get("model")
   if (data is not None and model is not None and model.get("aux_state_dim", 0) and not data.get("aux_state_key")
       and config.job == "train"):
@@ -67,6 +71,11 @@ def validate(config: ConfigDict) -> None:
                       "model.aux_heatmaps=0")
   if data is not None and "skip_limit" in data:
     _positive(data, "skip_limit", "data")
+  if data is not None and data.get("stats_path") and not os.path.isfile(os.path.expanduser(data.stats_path)):
+    raise ConfigError(f"data.stats_path {data.stats_path!r} is not a file: run the stats job first (--config.job=stats "
+                      "writes <workdir>/stats.json), point it at a dataset's meta/stats.json, or unset it")
+  if train is not None and train.get("init_weights") and config.job == "train":
+    _check_init_weights(train.init_weights)
   if data is not None and data.get("path") and data.get("name") != "sim_demos":  # sim_demos records there
     if not os.path.exists(data.path):
       raise ConfigError(
@@ -74,7 +83,50 @@ def validate(config: ConfigDict) -> None:
           f"(make one with --config.job=demos) or use --config.data.name=synthetic")
 
 
+def _check_init_weights(path: str) -> None:
+  """train.init_weights holds what the convert job imports, not a run's checkpoints (which resume instead)."""
+  from ejax.checkpoint.kinds import RL, TRAIN, checkpoint_kind
+  resolved = os.path.abspath(os.path.expanduser(path))
+  kinds = {checkpoint_kind(resolved)} | {checkpoint_kind(os.path.join(resolved, name))
+                                          for name in ("checkpoints", "rl_checkpoints")}
+  if kinds & {TRAIN, RL}:
+    raise ConfigError(f"train.init_weights={path!r} holds an ejax job's checkpoints, not imported weights: to continue "
+                      "that run, run its command again with its --workdir (it resumes); init_weights takes the "
+                      "destination of --config.job=convert --config.convert.direction=import")
+
+
 def _positive(section: ConfigDict, key: str, prefix: str) -> None:
   value = section.get(key)
   if not isinstance(value, int) or value <= 0:
     raise ConfigError(f"{prefix}.{key}={value!r} must be a positive integer")
+
+
+# Helpers for the jobs' own checks (each job's `check_config`, run before it loads or compiles anything).
+
+def require_section(config: ConfigDict, name: str, example: str) -> ConfigDict:
+  """config.<name>, or one line naming the config files that have it."""
+  section = config.get(name)
+  if not section:
+    raise ConfigError(f"job {config.get('job', name)!r} needs a config.{name} section, which this config lacks: "
+                      f"use {example}")
+  return section
+
+
+def require_one_of(setting: str, value, choices) -> None:
+  if value not in choices:
+    raise ConfigError(f"{setting}={value!r}: use one of {', '.join(map(str, choices))}")
+
+
+def require_positive(section: ConfigDict, prefix: str, *keys: str) -> None:
+  for key in keys:
+    _positive(section, key, prefix)
+
+
+def require_path(setting: str, path: str, what: str) -> str:
+  """`path` (user and relative paths resolved), which must exist; else one line saying what belongs there."""
+  if not path:
+    raise ConfigError(f"{setting} is not set: pass --{'config.' + setting}=<{what}>")
+  resolved = os.path.abspath(os.path.expanduser(path))
+  if not os.path.exists(resolved):
+    raise ConfigError(f"{setting}={path!r} does not exist: point it at {what}")
+  return resolved

@@ -23,11 +23,57 @@ import jax
 import numpy as np
 from absl import logging
 
+from ejax.config.validate import ConfigError, require_one_of, require_path, require_positive, require_section
 from ejax.eval import plots, stats, videos
 from ejax.eval.policies import PRIVILEGED_PREFIX, ExpertPolicy, RandomPolicy
 from ejax.sim import registry
-from ejax.sim.batched import BatchedEnv, make_batched
+from ejax.sim.batched import BACKENDS, BatchedEnv, make_batched
 from ejax.sim.demos import resolve_tasks
+
+POLICIES = ("random", "expert", "checkpoint", "rl", "remote")
+KEYPOINT_GEOMETRY = ("checkpoint", "sim", "off")
+
+
+def check_config(config) -> None:
+  """Every setting the eval job needs, checked before it loads a policy or builds a simulator: one
+  line naming the setting and the fix (ejax.main prints it)."""
+  cfg = require_section(config, "eval", "configs/eval.py")
+  require_one_of("eval.policy", cfg.policy, POLICIES)
+  require_one_of("eval.backend", cfg.backend, BACKENDS)
+  require_one_of("eval.keypoint_geometry", cfg.get("keypoint_geometry", "checkpoint"), KEYPOINT_GEOMETRY)
+  require_positive(cfg, "eval", "episodes_per_task", "num_envs", "replan_every")
+  if cfg.tasks:
+    resolve_tasks(cfg.tasks, setting="eval.tasks")
+  if cfg.policy == "remote" and not cfg.address:
+    raise ConfigError("eval.policy='remote' needs --config.eval.address=<host:port of a serve job> "
+                      "(README \"Deploy\")")
+  if cfg.policy in ("checkpoint", "rl"):
+    _check_checkpoint(cfg.policy, cfg.checkpoint)
+
+
+def _check_checkpoint(policy: str, checkpoint: str) -> None:
+  """eval.checkpoint holds what eval.policy loads: a train job's checkpoints (checkpoint) or an rl job's
+  rl_checkpoints (rl), told apart on disk as the serve job does."""
+  from ejax.checkpoint.kinds import IMPORTED, RL, TRAIN, checkpoint_kind
+  wanted, other = (TRAIN, RL) if policy == "checkpoint" else (RL, TRAIN)
+  folder = {TRAIN: "checkpoints", RL: "rl_checkpoints"}
+  what = {TRAIN: "a train job's <workdir>/checkpoints", RL: "an rl job's <workdir>/rl_checkpoints"}
+  path = require_path("eval.checkpoint", checkpoint, what[wanted] + f" (eval.policy={policy!r})")
+  kind = checkpoint_kind(path)
+  if kind == wanted:
+    return
+  setting = f"eval.checkpoint={checkpoint!r}"
+  if kind == other:
+    right = "checkpoint" if other == TRAIN else "rl"
+    raise ConfigError(f"{setting} is {what[other]}, not {what[wanted]}: evaluate it with "
+                      f"--config.eval.policy={right}")
+  if kind == IMPORTED:
+    raise ConfigError(f"{setting} holds weights imported by the convert job, without the data config and statistics "
+                      "a policy acts with: serve them (job serve with data.stats_path, README \"Deploy\") and evaluate "
+                      "with --config.eval.policy=remote")
+  if checkpoint_kind(os.path.join(path, folder[wanted])) == wanted:
+    raise ConfigError(f"{setting} is a workdir: point it at {os.path.join(checkpoint, folder[wanted])}")
+  raise ConfigError(f"{setting} holds no checkpoint: point it at {what[wanted]} (eval.policy={policy!r})")
 
 
 def make_policy(config, action_size: int):
@@ -38,27 +84,30 @@ def make_policy(config, action_size: int):
     return ExpertPolicy()
   if kind == "checkpoint":
     if not config.eval.checkpoint:
-      raise ValueError("config.eval.policy='checkpoint' needs --config.eval.checkpoint=<checkpoint dir>")
+      raise ConfigError("config.eval.policy='checkpoint' needs --config.eval.checkpoint=<checkpoint dir>")
     from ejax.train.policy import load_policy
     choices = {"checkpoint": None, "sim": True, "off": False}
     geometry = config.eval.get("keypoint_geometry", "checkpoint")
     if geometry not in choices:
-      raise ValueError(f"config.eval.keypoint_geometry={geometry!r}: use checkpoint, sim or off")
+      raise ConfigError(f"config.eval.keypoint_geometry={geometry!r}: use checkpoint, sim or off")
     policy = load_policy(config.eval.checkpoint, geometry=choices[geometry],
                          num_inference_steps=int(config.eval.get("num_inference_steps", 0)))
     if config.eval.get("true_estimate", False):
-      policy.use_true_estimate()
+      try:
+        policy.use_true_estimate()
+      except ValueError as error:
+        raise ConfigError(f"{error}: unset eval.true_estimate for this checkpoint") from None
     return policy
   if kind == "rl":
     if not config.eval.checkpoint:
-      raise ValueError("config.eval.policy='rl' needs --config.eval.checkpoint=<workdir of the rl job>/rl_checkpoints")
+      raise ConfigError("config.eval.policy='rl' needs --config.eval.checkpoint=<workdir of the rl job>/rl_checkpoints")
     from ejax.rl.build import load_rl_policy
     return load_rl_policy(config.eval.checkpoint, version=config.eval.get("version", -1))
   if kind == "remote":
     from ejax.serve.client import RemotePolicy
     return RemotePolicy(config.eval.address, api_key=config.eval.api_key,
                         connections=int(config.eval.remote_connections))
-  raise ValueError(f"unknown config.eval.policy {kind!r}: use random, expert, checkpoint, rl or remote")
+  raise ConfigError(f"unknown config.eval.policy {kind!r}: use random, expert, checkpoint, rl or remote")
 
 
 def policy_observations(state, uses_privileged_state: bool) -> dict[str, np.ndarray]:
@@ -192,6 +241,7 @@ def resolve_defaults(cfg, policy):
 
 
 def run_job(config, workdir: str) -> None:
+  check_config(config)
   policy = make_policy(config, BatchedEnv.action_size)
   cfg = resolve_defaults(config.eval, policy)
   label = cfg.policy + (" (true estimate)" if cfg.get("true_estimate", False) else "")

@@ -131,6 +131,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 
 
 def run_job(config, workdir: str) -> dict[str, Any]:
+  if not (config.get("model") or {}).get("name"):
+    from ejax.config.validate import ConfigError
+    raise ConfigError("job summary describes a model, and this config has no model: use configs/groot.py, "
+                      "configs/pi05.py or configs/tiny.py with --config.job=summary")
   rules = [tuple(rule) for rule in config.sharding_rules]
   summary = summarize(config.model, dict(config.mesh), rules)
   text = format_summary(summary)

@@ -35,6 +35,7 @@ import jax
 from absl import logging
 from ml_collections import ConfigDict
 
+from ejax.config.validate import ConfigError, require_one_of, require_path, require_section
 from ejax.parallel import barrier, initialize_distributed
 from ejax.rl import warm_start
 from ejax.rl.build import load_rl_policy, make_env, make_policy  # noqa: F401 (load_rl_policy: re-exported)
@@ -65,7 +66,48 @@ def judge_config(rl: ConfigDict) -> ConfigDict:
                          videos_per_task=judge.get("videos", 2), seed=judge.seed, checkpoint=""))
 
 
+POLICY_KINDS = ("mlp_flow", "tiny_flow", "groot")
+
+
+def check_config(config: ConfigDict) -> None:
+  """The rl job's settings, checked before any process connects, records demos or compiles: one line
+  naming the setting and the fix (ejax.main prints it)."""
+  rl = require_section(config, "rl", "configs/rl_vla3.py")
+  require_one_of("rl.mode", rl.mode, ("async", "sync"))
+  from ejax.sim import registry
+  require_one_of("rl.env.name", rl.env.name, ("point_reach", *registry.list_tasks()))
+  require_one_of("rl.env.backend", rl.env.get("backend", "mjx"), ("mjx", "native"))
+  require_one_of("rl.policy.kind", rl.policy.kind, POLICY_KINDS)
+  if rl.policy.kind == "groot":
+    _check_sft_checkpoint(rl.policy)
+
+
+def _check_sft_checkpoint(policy: ConfigDict) -> None:
+  """rl.policy.checkpoint (the arg string's sft=) holds a train job's GR00T checkpoints."""
+  from ejax.checkpoint import Checkpointer
+  from ejax.checkpoint.kinds import RL, TRAIN, checkpoint_kind
+  what = "a GR00T train job's <workdir>/checkpoints (configs/rl_vla3.py:...,actor=groot,sft=PATH)"
+  path = require_path("rl.policy.checkpoint", policy.checkpoint, what)
+  kind = checkpoint_kind(path)
+  if kind != TRAIN:
+    if checkpoint_kind(os.path.join(path, "checkpoints")) == TRAIN:
+      raise ConfigError(f"rl.policy.checkpoint={policy.checkpoint!r} is a workdir: point sft= at "
+                        f"{os.path.join(policy.checkpoint, 'checkpoints')}")
+    held = "an rl job's rl_checkpoints" if kind == RL else "no train checkpoint"
+    raise ConfigError(f"rl.policy.checkpoint={policy.checkpoint!r} holds {held}: point sft= at {what}")
+  checkpointer = Checkpointer(path)
+  try:
+    step = int(policy.get("step", -1))
+    model = ((checkpointer.read_meta(None if step < 0 else step).get("config") or {}).get("model") or {}).get("name")
+  finally:
+    checkpointer.close()
+  if model != "groot":
+    raise ConfigError(f"rl.policy.checkpoint={policy.checkpoint!r} holds a {model!r} model; actor=groot fine-tunes a "
+                      "GR00T checkpoint (configs/groot.py's train job): point sft= at one")
+
+
 def run_job(config: ConfigDict, workdir: str) -> dict:
+  check_config(config)
   rl = config.rl
   initialize_distributed(config.distributed)  # several processes: before anything touches a device
   lead = jax.process_index() == 0  # judges and writes the outputs

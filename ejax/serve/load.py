@@ -27,8 +27,8 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from ejax.checkpoint import Checkpointer, CheckpointError
+from ejax.checkpoint.kinds import IMPORTED, RL, TRAIN, checkpoint_kind, numbered
 
-TRAIN, RL, IMPORTED = "train", "rl", "imported"
 ACCEPTED = ("a train job's <workdir>/checkpoints, an rl job's <workdir>/rl_checkpoints (GR00T actor), or weights "
             "imported by the convert job (--config.convert.direction=import)")
 STATE_BASED_KINDS = ("mlp_flow", "tiny_flow")
@@ -41,25 +41,6 @@ class Source:
   version: int | None    # the train step or RL version (imported weights have none)
 
 
-def _numbered(path: str) -> list[int]:
-  return sorted(int(name) for name in os.listdir(path) if name.isdigit() and os.path.isdir(os.path.join(path, name)))
-
-
-def _kind_of(path: str) -> str | None:
-  """TRAIN / RL / IMPORTED when `path` is that kind's directory, else None."""
-  if not os.path.isdir(path):
-    return None
-  steps = _numbered(path)
-  if steps:
-    items = os.listdir(os.path.join(path, str(steps[-1])))
-    if "meta" in items:
-      return TRAIN
-    if "metadata" in items:
-      return RL
-    return None
-  return IMPORTED if os.path.isfile(os.path.join(path, "_METADATA")) else None
-
-
 def find_source(path: str, version: int = -1) -> Source:
   """The Source `path` holds (see the module docstring); version -1 picks the newest step / version.
   Anything else is a CheckpointError naming the path and the accepted kinds."""
@@ -67,15 +48,15 @@ def find_source(path: str, version: int = -1) -> Source:
   if not os.path.exists(path):
     raise CheckpointError(f"serve.checkpoint {path} does not exist: point it at {ACCEPTED}")
   chosen = None if version < 0 else int(version)
-  kind = _kind_of(path)
+  kind = checkpoint_kind(path)
   parent = os.path.dirname(path)
-  if kind is None and os.path.basename(path).isdigit() and _kind_of(parent) in (TRAIN, RL):
+  if kind is None and os.path.basename(path).isdigit() and checkpoint_kind(parent) in (TRAIN, RL):
     step = int(os.path.basename(path))
     if chosen is not None and chosen != step:
       raise CheckpointError(f"serve.checkpoint {path} names step {step} but serve.version={chosen}: give one of them")
-    kind, path, chosen = _kind_of(parent), parent, step
+    kind, path, chosen = checkpoint_kind(parent), parent, step
   if kind is None:
-    inside = [name for name in ("checkpoints", "rl_checkpoints") if _kind_of(os.path.join(path, name))]
+    inside = [name for name in ("checkpoints", "rl_checkpoints") if checkpoint_kind(os.path.join(path, name))]
     if len(inside) > 1:
       raise CheckpointError(f"{path} holds both checkpoints/ and rl_checkpoints/: point serve.checkpoint at the one to serve")
     if inside:
@@ -85,7 +66,7 @@ def find_source(path: str, version: int = -1) -> Source:
     if chosen is not None:
       raise CheckpointError(f"imported weights {path} have no steps or versions: leave serve.version at -1")
     return Source(kind, path, None)
-  saved = _numbered(path)
+  saved = numbered(path)
   if chosen is not None and chosen not in saved:
     what = "step" if kind == TRAIN else "version"
     raise CheckpointError(f"{path} holds no {what} {chosen}; saved: {saved}")

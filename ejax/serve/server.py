@@ -28,6 +28,7 @@ import asyncio
 import hmac
 import http
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -179,9 +180,28 @@ class PolicyServer:
     return wire.packb({"actions": result["actions"], "server_timing": timing})
 
 
+def check_config(config, workdir: str) -> None:
+  """The serve job's settings, checked before minutes of loading and compiling: one line naming the
+  setting and the fix (ejax.main prints it)."""
+  from ejax.config.validate import ConfigError, require_one_of, require_positive, require_section
+  from ejax.checkpoint.kinds import checkpoint_kind
+  from ejax.serve.load import ACCEPTED, find_source
+  serve = require_section(config, "serve", "a model config (configs/groot.py, configs/pi05.py) with --config.job=serve")
+  check_binding(serve.host, serve.api_key)
+  require_one_of("serve.weights", serve.weights, ("same", "fp8_block"))
+  require_positive(serve, "serve", "max_batch", "max_message_bytes")
+  if not isinstance(serve.port, int) or not 0 <= serve.port < 65536:
+    raise ConfigError(f"serve.port={serve.port!r} is not a TCP port: use 0 (any free port) to 65535")
+  if not serve.checkpoint and not any(checkpoint_kind(os.path.join(workdir, name))
+                                      for name in ("", "checkpoints", "rl_checkpoints")):
+    raise ConfigError(f"serve.checkpoint is not set and the workdir {workdir} holds no checkpoints/ or "
+                      f"rl_checkpoints/: pass --config.serve.checkpoint=<{ACCEPTED}>")
+  find_source(serve.checkpoint or workdir, int(serve.get("version", -1)))  # what is on disk, or one line
+
+
 def run_job(config, workdir: str) -> None:
   serve = config.serve
-  check_binding(serve.host, serve.api_key)  # before minutes of loading and compiling
+  check_config(config, workdir)  # before minutes of loading and compiling
   from ejax.config.runtime import enable_compilation_cache
   enable_compilation_cache(config.get("compilation_cache_dir"))  # a restarted server skips compiling
   from ejax.serve.load import load_served_policy

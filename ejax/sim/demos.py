@@ -29,7 +29,7 @@ from ml_collections import ConfigDict
 from ejax.data.lerobot import LeRobotV3Writer
 from ejax.errors import UserError
 from ejax.sim import registry
-from ejax.sim.batched import make_batched
+from ejax.sim.batched import BACKENDS, make_batched
 
 STATE_NAMES = [*(f"joint{i + 1}" for i in range(7)), "gripper_opening", "tcp_x", "tcp_y", "tcp_z"]
 ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
@@ -42,8 +42,14 @@ RECORDED_OBSERVATIONS = ("observation.state", "observation.environment_state", "
                          *(f"observation.images.{camera}" for camera in CAMERAS))
 
 
-def resolve_tasks(tasks) -> list[str]:
-  """"all", a suite name, "name,name" or "name+name" (config arg strings split on commas), or a list."""
+class TaskError(UserError, ValueError):
+  """A task list naming no ejax.sim task (a ValueError too, for library callers)."""
+
+
+def resolve_tasks(tasks, setting: str | None = None) -> list[str]:
+  """"all", a suite name, "name,name" or "name+name" (config arg strings split on commas), or a list.
+  An unknown name is a TaskError; `setting` (e.g. "eval.tasks") names the config field in its message."""
+  given = tasks
   if isinstance(tasks, str):
     if tasks == "all":
       return registry.list_tasks()
@@ -51,8 +57,13 @@ def resolve_tasks(tasks) -> list[str]:
       return registry.list_tasks(tasks)
     tasks = [name.strip() for name in tasks.replace("+", ",").split(",") if name.strip()]
   names = list(tasks)
-  for name in names:
-    registry.get_spec(name)  # raises with the list of valid names
+  unknown = [name for name in names if name not in registry.list_tasks()]
+  if unknown or (setting and not names):
+    if setting is None:
+      registry.get_spec(unknown[0])  # raises with the list of valid names
+    raise TaskError(f"{setting}={given!r} names no ejax.sim task: use all, a suite "
+                    f"({', '.join(registry.list_suites())}) or task names joined by '+' "
+                    f"({', '.join(registry.list_tasks()[:3])}, ...)")
   return names
 
 
@@ -192,8 +203,22 @@ def record(cfg, root: str) -> dict:
           "image_size": list(image_size), "fps": env.control_hz, "seconds": time.time() - start}
 
 
+def check_config(config, root: str) -> None:
+  """The demos job's settings, checked before it builds a simulator: one line naming the setting and
+  the fix (ejax.main prints it)."""
+  from ejax.config.validate import ConfigError, require_one_of, require_positive, require_section
+  cfg = require_section(config, "demos", "configs/demos.py")
+  resolve_tasks(cfg.tasks, setting="demos.tasks")
+  require_one_of("demos.backend", cfg.backend, BACKENDS)
+  require_positive(cfg, "demos", "episodes_per_task", "num_envs", "image_height", "image_width")
+  if os.path.exists(os.path.join(root, "meta", "info.json")):
+    raise ConfigError(f"{root} already holds a LeRobot dataset: pass another --workdir or --config.demos.output_dir "
+                      "(recording never overwrites one)")
+
+
 def run_job(config, workdir: str) -> None:
   root = config.demos.output_dir or os.path.join(workdir, "dataset")
+  check_config(config, root)
   summary = record(config.demos, root)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, "demos_summary.json"), "w") as f:

@@ -15,6 +15,7 @@ writes the parameters as an orbax checkpoint (a pure dict of the model's nnx.Par
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 from absl import logging
@@ -50,13 +51,45 @@ def restore_params(model_config, directory: str) -> nnx.Module:
   return nnx.merge(graphdef, params, rest)
 
 
+def check_config(config) -> None:
+  """The convert job's settings, checked before it reads a tensor: one line naming the setting and the
+  fix (ejax.main prints it)."""
+  from ejax.config.validate import ConfigError, require_one_of, require_path, require_section
+  from ejax.checkpoint.kinds import IMPORTED, RL, TRAIN, checkpoint_kind
+  options = require_section(config, "convert", "a model config (configs/groot.py, configs/pi05.py)")
+  name = (config.get("model") or {}).get("name")
+  if not name:
+    raise ConfigError("job convert converts a model's weights, and this config has no model: use configs/groot.py or "
+                      "configs/pi05.py with --config.job=convert")
+  require_one_of("convert.direction", options.direction, ("import", "export"))
+  module = CONVERTERS.get(name, f"ejax.models.io.{name}")
+  if importlib.util.find_spec(module) is None:
+    raise ConfigError(f"model.name={name!r} has no weight converter ({module}): the convert job imports and exports "
+                      "groot and pi05")
+  released = "the released checkpoint (a *.safetensors file or a directory of them)"
+  imported = "the destination of an earlier import (an orbax directory of the model's parameters)"
+  if options.direction == "import":
+    source = require_path("convert.source", options.source, released)
+    if checkpoint_kind(source) in (TRAIN, RL):  # (openpi's released params are orbax directories too)
+      raise ConfigError(f"convert.source={options.source!r} is an ejax job's checkpoints, not released weights: import reads "
+                        f"{released}; to write released weights use --config.convert.direction=export")
+  else:
+    source = require_path("convert.source", options.source, imported)
+    if checkpoint_kind(source) != IMPORTED:
+      raise ConfigError(f"convert.source={options.source!r} is not weights the convert job imported: export reads "
+                        f"{imported}")
+  if not options.destination:
+    raise ConfigError("convert.destination is not set: pass --config.convert.destination=<a new path to write>")
+  destination = os.path.abspath(os.path.expanduser(options.destination))
+  if os.path.exists(destination) and (not os.path.isdir(destination) or os.listdir(destination)):
+    raise ConfigError(f"convert.destination={options.destination!r} already exists: pass a new path (the convert "
+                      "job never overwrites)")
+
+
 def run_job(config, workdir: str) -> None:
   del workdir
+  check_config(config)
   options = config.convert
-  if options.direction not in ("import", "export"):
-    raise ValueError(f"config.convert.direction={options.direction!r}: use 'import' or 'export'")
-  if not options.source or not options.destination:
-    raise ValueError("set config.convert.source and config.convert.destination")
   io = converter(config.model.name)
   if options.direction == "import":
     model = io.load(config.model, options.source)
