@@ -1,0 +1,47 @@
+"""DreamZero, NVIDIA's world action model (issue 32): a Wan DiT that denoises future video latents and
+action chunks together, trained by ejax's one trainer.
+
+Variants (the arg string): `5b` (default: Wan2.2-TI2V-5B, Wan2.2 VAE, 160x320 three-camera grid,
+1,000 tokens a sample), `14b` (Wan2.1-I2V-14B, Wan2.1 VAE, 880 tokens a latent frame), `runlocal`
+(the same architecture CPU-sized, on ejax/data/synthetic.py); also `steps=N`, `batch=N`.
+See the sizes and per-device memory without allocating anything:
+  python -m ejax.main --config=configs/dreamzero.py:5b --config.job=summary
+Expect (measured with nnx.eval_shape, 2026-11-27): 5B DiT 5.57B + action/state encoders and decoder
+0.035B (published ~5.6B); 14B DiT 16.39B + 0.089B (published ~16.5B); umT5-XXL encoder 5.68B (5.7B);
+CLIP ViT-H/14 0.632B (~0.63B); Wan2.1 VAE 0.127B; the Wan2.2 VAE here is shape-correct only (0.354B).
+Import released weights first (the convert job; ejax/models/io/dreamzero.py):
+  python -m ejax.main --config=configs/dreamzero.py:5b --config.job=convert --config.convert.direction=import \
+      --config.convert.source=/ckpt/dreamzero --config.convert.destination=/ckpt/dreamzero_ejax
+CPU smoke test of the training path (synthetic data has no cameras: its "video latents" are a fixed
+function of the state and task, ejax/models/dreamzero/inputs.py):
+  python -m ejax.main --config=configs/dreamzero.py:runlocal
+Not yet here (issue 32): LeRobot video samples (deliverable 3), UniPC / KV-cache sampling and the
+eval / serve jobs (4), the closed loop (5).
+"""
+
+from configs import common
+from ejax.config.validate import ConfigError
+from ejax.models.dreamzero import model as dreamzero
+
+
+def get_config(arg: str | None = None):
+  args = common.parse_arg(arg, runlocal=False, **{"5b": False, "14b": False}, steps=0, batch=0)
+  if sum(bool(args[name]) for name in ("runlocal", "5b", "14b")) > 1:
+    raise ConfigError("configs/dreamzero.py takes one of runlocal, 5b, 14b, e.g. configs/dreamzero.py:14b")
+  variant = "runlocal" if args.runlocal else "14b" if args["14b"] else "5b"
+  config = common.base_config()
+  config.model = dreamzero.model_config(variant)
+  config.data.name = "synthetic"
+  # FSDP over every device: the frozen encoders (6.5B) and the trained DiT with its Adam state.
+  config.mesh = dict(data=1, fsdp=-1, tensor=1)
+  # RLinf's 5B recipe: micro-batch 32 a GPU with recompute; AdamW as the official trainer.
+  config.train.update(steps=100_000, global_batch_size=256, learning_rate=1e-5, b1=0.9, b2=0.999,
+                      weight_decay=1e-2, warmup_fraction=0.01, remat=config.model.remat)
+  config.checkpoint.every_steps = 1000
+  if args.runlocal:
+    config.mesh = dict(data=-1, fsdp=1, tensor=1)
+    config.train.update(steps=100, global_batch_size=8, learning_rate=3e-3, compute_dtype="float32",
+                        remat="none")
+    config.checkpoint.every_steps = 50
+    config.metrics.log_every_steps = 10
+  return common.apply_run_args(config, args)

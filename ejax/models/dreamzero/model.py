@@ -1,0 +1,261 @@
+"""DreamZero: the world action model as one nnx.Module, its configs, flow-matching loss and registry entry.
+
+Trained: the Wan DiT with GR00T's per-embodiment action / state encoders and action decoder inside it.
+Frozen: umT5-XXL (text, 512 tokens), CLIP ViT-H/14 (first frame, 257 tokens), the Wan VAE (video ->
+latents; batches may carry latents computed ahead instead of video).
+
+Flow matching as the official WANPolicyHead trains it: sigmas on a 1,000-step grid shifted by 5
+(s * sigma / (1 + (s - 1) * sigma)); one timestep id per latent frame, shared by the frames of a chunk
+and by the chunk's actions (and, subsampled, its states); x_t = (1 - sigma) x + sigma * noise; target
+noise - x; video MSE per frame and action MSE per step, each weighted by the scheduler's
+bell-shaped training weight, added 1:1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from ejax.models.dreamzero import sequence
+from ejax.models.dreamzero.image_encoder import ClipVisionConfig, ClipVisionTower
+from ejax.models.dreamzero.text_encoder import UMT5Config, UMT5Encoder
+from ejax.models.dreamzero.vae import WanVAE, WanVAEConfig
+from ejax.models.dreamzero.wan_dit import WanDiT, WanDiTConfig
+from ejax.models.registry import ModelSpec
+
+COMPONENTS = {
+    "per_embodiment": ("dit/state_encoder", "dit/action_encoder", "dit/action_decoder"),
+    "dit": ("dit",),
+    "text_encoder": ("text_encoder",),
+    "image_encoder": ("image_encoder",),
+    "vae": ("vae",),
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+NUM_TRAIN_TIMESTEPS = 1000
+SHIFT = 5.0
+
+
+def model_config(variant: str = "5b") -> ml_collections.ConfigDict:
+  """"5b": Wan2.2-TI2V-5B + Wan2.2 VAE; "14b": Wan2.1-I2V-14B + Wan2.1 VAE; "runlocal": CPU-sized."""
+  if variant not in ("5b", "14b", "runlocal"):
+    raise ValueError(f"error: dreamzero variant {variant!r} is not one of 5b, 14b, runlocal")
+  c = ml_collections.ConfigDict()
+  c.name = "dreamzero"
+  c.variant = variant
+  c.dtype = "bfloat16"
+  c.param_dtype = "float32"
+  c.remat = "full"
+  c.attention_impl = "auto"
+  c.text = dict()                    # UMT5Config fields (umT5-XXL by default)
+  c.image = dict()                   # ClipVisionConfig fields (ViT-H/14 by default)
+  # A sample: 1 + 4 x 2 latent frames (33 video frames), 4 chunks of 24 actions, 1 state a chunk.
+  c.layout = dict(num_chunks=4, frames_per_chunk=2, actions_per_chunk=24, states_per_chunk=1)
+  c.text_length = 512
+  c.image_size = (160, 320)          # the three-camera 2x2 grid, video pixels
+  c.max_state_dim = 64
+  c.action_dim = 32
+  c.num_inference_steps = 16
+  if variant == "5b":
+    c.dit = dict(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48)
+    c.vae = dict(version="2.2")      # 48 channels, 4 x 16 x 16: 160 x 320 -> 10 x 20 latents, 5 x 10 patches
+  elif variant == "14b":
+    # I2V: the noisy latents (16) + a first-frame mask (4) + the first frame's latents (16) in.
+    c.dit = dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=36, out_dim=16)
+    c.vae = dict(version="2.1")      # 16 channels, 4 x 8 x 8: 352 x 640 -> 44 x 80 latents, 880 patches a frame
+    c.image_size = (352, 640)
+  else:
+    c.dtype = "float32"
+    c.remat = "none"
+    c.dit = dict(dim=64, ffn_dim=128, num_heads=4, num_layers=2, in_dim=4, out_dim=4, text_dim=32, image_dim=32,
+                 hidden_size=64, freq_dim=32)
+    c.text = dict(vocab_size=512, dim=32, ffn_dim=64, num_heads=4, num_layers=2)
+    c.image = dict(image_size=28, patch_size=14, dim=32, mlp_dim=64, num_heads=2, num_layers=2, use_layers=1)
+    c.vae = dict(version="2.1", dim=8, z_dim=4, dim_mult=(1, 2, 2, 2))
+    c.layout = dict(num_chunks=2, frames_per_chunk=1, actions_per_chunk=4, states_per_chunk=1)
+    c.text_length = 16
+    c.image_size = (32, 32)          # 4 x 4 latents a frame at 8x, 2 x 2 patches
+    c.max_state_dim = 8
+    c.action_dim = 4
+    c.num_inference_steps = 4
+  return c
+
+
+def dit_config(config) -> WanDiTConfig:
+  return WanDiTConfig(**config.dit, action_dim=config.action_dim, max_state_dim=config.max_state_dim)
+
+
+def vae_config(config) -> WanVAEConfig:
+  return WanVAEConfig.for_version(**config.vae)
+
+
+def layout(config) -> sequence.Layout:
+  vae = vae_config(config)
+  patch = dit_config(config).patch_size
+  height, width = config.image_size
+  grid = (height // vae.spatial_stride // patch[1], width // vae.spatial_stride // patch[2])
+  return sequence.Layout(grid_height=grid[0], grid_width=grid[1], **config.layout)
+
+
+def shifted_sigmas(num_steps: int = NUM_TRAIN_TIMESTEPS, shift: float = SHIFT) -> np.ndarray:
+  """The scheduler's sigma grid: linspace(1, 0, num_steps + 1)[:-1], shifted."""
+  sigmas = np.linspace(1.0, 0.0, num_steps + 1)[:-1]
+  return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def training_weights(num_steps: int = NUM_TRAIN_TIMESTEPS, shift: float = SHIFT) -> np.ndarray:
+  """FlowMatchScheduler's training weight per grid step: a bell over the timesteps, mean 1."""
+  timesteps = shifted_sigmas(num_steps, shift) * NUM_TRAIN_TIMESTEPS
+  bell = np.exp(-2 * ((timesteps - num_steps / 2) / num_steps) ** 2)
+  shifted = bell - bell.min()
+  return shifted * (num_steps / shifted.sum())
+
+
+def patchify(latents: jax.Array, patch: tuple[int, int, int], *, channels_last: bool = False) -> jax.Array:
+  """[b, F, H, W, C] -> [b, F/pt * H/ph * W/pw, features]: features in the patch embedding's Conv3d
+  kernel order (C, t, h, w), or with channels_last the head's output order (t, h, w, C: Wan's unpatchify)."""
+  b, f, h, w, c = latents.shape
+  pt, ph, pw = patch
+  x = latents.reshape(b, f // pt, pt, h // ph, ph, w // pw, pw, c)
+  order = (0, 1, 3, 5, 2, 4, 6, 7) if channels_last else (0, 1, 3, 5, 7, 2, 4, 6)
+  return x.transpose(order).reshape(b, (f // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
+
+
+class DreamZero(nnx.Module):
+  def __init__(self, config, rngs: nnx.Rngs):
+    self.config = config
+    common = dict(dtype=DTYPES[config.dtype], param_dtype=DTYPES[config.param_dtype], rngs=rngs)
+    self.dit = WanDiT(dit_config(config), remat=config.remat, attention_impl=config.attention_impl, **common)
+    self.text_encoder = UMT5Encoder(UMT5Config(**config.text), **common)
+    self.image_encoder = ClipVisionTower(ClipVisionConfig(**config.image), **common)
+    self.vae = WanVAE(vae_config(config), **common)
+    self.layout = layout(config)
+
+  # -- frozen encoders --------------------------------------------------------------------------
+  def encode_context(self, batch):
+    """(text [b, 512, dim], image [b, 257, dim], latents [b, F, h, w, C]) with no gradient."""
+    text = self.text_encoder(batch["text_ids"], batch["text_mask"])
+    image = self.image_encoder(batch["first_frame"])
+    latents = batch["latents"] if "latents" in batch else self.vae.encode(batch["video"])
+    return jax.lax.stop_gradient(text), jax.lax.stop_gradient(image), jax.lax.stop_gradient(latents)
+
+  def _condition(self, latents):
+    """The 14B's I2V input channels beside the noisy latents: a 4-channel first-frame mask and the
+    first frame's latents (the rest zero); none for the 5B (first frame through CLIP only)."""
+    extra = self.dit.config.in_dim - latents.shape[-1]
+    if extra == 0:
+      return None
+    b, f, h, w, c = latents.shape
+    if extra != c + 4:
+      raise ValueError(f"error: dit.in_dim={self.dit.config.in_dim} with {c} latent channels: set in_dim to "
+                       f"{c} or {2 * c + 4}")
+    mask = jnp.zeros((b, f, h, w, 4), latents.dtype).at[:, 0].set(1)
+    first = jnp.zeros_like(latents).at[:, 0].set(latents[:, 0])
+    return jnp.concatenate([mask, first], axis=-1)
+
+  def _velocity(self, clean, noisy, actions, video_t, action_t, batch, text, image):
+    """DiT outputs for noisy latents / actions at per-frame (video_t [b, F]) and per-action timesteps."""
+    lay, dit = self.layout, self.dit
+    condition = self._condition(clean)
+    with_condition = lambda x: x if condition is None else jnp.concatenate([x, condition], -1)
+    patch = dit.config.patch_size
+    tokens = jnp.concatenate([patchify(with_condition(clean), patch), patchify(with_condition(noisy), patch)], 1)
+    frame_tokens = lay.frame_tokens
+    video_timesteps = jnp.concatenate([jnp.zeros((clean.shape[0], lay.video_tokens), jnp.float32),
+                                       jnp.repeat(video_t, frame_tokens, axis=1)], axis=1)
+    stride = lay.actions_per_chunk // lay.states_per_chunk
+    keys, groups = sequence.wam_mask_ids(lay)
+    angles = jnp.asarray(sequence.rope_angles(lay, dit.config.head_dim))
+    states = batch["state"].astype(jnp.float32)
+    return dit(tokens, video_timesteps, actions, action_t, states, action_t[:, ::stride],
+               embodiment_ids=batch["embodiment_id"], angles=angles, mask_keys=jnp.asarray(keys),
+               mask_groups=jnp.asarray(groups), text=dit.embed_text(text), image=dit.embed_image(image))
+
+  def compute_loss(self, batch, rng):
+    lay = self.layout
+    text, image, latents = self.encode_context(batch)
+    latents = latents.astype(jnp.float32)
+    actions = batch["actions"].astype(jnp.float32)
+    b = latents.shape[0]
+    id_rng, video_rng, action_rng = jax.random.split(rng, 3)
+    # One timestep id for the first frame and one per chunk, shared by its frames and its actions.
+    ids = jax.random.randint(id_rng, (b, 1 + lay.num_chunks), 0, NUM_TRAIN_TIMESTEPS)
+    frame_ids = jnp.concatenate([ids[:, :1], jnp.repeat(ids[:, 1:], lay.frames_per_chunk, axis=1)], axis=1)
+    action_ids = jnp.repeat(ids[:, 1:], lay.actions_per_chunk, axis=1)
+    sigmas, weights = jnp.asarray(shifted_sigmas(), jnp.float32), jnp.asarray(training_weights(), jnp.float32)
+    frame_sigma, action_sigma = sigmas[frame_ids], sigmas[action_ids]
+    noise = jax.random.normal(video_rng, latents.shape, jnp.float32)
+    action_noise = jax.random.normal(action_rng, actions.shape, jnp.float32)
+    noisy = (1 - frame_sigma[:, :, None, None, None]) * latents + frame_sigma[:, :, None, None, None] * noise
+    noisy_actions = (1 - action_sigma[..., None]) * actions + action_sigma[..., None] * action_noise
+    video_out, action_out = self._velocity(latents, noisy, noisy_actions, frame_sigma * NUM_TRAIN_TIMESTEPS,
+                                           action_sigma * NUM_TRAIN_TIMESTEPS, batch, text, image)
+    target = patchify(noise - latents, self.dit.config.patch_size, channels_last=True)
+    video_error = jnp.square(video_out.astype(jnp.float32) - target).reshape(b, lay.latent_frames, -1).mean(-1)
+    video_loss = video_error * weights[frame_ids]                                   # [b, F]
+    action_mask = batch.get("action_mask", jnp.ones_like(actions)).astype(jnp.float32)
+    action_error = (jnp.square(action_out.astype(jnp.float32) - (action_noise - actions)) * action_mask).mean(-1)
+    action_loss = action_error * weights[action_ids]                                 # [b, A]
+    per_sample = video_loss.mean(1) + action_loss.mean(1)
+    metrics = dict(per_sample_loss=per_sample, video_loss=video_loss.mean(), action_loss=action_loss.mean())
+    return per_sample.mean(), metrics
+
+  def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
+    """Euler sampling of all chunks' actions and future latents together on the shifted grid, the
+    clean stream holding the observed latents (teacher-forced; the UniPC / KV-cache sampler is
+    issue 32's deliverable 4)."""
+    lay = self.layout
+    text, image, latents = self.encode_context(batch)
+    latents = latents.astype(jnp.float32)
+    b = latents.shape[0]
+    video_rng, action_rng = jax.random.split(rng)
+    actions = (jax.random.normal(action_rng, (b, lay.num_actions, self.config.action_dim), jnp.float32)
+               if noise is None else noise)
+    video = jax.random.normal(video_rng, latents.shape, jnp.float32)
+    steps = num_steps or self.config.num_inference_steps
+    sigmas = shifted_sigmas(steps)
+    for i in range(steps):
+      sigma, next_sigma = float(sigmas[i]), float(sigmas[i + 1]) if i + 1 < steps else 0.0
+      t = jnp.full((b, lay.latent_frames), sigma * NUM_TRAIN_TIMESTEPS)
+      video_out, action_out = self._velocity(latents, video, actions, t, t[:, :1].repeat(lay.num_actions, 1),
+                                             batch, text, image)
+      del video_out  # the video prediction is not fed back here: actions only (see the docstring)
+      actions = actions + action_out.astype(jnp.float32) * (next_sigma - sigma)
+    return actions
+
+
+def create(config, rngs: nnx.Rngs) -> DreamZero:
+  return DreamZero(config, rngs)
+
+
+def trainable_filter(config):
+  """The DiT (with the action / state encoders and decoder) trains; umT5, CLIP and the VAE are frozen."""
+  del config
+  return nnx.All(nnx.Param, nnx.PathContains("dit"))
+
+
+def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+  """A batch shaped like the input pipeline's: VAE latents computed ahead, text ids, the first frame."""
+  rng = np.random.default_rng(seed)
+  lay = layout(model_config)
+  vae = vae_config(model_config)
+  height, width = model_config.image_size
+  grid = (height // vae.spatial_stride, width // vae.spatial_stride)
+  text_len = model_config.text_length
+  lengths = rng.integers(1, text_len + 1, batch_size)
+  image = ClipVisionConfig(**model_config.image).image_size
+  return {
+      "latents": rng.standard_normal((batch_size, lay.latent_frames, *grid, vae.z_dim)).astype(np.float32),
+      "text_ids": rng.integers(1, UMT5Config(**model_config.text).vocab_size, (batch_size, text_len)).astype(np.int32),
+      "text_mask": (np.arange(text_len)[None] < lengths[:, None]),
+      "first_frame": rng.uniform(-1, 1, (batch_size, image, image, 3)).astype(np.float32),
+      "state": rng.standard_normal((batch_size, lay.num_states, model_config.max_state_dim)).astype(np.float32),
+      "actions": rng.uniform(-1, 1, (batch_size, lay.num_actions, model_config.action_dim)).astype(np.float32),
+      "action_mask": np.ones((batch_size, lay.num_actions, model_config.action_dim), np.float32),
+      "embodiment_id": np.zeros((batch_size,), np.int32),
+  }
+
+
+SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter)
