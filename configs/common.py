@@ -77,7 +77,13 @@ def base_config() -> ConfigDict:
   ))
   config.metrics = ConfigDict(dict(
       log_every_steps=10, tensorboard=True, progress_bar=True,
-      peak_flops_per_device=placeholder(float)))  # else from ejax/train/metrics.py's table
+      peak_flops_per_device=placeholder(float),  # else from ejax/train/metrics.py's table
+      # Weights & Biases (pip install -e ".[wandb]"): the same scalars as TensorBoard, the config, and
+      # the eval job's success table and videos. mode "offline" writes the run under <workdir>/wandb
+      # with no network (`wandb sync` uploads it later); "online" needs `wandb login` or WANDB_API_KEY.
+      wandb=False, wandb_project="ejax", wandb_entity="",
+      wandb_name="",     # "": the workdir's name
+      wandb_mode="online"))  # online | offline | disabled
   config.serve = serve_defaults()
   # Job `convert` (ejax/models/io/convert.py): released weights <-> ejax parameters.
   config.convert = ConfigDict(dict(

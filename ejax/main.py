@@ -35,6 +35,7 @@ def main(argv: list[str]) -> None:
   from ejax.config import validate
   from ejax.errors import UserError
   from ejax.jobs import get_job
+  from ejax.train import wandb_run
 
   quiet.quiet_library_logs()
   config = _CONFIG.value
@@ -49,7 +50,8 @@ def main(argv: list[str]) -> None:
   try:
     validate(config)
     job = get_job(config.job)
-    job(config, workdir)
+    with wandb_run.session(config, workdir):  # config.metrics.wandb: the job's W&B run, if on
+      job(config, workdir)
   except UserError as error:
     logging.flush()
     print(f"error: {one_line(error)}", file=sys.stderr, flush=True)

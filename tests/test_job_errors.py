@@ -39,6 +39,8 @@ CASES = [
      ["was written with other settings", "model.", "new --workdir"]),
     ("train-stats-path-missing", "train", [TINY, "--config.data.stats_path=/no/stats.json"],
      ["data.stats_path '/no/stats.json' is not a file", "--config.job=stats"]),
+    ("train-wandb-mode", "train", [TINY, "--config.metrics.wandb=True", "--config.metrics.wandb_mode=cloud"],
+     ["metrics.wandb_mode='cloud': use one of online, offline, disabled"]),
     # eval
     ("eval-no-checkpoint", "eval", [EVAL], ["eval.checkpoint is not set", "--config.eval.checkpoint="]),
     ("eval-rl-no-checkpoint", "eval", [EVAL, "--config.eval.policy=rl"],

@@ -50,6 +50,8 @@ def validate(config: ConfigDict) -> None:
   metrics = config.get("metrics")
   if metrics is not None and "log_every_steps" in metrics:
     _positive(metrics, "log_every_steps", "metrics")
+  if metrics is not None and metrics.get("wandb", False):
+    _check_wandb(metrics)
   data = config.get("data")
   if data is not None and data.get("name") in ("lerobot", "rlds") and not data.get("path") and config.job in ("train", "stats"):
     raise ConfigError(
@@ -81,6 +83,17 @@ def validate(config: ConfigDict) -> None:
       raise ConfigError(
           f"data.path {data.path!r} does not exist: point --config.data.path at a dataset "
           f"(make one with --config.job=demos) or use --config.data.name=synthetic")
+
+
+def _check_wandb(metrics: ConfigDict) -> None:
+  import importlib.util
+  from ejax.train.wandb_run import MODES
+  if importlib.util.find_spec("wandb") is None:
+    raise ConfigError("metrics.wandb=True needs the wandb package: pip install -e \".[wandb]\" (or leave metrics.wandb "
+                      "off; TensorBoard and metrics.jsonl log the same scalars)")
+  if metrics.get("wandb_mode", "online") not in MODES:
+    raise ConfigError(f"metrics.wandb_mode={metrics.wandb_mode!r}: use one of {', '.join(MODES)} (offline needs no "
+                      "network; `wandb sync` uploads the run later)")
 
 
 def _check_init_weights(path: str) -> None:

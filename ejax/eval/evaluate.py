@@ -29,6 +29,7 @@ from ejax.eval.policies import PRIVILEGED_PREFIX, ExpertPolicy, RandomPolicy
 from ejax.sim import registry
 from ejax.sim.batched import BACKENDS, BatchedEnv, make_batched
 from ejax.sim.demos import resolve_tasks
+from ejax.train import wandb_run
 
 POLICIES = ("random", "expert", "checkpoint", "rl", "remote")
 KEYPOINT_GEOMETRY = ("checkpoint", "sim", "off")
@@ -221,7 +222,32 @@ def evaluate_policy(policy, cfg, output_dir: str, label: str) -> dict:
   plots.success_bar_plot(os.path.join(output_dir, "success.png"), rows,
                          f"{label} policy: overall {groups[-1]['success_rate']:.2f}")
   logging.info("eval (%s):\n%s", label, table)
+  log_to_wandb(summary, output_dir)
   return dict(summary, table=table)
+
+
+TABLE_COLUMNS = ("task", "suite", "episodes", "successes", "success_rate", "ci_low", "ci_high")
+
+
+def log_to_wandb(summary: dict, output_dir: str) -> None:
+  """The success table (tasks, suites, overall), the success rates as scalars and the videos, into
+  the launch's W&B run when config.metrics.wandb is on, under the output folder's name ("eval", or
+  the rl job's "eval_before" / "eval_after")."""
+  run = wandb_run.active_run()
+  if run is None:
+    return
+  import wandb
+  prefix = os.path.basename(os.path.normpath(output_dir))
+  rows = summary["tasks"] + summary["suites"] + [summary["overall"]]
+  values = {f"{prefix}/success": wandb.Table(columns=list(TABLE_COLUMNS),
+                                             data=[[row.get(column, "") for column in TABLE_COLUMNS] for row in rows])}
+  for row in rows:
+    values[f"{prefix}/success_rate/{row['task']}"] = row["success_rate"]
+  video_dir = os.path.join(output_dir, "videos")
+  for name in sorted(os.listdir(video_dir)) if os.path.isdir(video_dir) else []:
+    if name.endswith(".mp4"):
+      values[f"{prefix}/videos/{name[:-4]}"] = wandb.Video(os.path.join(video_dir, name), caption=name[:-4])
+  run.log(values)
 
 
 def resolve_defaults(cfg, policy):

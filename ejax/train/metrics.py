@@ -1,5 +1,6 @@
 """Training metrics: MFU from the compiled step's FLOPs, a console progress line with ETA,
-TensorBoard event files and a JSONL log in the workdir."""
+TensorBoard event files and a JSONL log in the workdir, and the same scalars to Weights & Biases
+when config.metrics.wandb is on (ejax.train.wandb_run)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 from absl import logging
 
 from ejax.errors import UserError
+from ejax.train import wandb_run
 
 # Dense bf16 peak FLOP/s per device, by substring of jax's device_kind (first match wins).
 PEAK_FLOPS = (
@@ -82,7 +84,8 @@ def _format_duration(seconds: float) -> str:
 
 
 class MetricsWriter:
-  """Writes scalars to metrics.jsonl and TensorBoard (process 0 only) and draws progress."""
+  """Writes scalars to metrics.jsonl, TensorBoard and the launch's W&B run if it has one (process 0
+  only) and draws progress."""
 
   def __init__(self, workdir: str, *, total_steps: int, start_step: int = 0, tensorboard: bool = True,
                progress_bar: bool = True, stream=None):
@@ -97,6 +100,8 @@ class MetricsWriter:
     if tensorboard and self.active:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    # The W&B run starts here (a bad login fails now, before the first step), on process 0 alone.
+    self._wandb = wandb_run.active_run() if self.active else None
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> None:
     if not self.active:
@@ -110,6 +115,8 @@ class MetricsWriter:
       if self._tb is not None:
         for name, value in values.items():
           self._tb.add_scalar(name, value, step)
+      if self._wandb is not None:
+        self._wandb.log(values, step=step)
     except OSError as error:  # a full disk or a vanished workdir: one line, not a traceback
       raise UserError(f"cannot write metrics of step {step} to {self._jsonl.name} ({error.strerror or error}): "
                       "free some space or make the workdir writable, then run the same command to resume "

@@ -1,0 +1,127 @@
+"""Weights & Biases in offline mode (no network): what a run logged, read back from the run's own
+.wandb file, is the config, the scalars TensorBoard got, and the eval job's success table and videos."""
+
+import glob
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from tests.train.helpers import REPO
+
+wandb = pytest.importorskip("wandb")
+
+SMALL = ["--config.model.width=32", "--config.model.depth=2", "--config.metrics.progress_bar=False"]
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+  """wandb's own folders and settings under tmp, offline, quiet; the environment for a launch."""
+  env = dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off", WANDB_DIR=str(tmp_path / "wandb_dir"),
+             WANDB_CACHE_DIR=str(tmp_path / "wandb_cache"), WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"),
+             WANDB_DATA_DIR=str(tmp_path / "wandb_data"))
+  for key, value in env.items():
+    monkeypatch.setenv(key, value)
+  return dict(os.environ, **env)
+
+
+def read_records(workdir) -> list:
+  """The protobuf records of the one offline run under workdir/wandb: wandb's .wandb file is a
+  LevelDB-style log (a 7-byte header, then 32 KiB blocks of chunks: crc32, length, type, payload)."""
+  from wandb.proto import wandb_internal_pb2
+  paths = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))
+  assert len(paths) == 1, paths
+  data = open(paths[0], "rb").read()
+  assert data[:4] == b":W&B"
+  block, position, pending, records = 32768, 7, b"", []
+  while position + 7 <= len(data):
+    if block - position % block < 7:  # a block's tail too short for a chunk header is padding
+      position += block - position % block
+      continue
+    _, length, kind = struct.unpack("<IHB", data[position:position + 7])
+    pending += data[position + 7:position + 7 + length]
+    position += 7 + length
+    if kind in (1, 4):  # a full record, or the last chunk of one
+      records.append(wandb_internal_pb2.Record.FromString(pending))
+      pending = b""
+  return records
+
+
+def items(updates) -> dict:
+  """{key: value}; a media value (a table, a video) arrives as nested keys: {key: {"path": ..., ...}}."""
+  out = {}
+  for item in updates:
+    *parents, last = list(item.nested_key) or [item.key]
+    target = out
+    for parent in parents:
+      target = target.setdefault(parent, {})
+    target[last] = json.loads(item.value_json)
+  return out
+
+
+def history(records) -> list[dict]:
+  return [items(record.history.item) for record in records if record.WhichOneof("record_type") == "history"]
+
+
+def test_train_logs_the_config_and_the_tensorboard_scalars(tmp_path, offline):
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-m", "ejax.main", "--config=configs/tiny.py:runlocal,steps=6", *SMALL,
+       "--config.metrics.log_every_steps=2", "--config.metrics.wandb=True", "--config.metrics.wandb_mode=offline",
+       "--config.metrics.wandb_project=ejax-test", "--config.metrics.wandb_name=tiny-six-steps", f"--workdir={workdir}"],
+      cwd=REPO, env=dict(offline, XLA_FLAGS="", JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  records = read_records(workdir)
+  run = next(record.run for record in records if record.WhichOneof("record_type") == "run")
+  assert (run.project, run.display_name) == ("ejax-test", "tiny-six-steps")
+  config = {item.key: json.loads(item.value_json) for item in run.config.update}
+  assert config["train"]["steps"] == 6 and config["model"]["width"] == 32 and config["metrics"]["wandb"] is True
+  # every scalar of every logged step, as metrics.jsonl (and TensorBoard) have them
+  logged = {row["_step"]: row for row in history(records)}
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  assert [row["step"] for row in rows] == sorted(logged) == [2, 4, 6]
+  for row in rows:
+    scalars = {key: value for key, value in row.items() if key not in ("step", "time")}
+    assert {"loss", "grad_norm", "learning_rate", "samples_per_second"} <= set(scalars)
+    assert {key: logged[row["step"]][key] for key in scalars} == pytest.approx(scalars, rel=1e-6)
+  exit_record = next(record.exit for record in records if record.WhichOneof("record_type") == "exit")
+  assert exit_record.exit_code == 0
+
+
+def test_eval_logs_the_success_table_and_videos(tmp_path, offline):
+  """What evaluate_policy hands log_to_wandb: its summary (built here from made-up counts, as it builds
+  it, to spare the test a simulator's compile) and the videos folder beside it."""
+  import numpy as np
+
+  from configs import eval as eval_config
+  from ejax.eval import evaluate, videos
+  from ejax.train import wandb_run
+  config = eval_config.get_config("runlocal")
+  config.metrics.update(wandb=True, wandb_mode="offline", wandb_name="eval-table")
+  workdir, tasks = tmp_path / "eval_run", ["goal_open_drawer", "object_lift_cylinder"]
+  rows = evaluate.summary_rows(tasks, {"goal_open_drawer": 3, "object_lift_cylinder": 1}, dict.fromkeys(tasks, 4))
+  summary = {"tasks": rows, "suites": [evaluate.aggregate(rows[:1], "suite:goal"),
+                                       evaluate.aggregate(rows[1:], "suite:object")],
+             "overall": evaluate.aggregate(rows, "overall")}
+  output_dir = workdir / "eval"
+  videos.write_mp4(str(output_dir / "videos" / "goal_open_drawer_0.mp4"), np.zeros((6, 16, 32, 3), np.uint8), 10)
+  with wandb_run.session(config, str(workdir)):
+    evaluate.log_to_wandb(summary, str(output_dir))
+  wandb.teardown()  # the run's writer (wandb's service process) may still be writing after finish()
+  records = read_records(workdir)
+  run = next(record.run for record in records if record.WhichOneof("record_type") == "run")
+  assert run.display_name == "eval-table" and run.job_type == "eval"
+  (logged,) = [row for row in history(records) if "eval/success" in row]
+  assert logged["eval/success_rate/goal_open_drawer"] == 0.75 and logged["eval/success_rate/overall"] == 0.5
+  # the table and the video travel as files of the run: the table's rows are summary.json's
+  files = os.path.join(glob.glob(os.path.join(workdir, "wandb", "offline-run-*"))[0], "files")
+  table = json.load(open(os.path.join(files, logged["eval/success"]["path"])))
+  assert table["columns"] == list(evaluate.TABLE_COLUMNS)
+  assert [row[0] for row in table["data"]] == tasks + ["suite:goal", "suite:object", "overall"]
+  assert table["data"][0][1:5] == ["goal", 4, 3, 0.75] and table["data"][-1][2:5] == [8, 4, 0.5]
+  video = logged["eval/videos/goal_open_drawer_0"]
+  assert video["_type"] == "video-file"
+  assert videos.read_mp4(os.path.join(files, video["path"])).shape == (6, 16, 32, 3)
