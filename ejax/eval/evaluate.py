@@ -11,6 +11,8 @@ Writes into <workdir>/eval (or config.eval.output_dir):
   summary.txt   the same as a text table
   success.png   bar plot with the intervals
   videos/<task>_<k>.mp4  the first config.eval.videos_per_task episodes of each task (agentview | wrist)
+With --config.metrics.wandb=True the table, the success rates, the plot and the videos also go to the
+launch's Weights & Biases run (log_to_wandb).
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ TABLE_COLUMNS = ("task", "suite", "episodes", "successes", "success_rate", "ci_l
 
 
 def log_to_wandb(summary: dict, output_dir: str) -> None:
-  """The success table (tasks, suites, overall), the success rates as scalars and the videos, into
+  """The success table (tasks, suites, overall), the success rates as scalars, the plot and the videos, into
   the launch's W&B run when config.metrics.wandb is on, under the output folder's name ("eval", or
   the rl job's "eval_before" / "eval_after")."""
   run = wandb_run.active_run()
@@ -243,6 +245,9 @@ def log_to_wandb(summary: dict, output_dir: str) -> None:
                                              data=[[row.get(column, "") for column in TABLE_COLUMNS] for row in rows])}
   for row in rows:
     values[f"{prefix}/success_rate/{row['task']}"] = row["success_rate"]
+  plot = os.path.join(output_dir, "success.png")
+  if os.path.isfile(plot):
+    values[f"{prefix}/success_plot"] = wandb.Image(plot)
   video_dir = os.path.join(output_dir, "videos")
   for name in sorted(os.listdir(video_dir)) if os.path.isdir(video_dir) else []:
     if name.endswith(".mp4"):

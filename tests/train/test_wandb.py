@@ -97,7 +97,7 @@ def test_eval_logs_the_success_table_and_videos(tmp_path, offline):
   import numpy as np
 
   from configs import eval as eval_config
-  from ejax.eval import evaluate, videos
+  from ejax.eval import evaluate, plots, videos
   from ejax.train import wandb_run
   config = eval_config.get_config("runlocal")
   config.metrics.update(wandb=True, wandb_mode="offline", wandb_name="eval-table")
@@ -108,6 +108,7 @@ def test_eval_logs_the_success_table_and_videos(tmp_path, offline):
              "overall": evaluate.aggregate(rows, "overall")}
   output_dir = workdir / "eval"
   videos.write_mp4(str(output_dir / "videos" / "goal_open_drawer_0.mp4"), np.zeros((6, 16, 32, 3), np.uint8), 10)
+  plots.success_bar_plot(str(output_dir / "success.png"), rows, "random policy")
   with wandb_run.session(config, str(workdir)):
     evaluate.log_to_wandb(summary, str(output_dir))
   wandb.teardown()  # the run's writer (wandb's service process) may still be writing after finish()
@@ -122,6 +123,8 @@ def test_eval_logs_the_success_table_and_videos(tmp_path, offline):
   assert table["columns"] == list(evaluate.TABLE_COLUMNS)
   assert [row[0] for row in table["data"]] == tasks + ["suite:goal", "suite:object", "overall"]
   assert table["data"][0][1:5] == ["goal", 4, 3, 0.75] and table["data"][-1][2:5] == [8, 4, 0.5]
+  plot = logged["eval/success_plot"]
+  assert plot["_type"] == "image-file" and open(os.path.join(files, plot["path"]), "rb").read(4) == b"\x89PNG"
   video = logged["eval/videos/goal_open_drawer_0"]
   assert video["_type"] == "video-file"
   assert videos.read_mp4(os.path.join(files, video["path"])).shape == (6, 16, 32, 3)
