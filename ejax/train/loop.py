@@ -264,7 +264,9 @@ def _run_job(config: ConfigDict, workdir: str, stop: StopSignal) -> None:
     if not stop.say_last(f"train: interrupted by {signal_name(interrupt.signum)} during start-up "
                          f"({interrupt.phase}); nothing was trained or saved"):
       time.sleep(2 * GRACE_S)  # the watcher wrote the line and is ending the process
-    sys.exit(128 + interrupt.signum)
+    # train() closed what start-up opened; the interpreter's own teardown took 3-8 s on a loaded
+    # 2-core machine (load 12), so end here as the watcher does.
+    stop.exit_now(128 + interrupt.signum)
   last = result["history"][-1] if result["history"] else {}
   who = f"process {jax.process_index()} of {jax.process_count()} " if jax.process_count() > 1 else ""
   # No loss before the first logged step: "loss nan" there would read as a non-finite stop.

@@ -136,6 +136,14 @@ class StopSignal:
       file.flush()
       return True
 
+  def exit_now(self, code: int) -> None:
+    """Flushes the output and ends the process without the interpreter's teardown (only once
+    nothing is left to save or close)."""
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
   def finished(self) -> None:
     """The run's owner has written (or will write) its last line: the watcher must not."""
     with self._ending:
@@ -188,7 +196,7 @@ class StopSignal:
     """Ends the process with `line` unless the main thread already ended the run: then only a
     second signal (`always`) still exits, at once and silently. Returns False if it did not exit."""
     if self.say_last(f"train: {line}") or always:
-      os._exit(128 + signum)
+      self.exit_now(128 + signum)
     return False
 
 
