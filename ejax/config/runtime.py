@@ -7,22 +7,47 @@ import os
 import jax
 from absl import logging
 
+# Why a multi-process run on CPUs compiles without the persistent cache (README, "Multi-host"):
+# - every process must run the same executable: jaxlib derives each launch's id, which XLA:CPU uses
+#   as the run id that its cross-process (gloo) collectives meet under, from the executable's
+#   fingerprint, a hash of its HLO *with* its debug metadata (source files, stack frames);
+# - the cache key leaves that metadata out, so an entry written by an earlier launch loads with that
+#   launch's metadata and another fingerprint than a fresh compile of the same program;
+# - on CPUs the key also holds the process's own view of the topology, and only process 0 writes:
+#   process 1 never finds an entry, so every warm launch has process 0 loading and process 1
+#   compiling -> two launch ids -> a collective that never meets (a hang, or gloo's 30 s
+#   "GetKeyValue() timed out with key: cpu:gloo/..." when its context is new).
+# The cache cannot shorten such a start anyway (the processes wait for the one that compiles).
+# GPUs and TPUs key entries the same on every process; there a mixed start (a cache dir local to
+# each host) is caught by ejax.parallel.distributed.compile_agreed.
+MULTI_PROCESS_CPU_NOTE = ("persistent compilation cache off: a multi-process CPU run would load process 0's "
+                          "program from it and compile process 1's, which then never meet in a collective "
+                          "(README, Multi-host)")
 
-def enable_compilation_cache(directory: str | None, min_compile_seconds: float = 0.0) -> None:
+
+def enable_compilation_cache(directory: str | None, min_compile_seconds: float = 0.0) -> bool:
   """Persists compiled programs so a resumed or repeated run compiles nothing: its step and every
-  small program (by default whatever the compile time).
+  small program (by default whatever the compile time). Returns whether the cache is on.
 
   Programs are keyed by their HLO, compile options and the jax/XLA version, so a stale entry can
-  never be used for a different program. An empty directory disables the cache.
+  never be used for a different program. An empty directory disables the cache, and so does a
+  multi-process run on CPUs (see above). Call it after jax.distributed is initialised.
   """
+  if jax.process_count() > 1 and jax.default_backend() == "cpu":
+    # Also a cache that JAX_COMPILATION_CACHE_DIR turned on behind the config's back.
+    jax.config.update("jax_enable_compilation_cache", False)
+    if directory:
+      logging.info(MULTI_PROCESS_CPU_NOTE)
+    return False
   if not directory:
-    return
+    return False
   directory = os.path.expanduser(directory)
   try:
     os.makedirs(directory, exist_ok=True)
   except OSError as error:
     logging.warning("compilation cache %s unusable (%s): compiling without it", directory, error)
-    return
+    return False
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return True

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+from typing import Any, Callable
 
 import jax
 from absl import logging
+
+from ejax.errors import UserError
 
 # Variables launchers set; jax.distributed.initialize() auto-detects SLURM, Open MPI, TPU pods and
 # Kubernetes JobSets by itself, so these are read only to tell whether this is a multi-process run.
@@ -108,3 +113,65 @@ def kv_wait(key: str, timeout_s: float) -> str:
     if "DEADLINE_EXCEEDED" in str(error) or "timed out" in str(error).lower():
       raise TimeoutError(f"no process set {key!r} within {timeout_s:.0f} s") from error
     raise
+
+
+# -- one executable on every process -------------------------------------------------------------
+_AGREEMENTS = itertools.count()  # every process compiles its agreed programs in the same order
+
+
+def executable_fingerprint(compiled) -> str | None:
+  """The fingerprint jaxlib derives launch ids from (None where this jax does not expose it)."""
+  try:
+    fingerprint = compiled._executable.xla_executable.fingerprint  # noqa: SLF001 (no public accessor)
+  except AttributeError:
+    return None
+  return None if fingerprint is None else bytes(fingerprint).decode("ascii", "replace")
+
+
+def compile_agreed(lower: Callable[[], Any], name: str, timeout_s: float = 3600.0):
+  """lower().compile(), checked to be the same executable on every process.
+
+  jaxlib numbers each launch of a multi-process program from its executable's fingerprint, and the
+  collectives of two processes only meet under the same number. A program one process loads from
+  the persistent compilation cache (written by an earlier launch, with that launch's debug
+  metadata) and another compiles fresh hash differently, so their first collective would wait
+  forever. The processes compare fingerprints here; on a mismatch every process compiles afresh
+  with the cache off (a fresh compile of the same trace matches), and a second mismatch is an error.
+  """
+  compiled = lower().compile()
+  if jax.process_count() == 1:
+    return compiled
+  fingerprints = _exchange_fingerprints(compiled, name, timeout_s)
+  if fingerprints is None or len(set(fingerprints)) == 1:
+    return compiled
+  logging.warning("%s: the processes hold different executables (fingerprints %s; one loaded from the persistent "
+                  "compilation cache?): compiling again without the cache", name, ", ".join(map(str, fingerprints)))
+  jax.clear_caches()  # else lower() returns the same lowering, holding the executable already loaded
+  with persistent_cache_off():
+    compiled = lower().compile()
+  fingerprints = _exchange_fingerprints(compiled, name, timeout_s)
+  if fingerprints is not None and len(set(fingerprints)) > 1:
+    raise UserError(f"the processes compiled different {name} programs (fingerprints {', '.join(fingerprints)}): "
+                    "every process must run the same code, jax version and XLA_FLAGS; check the launch commands")
+  return compiled
+
+
+def _exchange_fingerprints(compiled, name: str, timeout_s: float) -> list[str] | None:
+  key = f"ejax/fingerprint/{next(_AGREEMENTS)}"
+  kv_set(f"{key}/{jax.process_index()}", executable_fingerprint(compiled) or "none")
+  fingerprints = [kv_wait(f"{key}/{q}", timeout_s) for q in range(jax.process_count())]
+  return None if "none" in fingerprints else fingerprints
+
+
+@contextlib.contextmanager
+def persistent_cache_off():
+  """Compiles inside skip the persistent compilation cache (neither read nor written)."""
+  from jax._src import compilation_cache  # whether the cache is used is decided once per process
+  previous = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", previous)
+    compilation_cache.reset_cache()

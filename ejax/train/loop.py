@@ -23,6 +23,7 @@ from ejax.checkpoint import Checkpointer, abstract_target
 from ejax.config.runtime import enable_compilation_cache
 from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
 from ejax.parallel.data import process_batch_shards
+from ejax.parallel.distributed import compile_agreed
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
 from ejax.train import resume
@@ -153,7 +154,8 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   logging.info("compiling the train step")
   step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings, batch_shardings, mesh)
   compile_started = time.perf_counter()
-  compiled = step_fn.lower(state, batch).compile()
+  # Every process must run the same executable, or its collectives never meet (compile_agreed).
+  compiled = compile_agreed(lambda: step_fn.lower(state, batch), "train step")
   logging.info("train step compiled in %.1f s", time.perf_counter() - compile_started)
   metrics_lib.log_memory_analysis(compiled)
   flops = metrics_lib.compiled_flops(compiled)
