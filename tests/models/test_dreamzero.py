@@ -63,6 +63,7 @@ def runlocal():
   return config, model, batch
 
 
+@pytest.mark.slow  # ~45 s of compilation; test_dreamzero_train.py trains the same loss in CI
 def test_loss_is_the_sum_of_video_and_action_terms_and_trains_only_the_dit(runlocal):
   config, model, batch = runlocal
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)

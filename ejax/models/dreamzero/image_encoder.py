@@ -66,7 +66,7 @@ class ClipVisionTower(nnx.Module):
     dim = config.dim
     self.patch_embedding = layers.Dense(3 * config.patch_size**2, dim, axes=(IN_FEATURES, EMBED), use_bias=False,
                                         **common)
-    init = lambda key, shape, dtype: jax.random.normal(key, shape, dtype) / dim**0.5
+    init = nnx.initializers.normal(dim**-0.5)
     self.cls_embedding = layers.make_param(rngs, init, (dim,), (EMBED,), param_dtype)
     self.pos_embedding = layers.make_param(rngs, init, (config.num_tokens, dim), (None, EMBED), param_dtype)
     norm = dict(eps=config.eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)

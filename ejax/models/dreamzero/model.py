@@ -58,6 +58,9 @@ def model_config(variant: str = "5b") -> ml_collections.ConfigDict:
   c.max_state_dim = 64
   c.action_dim = 32
   c.num_inference_steps = 16
+  # ejax/data/synthetic.py's sample shape (the smoke-test data; ejax/models/dreamzero/inputs.py)
+  c.state_dim = 8
+  c.num_tasks = 4
   if variant == "5b":
     c.dit = dict(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48)
     c.vae = dict(version="2.2")      # 48 channels, 4 x 16 x 16: 160 x 320 -> 10 x 20 latents, 5 x 10 patches
@@ -80,6 +83,7 @@ def model_config(variant: str = "5b") -> ml_collections.ConfigDict:
     c.max_state_dim = 8
     c.action_dim = 4
     c.num_inference_steps = 4
+  c.horizon = c.layout.num_chunks * c.layout.actions_per_chunk  # every chunk's actions in one sample
   return c
 
 
@@ -258,4 +262,10 @@ def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.
   }
 
 
-SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter)
+def make_collate(model_config, data_config=None):
+  from ejax.models.dreamzero import inputs
+  return inputs.make_collate(model_config, data_config)
+
+
+SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,
+                 make_collate=make_collate)

@@ -52,9 +52,8 @@ class WanVAEConfig:
     return 3 * self.patch * self.patch
 
 
-def _conv_init(key, shape, dtype):
-  fan_in = shape[0] * shape[1] * shape[2] * shape[3] if len(shape) == 5 else shape[0] * shape[1] * shape[2]
-  return jax.random.normal(key, shape, dtype) / fan_in**0.5
+# Fan-in scaled over the kernel window and input channels ([..., in, out] kernels).
+_conv_init = nnx.initializers.lecun_normal()
 
 
 class CausalConv3d(nnx.Module):

@@ -145,8 +145,9 @@ class WanBlock(nnx.Module):
     self.self_attn = WanSelfAttention(config, common=common)
     self.cross_attn = WanI2VCrossAttention(config, common=common)
     self.ffn = WanFFN(config, common=common)
-    init = lambda key, shape, dtype: jax.random.normal(key, shape, dtype) / config.dim**0.5
-    self.modulation = layers.make_param(rngs, init, (6, config.dim), (None, NORM), common["param_dtype"])
+    # Wan: randn / sqrt(dim) (a jax.nn initializer, so that the trainer draws it on the host)
+    self.modulation = layers.make_param(rngs, nnx.initializers.normal(config.dim**-0.5), (6, config.dim),
+                                        (None, NORM), common["param_dtype"])
 
   def __call__(self, x, e, *, angles, mask_keys, mask_groups, text, image):
     """x [b, L, dim]; e [b, L, 6, dim] fp32 per-token modulation; text / image [b, *, dim]."""
@@ -206,8 +207,8 @@ class WanDiT(nnx.Module):
     self.head_norm = layers.LayerNorm(dim, eps=config.eps, elementwise_affine=False, dtype=dtype, rngs=rngs)
     self.head = _dense(dim, config.out_dim * config.patch_size[0] * config.patch_size[1] * config.patch_size[2],
                        (EMBED, MLP), common)
-    init = lambda key, shape, dtype: jax.random.normal(key, shape, dtype) / dim**0.5
-    self.head_modulation = layers.make_param(rngs, init, (2, dim), (None, NORM), param_dtype)
+    self.head_modulation = layers.make_param(rngs, nnx.initializers.normal(dim**-0.5), (2, dim), (None, NORM),
+                                             param_dtype)
     self.state_encoder = CategorySpecificMLP(config.num_embodiments, config.max_state_dim, config.hidden_size, dim,
                                              **common)
     self.action_encoder = MultiEmbodimentActionEncoder(config.num_embodiments, config.action_dim, dim, **common)
