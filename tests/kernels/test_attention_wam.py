@@ -14,6 +14,7 @@ import pytest
 from ejax.kernels.attention import BlockSizes, attention_mask, flash_attention
 from ejax.kernels.attention.tiles import active_tiles, normalise_mask
 from ejax.models.dreamzero.sequence import Layout, direct_wam_mask, wam_mask_ids
+from tests.cuda_lowering import TRITON, custom_calls, forbid_fallbacks, lower_for_cuda, triton_kernels  # noqa: F401
 
 # 8 tokens a latent frame, 2 chunks of 2 frames, 4 actions and 1 state a chunk: 40 + 40 + 8 + 2 tokens.
 LAYOUT = Layout(grid_height=2, grid_width=4, num_chunks=2, frames_per_chunk=2, actions_per_chunk=4,
@@ -72,7 +73,8 @@ def test_wam_attention_matches_the_official_blocks(impl):
   q, k, v, d_out = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(4))
   keys, groups = (jnp.broadcast_to(jnp.asarray(x), (2, LAYOUT.length)) for x in wam_mask_ids(LAYOUT))
   kwargs = dict(mask_kind="wam", q_positions=keys, kv_positions=keys, q_block_ids=groups, kv_block_ids=groups)
-  tested = lambda q, k, v: flash_attention(q, k, v, impl=impl, block_sizes=BLOCKS, interpret=True, **kwargs)
+  interpret = jax.default_backend() != "gpu"  # a GPU compiles the Triton kernels
+  tested = lambda q, k, v: flash_attention(q, k, v, impl=impl, block_sizes=BLOCKS, interpret=interpret, **kwargs)
   spec = lambda q, k, v: official_blockwise(q, k, v, LAYOUT)
   grad = lambda attend: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(attend(*a) * d_out), argnums=(0, 1, 2)))
   np.testing.assert_allclose(tested(q, k, v), spec(q, k, v), atol=2e-5, rtol=2e-5)
@@ -108,3 +110,21 @@ def test_external_kernels_refuse_the_wam_mask():
                     q_block_ids=ids, kv_block_ids=ids)
   with pytest.raises(ValueError, match="needs q_positions, kv_positions, q_block_ids and kv_block_ids"):
     flash_attention(x, x, x, impl="xla", mask_kind="wam")
+
+
+def test_wam_kernels_lower_to_triton_for_cuda(forbid_fallbacks):
+  """The grouped forward, dQ and dK/dV kernels lower for CUDA from this CPU host (bf16, 64-wide heads,
+  the 5B sample's 1,000 tokens: no multiple of the tiles)."""
+  layout = Layout(grid_height=5, grid_width=10)
+  keys, groups = (jnp.broadcast_to(jnp.asarray(x), (2, layout.length)) for x in wam_mask_ids(layout))
+
+  def loss(q, k, v):
+    out = flash_attention(q, k, v, impl="pallas", mask_kind="wam", q_positions=keys, kv_positions=keys,
+                          q_block_ids=groups, kv_block_ids=groups)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  qkv = [jax.ShapeDtypeStruct((2, layout.length, 4, 64), jnp.bfloat16)] * 3
+  module = lower_for_cuda(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), *qkv)
+  assert set(custom_calls(module)) == {TRITON}
+  assert set(triton_kernels(module)) == {"ejax_varlen_attention_fwd", "ejax_varlen_attention_dq",
+                                         "ejax_varlen_attention_dkv"}
