@@ -77,8 +77,8 @@ def _burn(seconds):
 
 
 @contextlib.contextmanager
-def _cpu_heavy(processes=2, seconds=3600):
-  """CPU-bound work beside the test: one busy process per core."""
+def _cpu_heavy(processes=1, seconds=7200):
+  """CPU-bound work beside the test (`processes` busy processes)."""
   burners = [multiprocessing.Process(target=_burn, args=(seconds,), daemon=True) for _ in range(processes)]
   for burner in burners:
     burner.start()

@@ -114,6 +114,49 @@ class GemmaLayers(nnx.Module):
                          (ax.LAYERS, ax.MLP, ax.EMBED), param_dtype)
 
 
+# Adapter weight shapes per einsum weight, as openpi's lora.Einsum / lora.FeedForward make them
+# (LoRA axes (-2, -1): a replaces the output axis with the rank, b the input axis).
+_LORA_TARGETS = {"q_einsum": "attn", "kv_einsum": "attn", "attn_vec_einsum": "attn",
+                 "gating_einsum": "ffn", "linear": "ffn"}
+# weight, its adapter a and b, and the adapter's delta (layer axis L, rank r), as einsum specs.
+_LORA_DELTAS = {"q_einsum": "LNDr,LNrH->LNDH", "kv_einsum": "LCKDr,LCKrH->LCKDH",
+                "attn_vec_einsum": "LNHr,LMrD->LNHD",  # openpi's b sums over heads (its einsum rewrite)
+                "gating_einsum": "LCDr,LCrF->LCDF", "linear": "LFr,LrD->LFD"}
+
+
+class GemmaLoRA(nnx.Module):
+  """LoRA adapters of one decoder's stacked layers (see ejax.models.lora), openpi's shapes:
+  `<weight>_a` has the weight's shape with its output axis replaced by the rank, `<weight>_b` with
+  its input axis replaced."""
+
+  def __init__(self, config: GemmaConfig, lora, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    from ejax.models.lora import A_INIT, B_INIT
+    self.scale = lora.scale
+    self.targets = tuple(lora.targets)
+    c, r, L = config, lora.rank, config.depth  # noqa: N806
+    shapes = {"q_einsum": ((L, c.num_heads, c.width, c.head_dim), (ax.LAYERS, ax.HEADS, ax.EMBED, ax.HEAD_DIM)),
+              "kv_einsum": ((L, 2, c.num_kv_heads, c.width, c.head_dim),
+                            (ax.LAYERS, None, ax.KV_HEADS, ax.EMBED, ax.HEAD_DIM)),
+              "attn_vec_einsum": ((L, c.num_heads, c.head_dim, c.width), (ax.LAYERS, ax.HEADS, ax.HEAD_DIM, ax.EMBED)),
+              "gating_einsum": ((L, 2, c.width, c.mlp_dim), (ax.LAYERS, None, ax.EMBED, ax.MLP)),
+              "linear": ((L, c.mlp_dim, c.width), (ax.LAYERS, ax.MLP, ax.EMBED))}
+    for name, (shape, names) in shapes.items():
+      if _LORA_TARGETS[name] not in self.targets:
+        continue
+      a_shape, b_shape = shape[:-1] + (r,), shape[:-2] + (r,) + shape[-1:]
+      a_names, b_names = names[:-1] + (None,), names[:-2] + (None,) + names[-1:]
+      setattr(self, f"{name}_a", _param(rngs, A_INIT, a_shape, a_names, param_dtype))
+      setattr(self, f"{name}_b", _param(rngs, B_INIT, b_shape, b_names, param_dtype))
+
+  def names(self) -> list[str]:
+    return [name for name in _LORA_DELTAS if _LORA_TARGETS[name] in self.targets]
+
+  def deltas(self) -> dict[str, jax.Array]:
+    """{weight name: the change merging this adapter makes to it}."""
+    return {name: jnp.einsum(_LORA_DELTAS[name], getattr(self, f"{name}_a")[...], getattr(self, f"{name}_b")[...])
+            * self.scale for name in self.names()}
+
+
 class GemmaDecoder(nnx.Module):
   """One Gemma decoder's weights: optional token embedder, stacked layers, final norm."""
 
@@ -173,12 +216,31 @@ def gated_residual(x: jax.Array, y: jax.Array, gate: jax.Array | None) -> jax.Ar
   return x + y if gate is None else x + y * gate
 
 
+def project(layer: dict, name: str, equation: str, x: jax.Array, index: int | None = None) -> jax.Array:
+  """einsum(equation, x, layer[name]) plus the layer's LoRA adapter of that weight, if any (openpi's
+  lora.Einsum: the rank axis "L" replaces the weight's output axis in a, its input axis in b)."""
+  weight = layer[name] if index is None else layer[name][index]
+  y = jnp.einsum(equation, x, weight.astype(x.dtype))
+  lora = layer.get("lora", {})
+  if f"{name}_a" not in lora:
+    return y
+  a, b = lora[f"{name}_a"], lora[f"{name}_b"]
+  if index is not None:
+    a, b = a[index], b[index]
+  inputs, out = equation.split("->")
+  lhs, rhs = inputs.split(",")
+  a_rhs, a_out = rhs.replace(rhs[-1], "L"), out.replace(rhs[-1], "L")
+  low = jnp.einsum(f"{lhs},{a_rhs}->{a_out}", x, a.astype(x.dtype))
+  delta = jnp.einsum(f"{a_out},{rhs.replace(rhs[-2], 'L')}->{out}", low, b.astype(x.dtype))
+  return y + delta * layer["lora_scale"].astype(x.dtype)
+
+
 def feed_forward(layer: dict, x: jax.Array) -> jax.Array:
   """GeGLU: gelu_tanh(x W_gate) * (x W_up), then W_down."""
-  gating = layer["gating_einsum"].astype(x.dtype)
-  hidden = jax.nn.gelu(jnp.dot(x, gating[0]), approximate=True) * jnp.dot(x, gating[1])
+  gate = project(layer, "gating_einsum", "BTD,DF->BTF", x, 0)
+  hidden = jax.nn.gelu(gate, approximate=True) * project(layer, "gating_einsum", "BTD,DF->BTF", x, 1)
   hidden = constrain(hidden, (ax.ACT_BATCH, ax.ACT_LEN, ax.ACT_MLP))
-  return jnp.dot(hidden, layer["linear"].astype(x.dtype))
+  return project(layer, "linear", "BTF,FD->BTD", hidden)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,6 +277,11 @@ def _layer_weights(decoder: GemmaDecoder, dtype) -> dict:
   layers = decoder.layers
   weights = {name: getattr(layers, name).value.astype(dtype)
              for name in ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear")}
+  lora = getattr(layers, "lora", None)
+  if lora is not None:
+    weights["lora"] = {f"{name}_{part}": getattr(lora, f"{name}_{part}").value.astype(dtype)
+                       for name in lora.names() for part in "ab"}
+    weights["lora_scale"] = jnp.full((decoder.config.depth,), lora.scale, dtype)  # scanned with the layers
   for norm_name in ("pre_attention_norm", "pre_ffw_norm"):
     norm = getattr(layers, norm_name)
     weights[norm_name] = ({"scale": norm.scale.value} if isinstance(norm, StackedRMSNorm)
@@ -272,8 +339,8 @@ def run_mixture(
     for x, w, cond in zip(xs, layer_weights, conds):
       x = constrain(x, ax.BATCH_SPEC)
       h, gate = apply_norm(w["pre_attention_norm"], x, cond)
-      qs.append(jnp.einsum("BTD,NDH->BTNH", h, w["q_einsum"]))
-      k, v = jnp.einsum("BSD,2KDH->2BSKH", h, w["kv_einsum"])
+      qs.append(project(w, "q_einsum", "BTD,NDH->BTNH", h))
+      k, v = project(w, "kv_einsum", "BSD,CKDH->CBSKH", h)
       ks.append(k)
       vs.append(v)
       gates.append(gate)
@@ -289,7 +356,7 @@ def run_mixture(
                         impl=attention_impl)
     outs, start = [], 0
     for x, w, cond, gate, length in zip(xs, layer_weights, conds, gates, lengths):
-      attended = jnp.einsum("BTNH,NHD->BTD", encoded[:, start:start + length], w["attn_vec_einsum"])
+      attended = project(w, "attn_vec_einsum", "BTNH,NHD->BTD", encoded[:, start:start + length])
       start += length
       x = gated_residual(x, attended, gate)
       h, gate = apply_norm(w["pre_ffw_norm"], x, cond)

@@ -112,6 +112,12 @@ def make_param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], names: S
   return nnx.Param(init(param_key(rngs), tuple(shape), param_dtype), sharding_names=tuple(names))
 
 
+def with_adapter(projection: nnx.Module, x: jax.Array, y: jax.Array) -> jax.Array:
+  """y plus the projection's LoRA adapter on x, if ejax.models.lora attached one."""
+  adapter = getattr(projection, "lora", None)
+  return y if adapter is None else y + adapter(x.astype(y.dtype))
+
+
 class Dense(nnx.Module):
   """y = x @ kernel [+ bias], kernel [in, out] named `axes`. Also the fallback for FP8 dense."""
 
@@ -126,7 +132,7 @@ class Dense(nnx.Module):
     y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
-    return y
+    return with_adapter(self, x, y)
 
 
 @jax.custom_vjp
@@ -248,7 +254,7 @@ class HeadProjection(nnx.Module):
     y = jnp.einsum("...d,dhk->...hk", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
-    return y
+    return with_adapter(self, x, y)
 
 
 class OutputProjection(nnx.Module):
@@ -265,7 +271,7 @@ class OutputProjection(nnx.Module):
     y = jnp.einsum("...hk,hkd->...d", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
-    return y
+    return with_adapter(self, x, y)
 
 
 class Attention(nnx.Module):

@@ -39,7 +39,32 @@ MODELS: dict[str, str] = {
 
 
 def get_model_spec(name: str) -> ModelSpec:
-  return load_entry(MODELS, name, "model", "config.model.name")
+  """The registered spec, its create and trainable_filter extended by config.model.lora (LoRA
+  adapters on the modules it names: ejax.models.lora)."""
+  spec = load_entry(MODELS, name, "model", "config.model.name")
+  return dataclasses.replace(spec, create=_lora_create(spec.create),
+                             trainable_filter=_lora_filter(spec.trainable_filter))
+
+
+def _lora_create(create):
+  def create_with_adapters(model_config, rngs):
+    from ejax.models import lora
+    model = create(model_config, rngs)
+    if not lora.settings(model_config):
+      return model
+    import jax.numpy as jnp
+    return lora.attach(model, model_config, rngs, jnp.dtype(model_config.get("param_dtype", "float32")))
+  return create_with_adapters
+
+
+def _lora_filter(trainable_filter):
+  def filter_with_adapters(model_config):
+    from flax import nnx
+
+    from ejax.models import lora
+    base = trainable_filter(model_config) if trainable_filter else nnx.Param
+    return lora.trainable_filter(base, model_config)
+  return filter_with_adapters
 
 
 def example_config(model_config, samples_per_batch: int | None = None):

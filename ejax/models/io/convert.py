@@ -8,8 +8,9 @@
 
 "import" reads the released layout (safetensors), checks every tensor against config.model and
 writes the parameters as an orbax checkpoint (a pure dict of the model's nnx.Param state);
-"export" does the reverse. A model plugs in with a module exposing `load(model_config, path)
--> nnx.Module` and `save(model, path)`: `ejax.models.io.<model name>` unless listed below.
+"export" does the reverse, LoRA adapters merged into the weights they adapt. A model plugs in
+with a module exposing `load(model_config, path) -> nnx.Module` and `save(model, path)`:
+`ejax.models.io.<model name>` unless listed below.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 from absl import logging
 from flax import nnx
 
+from ejax.models import lora
 from ejax.models.registry import get_model_spec
 
 CONVERTERS: dict[str, str] = {"groot": "ejax.models.io.groot"}
@@ -96,6 +98,6 @@ def run_job(config, workdir: str) -> None:
     save_params(model, options.destination)
   else:
     model = restore_params(config.model, options.source)
-    io.save(model, options.destination)
+    io.save(lora.merge(model), options.destination)  # LoRA adapters folded in: the released layout
   logging.info("convert %s: %s -> %s", options.direction, options.source, options.destination)
   print(f"convert {options.direction}: {options.source} -> {options.destination}")

@@ -4,7 +4,8 @@ Keys are the '/'-joined paths of openpi's `params` tree (examples/convert_jax_mo
 lists them): PaliGemma/llm/... (Gemma layers stacked over depth, the action expert's suffixed
 "_1", its adaRMS norms as .../Dense_0/{kernel,bias}), PaliGemma/img/... (SigLIP So400m with its 27
 blocks stacked as Transformer/encoderblock/..., the projection as img/head), and action_in_proj,
-time_mlp_in, time_mlp_out, action_out_proj ({kernel, bias}). Checkpoints written by openpi training
+time_mlp_in, time_mlp_out, action_out_proj ({kernel, bias}); with config.model.lora, openpi's LoRA
+adapters (.../attn/q_einsum/lora_a, .../mlp/gating_einsum_lora_a, ...). Checkpoints written by openpi training
 (`nnx.State`) end every path with "/value": accepted on import.
 
 `import_params(model_config, tree)` takes a nested dict or a flat '/'-keyed dict of arrays (e.g.
@@ -20,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from ejax.models.io.pi05_links import Link, copy, export_with, import_with, stack, transformed
+from ejax.models.lora import LoRASettings, has_adapters, settings, without_adapters
 
 LAYOUT = "openpi pi0.5"
 LLM_PREFIX = "PaliGemma/llm"
@@ -27,7 +29,7 @@ IMG_PREFIX = "PaliGemma/img"
 VALUE_SUFFIX = "/value"
 
 
-def _gemma_links(config_path: str, suffix: str, adarms: bool) -> list[Link]:
+def _gemma_links(config_path: str, suffix: str, adarms: bool, lora: LoRASettings | None = None) -> list[Link]:
   layers = f"{LLM_PREFIX}/layers"
   links = [
       copy(f"{config_path}/layers/q_einsum", f"{layers}/attn/q_einsum{suffix}/w"),
@@ -36,6 +38,15 @@ def _gemma_links(config_path: str, suffix: str, adarms: bool) -> list[Link]:
       copy(f"{config_path}/layers/gating_einsum", f"{layers}/mlp{suffix}/gating_einsum"),
       copy(f"{config_path}/layers/linear", f"{layers}/mlp{suffix}/linear"),
   ]
+  if lora is not None:  # openpi's lora.Einsum keeps {w, lora_a, lora_b}; lora.FeedForward <name>_lora_{a,b}
+    for name in ("q_einsum", "kv_einsum", "attn_vec_einsum"):
+      if "attn" in lora.targets:
+        links += [copy(f"{config_path}/layers/lora/{name}_{part}", f"{layers}/attn/{name}{suffix}/lora_{part}")
+                  for part in "ab"]
+    for name in ("gating_einsum", "linear"):
+      if "ffn" in lora.targets:
+        links += [copy(f"{config_path}/layers/lora/{name}_{part}", f"{layers}/mlp{suffix}/{name}_lora_{part}")
+                  for part in "ab"]
   norms = [(f"{config_path}/layers/pre_attention_norm", f"{layers}/pre_attention_norm{suffix}"),
            (f"{config_path}/layers/pre_ffw_norm", f"{layers}/pre_ffw_norm{suffix}"),
            (f"{config_path}/final_norm", f"{LLM_PREFIX}/final_norm{suffix}")]
@@ -79,8 +90,9 @@ def _vision_links(config) -> list[Link]:
 
 def key_links(config) -> list[Link]:
   links = [copy("llm/embedder", f"{LLM_PREFIX}/embedder/input_embedding")]
-  links += _gemma_links("llm", "", adarms=False)
-  links += _gemma_links("expert", "_1", adarms=True)
+  adapters = settings(config)
+  links += _gemma_links("llm", "", adarms=False, lora=adapters.get("llm"))
+  links += _gemma_links("expert", "_1", adarms=True, lora=adapters.get("expert"))
   links += _vision_links(config)
   for name in ("action_in_proj", "time_mlp_in", "time_mlp_out", "action_out_proj"):
     links += [copy(f"{name}/kernel", f"{name}/kernel"), copy(f"{name}/bias", f"{name}/bias")]
@@ -114,18 +126,22 @@ def nest(flat: Mapping[str, np.ndarray]) -> dict[str, Any]:
 
 
 def _abstract(model_config):
-  from ejax.models.pi05 import create
-  return nnx.eval_shape(lambda: create(model_config, nnx.Rngs(0)))
+  from ejax.models.registry import get_model_spec
+  return nnx.eval_shape(lambda: get_model_spec("pi05").create(model_config, nnx.Rngs(0)))
 
 
 def import_params(model_config, tree: Mapping[str, Any]):
   """A concrete pi0.5 model from openpi's parameter tree; errors name every mismatching key."""
-  return import_with(key_links(model_config), flatten(tree), _abstract(model_config), layout=LAYOUT)
+  flat = flatten(tree)
+  if not any("lora_" in key for key in flat):  # a released (not LoRA-trained) checkpoint: no adapters
+    model_config = without_adapters(model_config)
+  return import_with(key_links(model_config), flat, _abstract(model_config), layout=LAYOUT)
 
 
 def export_params(model) -> dict[str, np.ndarray]:
   """The model's parameters as openpi's flat '/'-keyed tree (use `nest` for the nested form)."""
-  return export_with(key_links(model.config), model, layout=LAYOUT)
+  config = model.config if has_adapters(model) else without_adapters(model.config)  # merged: released keys
+  return export_with(key_links(config), model, layout=LAYOUT)
 
 
 def load(model_config, path: str):
