@@ -3,7 +3,8 @@ per launch, holding the config, the scalars TensorBoard gets (ejax.train.metrics
 the eval job's success table and videos (ejax.eval.evaluate).
 
 ejax.main opens a `session` around the job. The run itself starts on the first thing logged, and
-only the writers of process 0 log, so a multi-process job makes one run. `wandb` is imported only
+only the writers of process 0 log, so a multi-process job makes one run. A launch that resumes a
+run (its workdir holds checkpoints) goes on in the W&B run of the launch before it. `wandb` is imported only
 when the setting is on: it is an optional extra (pip install -e ".[wandb]").
 
   metrics.wandb_project, wandb_entity ("": the account's default), wandb_name ("": the workdir's
@@ -21,6 +22,7 @@ from typing import Any, Iterator, Mapping
 from ejax.errors import UserError
 
 MODES = ("online", "offline", "disabled")
+RUN_ID_FILE = "ejax_run_id"  # in <workdir>/wandb: the W&B run a resumed launch goes on in
 
 _session: "Session | None" = None
 
@@ -40,15 +42,33 @@ class Session:
   def run(self):
     if self._run is None:
       import wandb
-      os.makedirs(self.workdir, exist_ok=True)
+      os.makedirs(os.path.join(self.workdir, "wandb"), exist_ok=True)
+      resumed = self._resumed_run_id()
       try:
-        self._run = wandb.init(dir=self.workdir, config=self.config, **self.settings)
+        self._run = wandb.init(dir=self.workdir, config=self.config, id=resumed, resume="allow" if resumed else None,
+                               **self.settings)
       except Exception as error:  # wandb's errors (no API key, no network) name themselves in their text
         reason = " ".join(str(error).split())[:300] or type(error).__name__
         raise UserError(f"metrics.wandb: cannot start the W&B run ({reason}): run `wandb login` or set "
                         "WANDB_API_KEY, or log with --config.metrics.wandb_mode=offline (upload later with "
                         "`wandb sync`)") from None
+      with open(self._id_path, "w") as file:
+        file.write(self._run.id)
     return self._run
+
+  @property
+  def _id_path(self) -> str:
+    return os.path.join(self.workdir, "wandb", RUN_ID_FILE)
+
+  def _resumed_run_id(self) -> str | None:
+    """The W&B run id of the run this launch resumes (the workdir holds its checkpoints), so that a
+    resumed training goes on in the same W&B run; None for a new one."""
+    resuming = any(name.isdigit() for folder in ("checkpoints", "rl_checkpoints")
+                   if os.path.isdir(os.path.join(self.workdir, folder))
+                   for name in os.listdir(os.path.join(self.workdir, folder)))
+    if resuming and os.path.isfile(self._id_path):
+      return open(self._id_path).read().strip() or None
+    return None
 
   def finish(self, exit_code: int) -> None:
     if self._run is not None:

@@ -29,12 +29,23 @@ def offline(tmp_path, monkeypatch):
 
 
 def read_records(workdir) -> list:
-  """The protobuf records of the one offline run under workdir/wandb: wandb's .wandb file is a
-  LevelDB-style log (a 7-byte header, then 32 KiB blocks of chunks: crc32, length, type, payload)."""
+  """The protobuf records of the one offline run under workdir/wandb."""
+  (run,) = offline_runs(workdir)
+  return read_run(run)
+
+
+def offline_runs(workdir) -> list[str]:
+  """The offline runs' folders under workdir/wandb, in the order they were made (their names start
+  with the time)."""
+  return sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*")))
+
+
+def read_run(folder) -> list:
+  """wandb's .wandb file is a LevelDB-style log (a 7-byte header, then 32 KiB blocks of chunks: crc32,
+  length, type, payload) of wandb_internal_pb2.Record protobufs."""
   from wandb.proto import wandb_internal_pb2
-  paths = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "run-*.wandb"))
-  assert len(paths) == 1, paths
-  data = open(paths[0], "rb").read()
+  (path,) = glob.glob(os.path.join(folder, "run-*.wandb"))
+  data = open(path, "rb").read()
   assert data[:4] == b":W&B"
   block, position, pending, records = 32768, 7, b"", []
   while position + 7 <= len(data):
@@ -66,29 +77,39 @@ def history(records) -> list[dict]:
   return [items(record.history.item) for record in records if record.WhichOneof("record_type") == "history"]
 
 
-def test_train_logs_the_config_and_the_tensorboard_scalars(tmp_path, offline):
+def first(records, kind: str):
+  return next(getattr(record, kind) for record in records if record.WhichOneof("record_type") == kind)
+
+
+def test_train_logs_the_config_and_the_tensorboard_scalars_and_resumes_in_the_same_run(tmp_path, offline):
   workdir = tmp_path / "run"
-  result = subprocess.run(
-      [sys.executable, "-m", "ejax.main", "--config=configs/tiny.py:runlocal,steps=6", *SMALL,
-       "--config.metrics.log_every_steps=2", "--config.metrics.wandb=True", "--config.metrics.wandb_mode=offline",
-       "--config.metrics.wandb_project=ejax-test", "--config.metrics.wandb_name=tiny-six-steps", f"--workdir={workdir}"],
-      cwd=REPO, env=dict(offline, XLA_FLAGS="", JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-3000:]
-  records = read_records(workdir)
-  run = next(record.run for record in records if record.WhichOneof("record_type") == "run")
-  assert (run.project, run.display_name) == ("ejax-test", "tiny-six-steps")
-  config = {item.key: json.loads(item.value_json) for item in run.config.update}
+  command = [sys.executable, "-m", "ejax.main", "--config=configs/tiny.py:runlocal,steps=6", *SMALL,
+             "--config.metrics.log_every_steps=2", "--config.metrics.wandb=True", "--config.metrics.wandb_mode=offline",
+             "--config.metrics.wandb_project=ejax-test", "--config.metrics.wandb_name=tiny-six-steps",
+             f"--workdir={workdir}"]
+  # stopped after step 4 (as a scheduler's time slice would), then resumed to the end by the same command
+  for extra in (["--config.train.stop_at=4"], []):
+    result = subprocess.run(command + extra, cwd=REPO, env=dict(offline, XLA_FLAGS="", JAX_PLATFORMS="cpu"),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+  launches = [read_run(folder) for folder in offline_runs(workdir)]
+  assert len(launches) == 2
+  runs = [first(records, "run") for records in launches]
+  assert runs[0].run_id == runs[1].run_id  # one W&B run: `wandb sync` appends the second launch to it
+  assert (runs[0].project, runs[0].display_name) == ("ejax-test", "tiny-six-steps")
+  config = {item.key: json.loads(item.value_json) for item in runs[0].config.update}
   assert config["train"]["steps"] == 6 and config["model"]["width"] == 32 and config["metrics"]["wandb"] is True
   # every scalar of every logged step, as metrics.jsonl (and TensorBoard) have them
-  logged = {row["_step"]: row for row in history(records)}
+  logged = [{row["_step"]: row for row in history(records)} for records in launches]
+  assert sorted(logged[0]) == [2, 4] and sorted(logged[1]) == [6]
+  logged = {**logged[0], **logged[1]}
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  assert [row["step"] for row in rows] == sorted(logged) == [2, 4, 6]
+  assert [row["step"] for row in rows] == [2, 4, 6]
   for row in rows:
     scalars = {key: value for key, value in row.items() if key not in ("step", "time")}
     assert {"loss", "grad_norm", "learning_rate", "samples_per_second"} <= set(scalars)
     assert {key: logged[row["step"]][key] for key in scalars} == pytest.approx(scalars, rel=1e-6)
-  exit_record = next(record.exit for record in records if record.WhichOneof("record_type") == "exit")
-  assert exit_record.exit_code == 0
+  assert [first(records, "exit").exit_code for records in launches] == [0, 0]
 
 
 def test_eval_logs_the_success_table_and_videos(tmp_path, offline):
@@ -113,12 +134,12 @@ def test_eval_logs_the_success_table_and_videos(tmp_path, offline):
     evaluate.log_to_wandb(summary, str(output_dir))
   wandb.teardown()  # the run's writer (wandb's service process) may still be writing after finish()
   records = read_records(workdir)
-  run = next(record.run for record in records if record.WhichOneof("record_type") == "run")
+  run = first(records, "run")
   assert run.display_name == "eval-table" and run.job_type == "eval"
   (logged,) = [row for row in history(records) if "eval/success" in row]
   assert logged["eval/success_rate/goal_open_drawer"] == 0.75 and logged["eval/success_rate/overall"] == 0.5
   # the table and the video travel as files of the run: the table's rows are summary.json's
-  files = os.path.join(glob.glob(os.path.join(workdir, "wandb", "offline-run-*"))[0], "files")
+  files = os.path.join(offline_runs(workdir)[0], "files")
   table = json.load(open(os.path.join(files, logged["eval/success"]["path"])))
   assert table["columns"] == list(evaluate.TABLE_COLUMNS)
   assert [row[0] for row in table["data"]] == tasks + ["suite:goal", "suite:object", "overall"]
