@@ -51,6 +51,8 @@ CASES = [
      ["is an rl job's <workdir>/rl_checkpoints", "--config.eval.policy=rl"]),
     ("eval-train-checkpoint-as-rl", "eval", [EVAL, "--config.eval.policy=rl", "--config.eval.checkpoint={checkpoints}"],
      ["is a train job's <workdir>/checkpoints", "--config.eval.policy=checkpoint"]),
+    ("eval-checkpoint-of-synthetic-data", "eval", [EVAL, "--config.eval.checkpoint={checkpoints}"],
+     ["holds a 'tiny_flow' model trained on synthetic data", "ejax.sim's demonstrations"]),
     ("eval-imported-weights", "eval", [EVAL, "--config.eval.checkpoint={imported}"],
      ["imported by the convert job", "--config.eval.policy=remote"]),
     ("eval-workdir", "eval", [EVAL, "--config.eval.checkpoint={tiny_run}"], ["is a workdir: point it at", "checkpoints"]),

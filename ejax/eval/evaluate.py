@@ -63,6 +63,8 @@ def _check_checkpoint(policy: str, checkpoint: str) -> None:
   what = {TRAIN: "a train job's <workdir>/checkpoints", RL: "an rl job's <workdir>/rl_checkpoints"}
   path = require_path("eval.checkpoint", checkpoint, what[wanted] + f" (eval.policy={policy!r})")
   kind = checkpoint_kind(path)
+  if kind == wanted == TRAIN:
+    _check_trained_for_the_simulator(checkpoint, path)
   if kind == wanted:
     return
   setting = f"eval.checkpoint={checkpoint!r}"
@@ -77,6 +79,22 @@ def _check_checkpoint(policy: str, checkpoint: str) -> None:
   if checkpoint_kind(os.path.join(path, folder[wanted])) == wanted:
     raise ConfigError(f"{setting} is a workdir: point it at {os.path.join(checkpoint, folder[wanted])}")
   raise ConfigError(f"{setting} holds no checkpoint: point it at {what[wanted]} (eval.policy={policy!r})")
+
+
+def _check_trained_for_the_simulator(checkpoint: str, path: str) -> None:
+  """A train checkpoint acts in ejax.sim only when it learnt from observations the simulator makes (its
+  recorded demonstrations, or a LeRobot / RLDS dataset of them): not from synthetic data."""
+  from ejax.checkpoint import Checkpointer
+  checkpointer = Checkpointer(path)
+  try:
+    saved = checkpointer.read_meta().get("config") or {}
+  finally:
+    checkpointer.close()
+  data, model = saved.get("data") or {}, (saved.get("model") or {}).get("name")
+  if data.get("name") == "synthetic":
+    raise ConfigError(f"eval.checkpoint={checkpoint!r} holds a {model!r} model trained on synthetic data "
+                      "(data.name='synthetic'), whose observations no simulator task makes: evaluate a checkpoint "
+                      "trained on ejax.sim's demonstrations (configs/groot.py:runlocal, README \"Configs and jobs\")")
 
 
 def make_policy(config, action_size: int):
