@@ -9,6 +9,7 @@ reading): every job that takes a checkpoint path checks it with this before load
 
 from __future__ import annotations
 
+import json
 import os
 
 TRAIN, RL, IMPORTED = "train", "rl", "imported"
@@ -32,3 +33,16 @@ def checkpoint_kind(path: str) -> str | None:
       return RL
     return None
   return IMPORTED if os.path.isfile(os.path.join(path, "_METADATA")) else None
+
+
+def saved_config(path: str, step: int | None = None) -> dict:
+  """The config a train checkpoint (TRAIN) was written with, read from its meta item's JSON alone: no
+  orbax and no JAX backend, so a job may check it before jax.distributed starts. {} when unreadable
+  (the loader then says what is wrong)."""
+  steps = numbered(path) if os.path.isdir(path) else []
+  chosen = steps[-1] if step is None and steps else step
+  try:
+    with open(os.path.join(path, str(chosen), "meta", "metadata")) as file:
+      return json.load(file).get("config") or {}
+  except (OSError, ValueError, AttributeError):
+    return {}

@@ -84,12 +84,8 @@ def _check_checkpoint(policy: str, checkpoint: str) -> None:
 def _check_trained_for_the_simulator(checkpoint: str, path: str) -> None:
   """A train checkpoint acts in ejax.sim only when it learnt from observations the simulator makes (its
   recorded demonstrations, or a LeRobot / RLDS dataset of them): not from synthetic data."""
-  from ejax.checkpoint import Checkpointer
-  checkpointer = Checkpointer(path)
-  try:
-    saved = checkpointer.read_meta().get("config") or {}
-  finally:
-    checkpointer.close()
+  from ejax.checkpoint.kinds import saved_config
+  saved = saved_config(path)
   data, model = saved.get("data") or {}, (saved.get("model") or {}).get("name")
   if data.get("name") == "synthetic":
     raise ConfigError(f"eval.checkpoint={checkpoint!r} holds a {model!r} model trained on synthetic data "

@@ -84,8 +84,7 @@ def check_config(config: ConfigDict) -> None:
 
 def _check_sft_checkpoint(policy: ConfigDict) -> None:
   """rl.policy.checkpoint (the arg string's sft=) holds a train job's GR00T checkpoints."""
-  from ejax.checkpoint import Checkpointer
-  from ejax.checkpoint.kinds import RL, TRAIN, checkpoint_kind
+  from ejax.checkpoint.kinds import RL, TRAIN, checkpoint_kind, saved_config
   what = "a GR00T train job's <workdir>/checkpoints (configs/rl_vla3.py:...,actor=groot,sft=PATH)"
   path = require_path("rl.policy.checkpoint", policy.checkpoint, what)
   kind = checkpoint_kind(path)
@@ -95,13 +94,9 @@ def _check_sft_checkpoint(policy: ConfigDict) -> None:
                         f"{os.path.join(policy.checkpoint, 'checkpoints')}")
     held = "an rl job's rl_checkpoints" if kind == RL else "no train checkpoint"
     raise ConfigError(f"rl.policy.checkpoint={policy.checkpoint!r} holds {held}: point sft= at {what}")
-  checkpointer = Checkpointer(path)
-  try:
-    step = int(policy.get("step", -1))
-    model = ((checkpointer.read_meta(None if step < 0 else step).get("config") or {}).get("model") or {}).get("name")
-  finally:
-    checkpointer.close()
-  if model != "groot":
+  step = int(policy.get("step", -1))
+  model = (saved_config(path, None if step < 0 else step).get("model") or {}).get("name")
+  if model not in ("groot", None):  # None: unreadable, which the loader reports
     raise ConfigError(f"rl.policy.checkpoint={policy.checkpoint!r} holds a {model!r} model; actor=groot fine-tunes a "
                       "GR00T checkpoint (configs/groot.py's train job): point sft= at one")
 
