@@ -65,6 +65,8 @@ def base_config() -> ConfigDict:
       ema_decay=0.0,             # 0 disables the EMA copy of the parameters
       transfer_guard="disallow",  # accidental host<->device copies in the loop are errors
       stop_at=0,                 # >0: end this run after that step (to fit a time slice); resume later
+      step_timeout=0.0,          # s a step, save or exchange may take before every process ends with one
+                                 # line (multi-process; 0: max(300 s, 20x the median warmed-up step))
       init_weights="",           # weights imported by the convert job: loaded into the fresh state, never
                                  # initialised (a resumed run reads its own checkpoint instead)
   ))

@@ -14,6 +14,7 @@ from ejax.errors import UserError
 
 # Variables launchers set; jax.distributed.initialize() auto-detects SLURM, Open MPI, TPU pods and
 # Kubernetes JobSets by itself, so these are read only to tell whether this is a multi-process run.
+HEARTBEAT_TIMEOUT_S = 150  # jax's default is 100 s; see initialize()
 _CLUSTER_HINTS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES")
 
 
@@ -44,6 +45,9 @@ def initialize(distributed_config) -> None:
     kwargs.update(coordinator_address=address, num_processes=int(num_processes), process_id=int(process_id))
   if cfg.get("initialization_timeout"):
     kwargs["initialization_timeout"] = int(cfg.initialization_timeout)
+  # jax.distributed aborts a process whose peer misses heartbeats this long, with a C++ stack trace;
+  # ejax's watchdog (ejax/parallel/watchdog.py) names a lost peer in one line well before that.
+  kwargs["heartbeat_timeout_seconds"] = int(cfg.get("heartbeat_timeout_s") or HEARTBEAT_TIMEOUT_S)
   if cfg.get("local_device_ids") is not None:
     kwargs["local_device_ids"] = list(cfg.local_device_ids)
   logging.info("jax.distributed.initialize(%s)", kwargs)
@@ -92,9 +96,12 @@ def _client():
   return client
 
 
-def kv_set(key: str, value: str) -> None:
-  """Publishes `value` under `key` to every process (a key is written once)."""
-  _client().key_value_set(key, value)
+def kv_set(key: str, value: str, allow_overwrite: bool = False) -> None:
+  """Publishes `value` under `key` to every process (a key is written once, unless allow_overwrite)."""
+  if allow_overwrite:
+    _client().key_value_set(key, value, allow_overwrite=True)
+  else:
+    _client().key_value_set(key, value)
 
 
 def kv_try_get(key: str) -> str | None:

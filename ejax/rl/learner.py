@@ -8,6 +8,8 @@ jitted update over shuffled micro-batches, and publishes the new version to the 
 
 from __future__ import annotations
 
+import contextlib
+
 import queue
 import threading
 from typing import Any, Callable
@@ -141,7 +143,7 @@ class Learner:
                warmup_update_fn: Callable | None = None, warmup_updates: int = 0,
                put_rng: Callable[[np.ndarray], Any] = lambda key_data: key_data,
                group: ProcessGroup | None = None, on_peer_stop: Callable[[str], None] | None = None,
-               stop_reason: Callable[[], str] = lambda: "stopped"):
+               stop_reason: Callable[[], str] = lambda: "stopped", watchdog=None):
     """put_batch places a host batch on the learner's devices (several processes: this process's
     segments become its rows of the global batch); put_rng the update's key data likewise.
     on_update(version, params, opt_state, metrics) runs after each publish (metrics logging,
@@ -157,6 +159,7 @@ class Learner:
     self.segment_queue, self.param_store, self.activity, self.stop = segment_queue, param_store, activity, stop
     self.put_batch, self.put_rng, self.on_update, self.on_fatal = put_batch, put_rng, on_update, on_fatal
     self.group, self.on_peer_stop, self.stop_reason = group or ProcessGroup(), on_peer_stop, stop_reason
+    self.watchdog = watchdog  # several processes: ends all of them if an update exchange stalls
     self._rng = jax.random.fold_in(jax.random.key(seed), start_version)
     self._buffer: dict[int, dict] = {}
     self.history: list[dict] = []
@@ -218,16 +221,18 @@ class Learner:
           self.lags.append(update - batch["policy_version"][batch["valid"].astype(bool)])
           if local["lag_max"] > self.eta or local["lag_mean"] < 0:
             raise StalenessError(f"update {update} got samples {local['lag_max']} versions old, more than eta={self.eta}")
-        statistics = self._agree(update, local, self.stop_reason())
+        with self.watchdog.watch("update exchange", update + 1) if self.watchdog else contextlib.nullcontext():
+          statistics = self._agree(update, local, self.stop_reason())
         if statistics is None:
           return
         start = self.activity.now()
         self._rng, rng = jax.random.split(self._rng)
         device_batch = self.put_batch({key: value for key, value in batch.items() if key != "policy_version"})
         update_fn = self._warmup_update if update < self.warmup_updates and self._warmup_update else self._update
-        params, opt_state, metrics = update_fn(self.params, self.opt_state, device_batch,
-                                               self.put_rng(np.asarray(jax.random.key_data(rng))))
-        self.param_store.publish(params, update + 1)  # blocks until the arrays are ready (see ParamStore)
+        with self.watchdog.watch("update", update + 1) if self.watchdog else contextlib.nullcontext():
+          params, opt_state, metrics = update_fn(self.params, self.opt_state, device_batch,
+                                                 self.put_rng(np.asarray(jax.random.key_data(rng))))
+          self.param_store.publish(params, update + 1)  # blocks until the arrays are ready (see ParamStore)
         self.params, self.opt_state, self.version = params, opt_state, update + 1
         end = self.activity.now()
         self.activity.busy("learner", start, end)

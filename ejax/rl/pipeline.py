@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 from ejax.parallel import ACT_BATCH, global_batch, logical_to_spec, make_mesh, replicated, tree_shardings
+from ejax.parallel.watchdog import Watchdog
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.coordination import ParamStore, RequestBoard, SegmentTickets
 from ejax.rl.delays import DelaySampler, DelaySpec, delay_spec_from_config
@@ -142,6 +143,9 @@ class RLPipeline:
     self._error_lock = threading.Lock()
     self.stop_reason: str | None = None
     self.group = multihost.ProcessGroup()
+    # Several processes: an update exchange that stalls, or a lost peer, ends all of them in one line.
+    self.watchdog = Watchdog("rl", unit="update", timeout_s=float(config.get("step_timeout", 0.0)),
+                             resume_from=self._saved_version, key=self.group.prefix)
     self.shard_ids = self.group.shard_ids(config.num_shards)  # this process's shards (global ids)
     segments_per_update = self.group.share(config.segments_per_update, "rl.segments_per_update")
     local = jax.local_devices()
@@ -209,7 +213,8 @@ class RLPipeline:
                            stop=self.stop, seed=config.seed + 29, put_batch=put_batch, on_update=self._on_update,
                            on_fatal=self._fatal, warmup_update_fn=warmup_fn,
                            warmup_updates=config.critic_warmup_updates, put_rng=put_rng, group=self.group,
-                           on_peer_stop=self._stop_from_peer, stop_reason=lambda: self.stop_reason or "stopped")
+                           on_peer_stop=self._stop_from_peer, stop_reason=lambda: self.stop_reason or "stopped",
+                           watchdog=self.watchdog)
     self.wall_seconds = 0.0
 
   def _jitted_update(self, policy, config: ConfigDict, train_actor: bool = True) -> Callable:
@@ -284,6 +289,12 @@ class RLPipeline:
 
   # -- control -------------------------------------------------------------------------------
 
+  def _saved_version(self) -> int | None:
+    try:
+      return self.checkpointer.latest_version() if getattr(self, "checkpointer", None) is not None else None
+    except Exception:  # noqa: BLE001  (read from the watchdog thread while a save may be renaming)
+      return None
+
   def _fatal(self, error: BaseException) -> None:
     with self._error_lock:
       self.errors.append(error)
@@ -350,6 +361,7 @@ class RLPipeline:
         self.save_checkpoint()  # the last good state: at the end, on error and on SIGTERM alike
       # Every process's counters, for the run's summary (a no-op with one process).
       self.process_reports = self.group.exchange("summary", self._process_report())
+      self.watchdog.close()
       if hanging:
         raise RLRunError(f"threads still running after shutdown: {hanging}")
     if self.errors:

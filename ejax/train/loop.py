@@ -24,6 +24,7 @@ from ejax.config.runtime import enable_compilation_cache
 from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
 from ejax.parallel.data import process_batch_shards
 from ejax.parallel.distributed import compile_agreed
+from ejax.parallel.watchdog import Watchdog
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
 from ejax.train import resume
@@ -180,49 +181,63 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   end_step = min(train_cfg.steps, train_cfg.stop_at) if train_cfg.stop_at else train_cfg.steps
   stopped_by = None
   stop.begin_training()
-  while step < end_step:
-    if step > start_step:
-      local_batch = next(data_iter)
-      batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
-    with jax.transfer_guard(train_cfg.transfer_guard):
-      state, step_metrics = compiled(state, batch)
-    step += 1
-    guard.push(step, step_metrics, local_batch)
-    tokens, pad_fraction = _batch_tokens(local_batch)
-    interval_steps += 1
-    interval_samples += train_cfg.global_batch_size
-    interval_tokens += (tokens or 0) * jax.process_count()
-    if pad_fraction is not None:
-      pad_fractions.append(pad_fraction)
+  # A step, save or exchange that stalls, or a lost peer, ends every process with one line.
+  watchdog = Watchdog("train", timeout_s=train_cfg.get("step_timeout", 0.0),
+                      say_last=lambda line: stop.say_last(line, file=sys.stderr),
+                      resume_from=lambda: _newest_step(checkpointer.directory))
+  cleanup.callback(watchdog.close)
+  try:
+    while step < end_step:
+      watchdog.begin("train step", step + 1)
+      if step > start_step:
+        local_batch = next(data_iter)
+        batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
+      with jax.transfer_guard(train_cfg.transfer_guard):
+        state, step_metrics = compiled(state, batch)
+      step += 1
+      guard.push(step, step_metrics, local_batch)
+      tokens, pad_fraction = _batch_tokens(local_batch)
+      interval_steps += 1
+      interval_samples += train_cfg.global_batch_size
+      interval_tokens += (tokens or 0) * jax.process_count()
+      if pad_fraction is not None:
+        pad_fractions.append(pad_fraction)
 
-    if step % log_every == 0 or step == train_cfg.steps:
-      guard.check_now()
-      scalars = _scalar_metrics(step_metrics)
-      elapsed = max(time.time() - interval_start, 1e-9)
-      scalars["samples_per_second"] = interval_samples / elapsed
-      if interval_tokens:
-        scalars["tokens_per_second"] = interval_tokens / elapsed
-      if pad_fractions:
-        scalars["padding_fraction"] = float(np.mean(pad_fractions))
-      if flops and peak:
-        scalars["mfu"] = flops * interval_steps / elapsed / peak
-      writer.write(step, scalars)
-      history.append({"step": step, **scalars})
-      interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
-      pad_fractions = []
+      if step % log_every == 0 or step == train_cfg.steps:
+        guard.check_now()
+        scalars = _scalar_metrics(step_metrics)
+        elapsed = max(time.time() - interval_start, 1e-9)
+        scalars["samples_per_second"] = interval_samples / elapsed
+        if interval_tokens:
+          scalars["tokens_per_second"] = interval_tokens / elapsed
+        if pad_fractions:
+          scalars["padding_fraction"] = float(np.mean(pad_fractions))
+        if flops and peak:
+          scalars["mfu"] = flops * interval_steps / elapsed / peak
+        writer.write(step, scalars)
+        history.append({"step": step, **scalars})
+        interval_start, interval_steps, interval_samples, interval_tokens = time.time(), 0, 0, 0
+        pad_fractions = []
 
-    stopping = stop.agreed() if (jax.process_count() == 1 or step % log_every == 0) else False
-    if step % config.checkpoint.every_steps == 0 or stopping:
-      guard.check_now()
-      checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=stopping)
-    if stopping:
-      stopped_by = signal_name(stop.requested)
-      logging.warning("stopped at step %d after %s; checkpoint saved", step, stopped_by)
-      break
-  guard.check_now()
-  if step == end_step and checkpointer.latest_step() != step:
-    checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=True)
-  checkpointer.wait()  # a save that fails in the background fails the run here, not silently
+      stopping = stop.agreed() if (jax.process_count() == 1 or step % log_every == 0) else False
+      watchdog.end()
+      if step % config.checkpoint.every_steps == 0 or stopping:
+        guard.check_now()
+        with watchdog.watch("checkpoint save", step):
+          checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=stopping)
+      if stopping:
+        stopped_by = signal_name(stop.requested)
+        logging.warning("stopped at step %d after %s; checkpoint saved", step, stopped_by)
+        break
+    guard.check_now()
+    with watchdog.watch("checkpoint save", step):
+      if step == end_step and checkpointer.latest_step() != step:
+        checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=True)
+      checkpointer.wait()  # a save that fails in the background fails the run here, not silently
+  except jax.errors.JaxRuntimeError as error:  # a collective whose peer is gone: name it, in one line
+    watchdog.wait_for_verdict(error)
+    raise
+  watchdog.close()
   if stopped_by is None and step < train_cfg.steps:
     stopped_by = "train.stop_at"
   return {"history": history, "final_step": step, "workdir": workdir, "state": state,
@@ -242,6 +257,11 @@ def _closing(close):
       logging.warning("while stopping: %s", " ".join(str(error).split())[:200])
     return False
   return exit_callback
+
+
+def _newest_step(directory: str) -> int | None:
+  steps = saved_steps(directory)
+  return steps[-1] if steps else None
 
 
 def _newest_checkpoint_text(directory: str) -> str:

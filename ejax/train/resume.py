@@ -23,7 +23,8 @@ from ejax.train.workdir import set_aside
 # Keys (or prefixes ending in ".") that may differ between the checkpoint and this run.
 RUNTIME_KEYS = (
     "job", "compilation_cache_dir", "mesh.", "sharding_rules", "distributed.", "checkpoint.",
-    "metrics.", "serve.", "eval.", "train.stop_at", "train.transfer_guard", "train.remat", "train.init_weights",
+    "metrics.", "serve.", "eval.", "train.stop_at", "train.step_timeout", "train.transfer_guard", "train.remat",
+    "train.init_weights",
     "data.num_workers", "data.prefetch", "data.read_threads", "data.max_open_videos", "data.on_bad_sample",
     "data.skip_limit",
     "data.sim_demos.num_envs", "data.sim_demos.backend",

@@ -1,0 +1,118 @@
+"""No silent hangs over two processes (ejax/parallel/watchdog.py): a peer that stops stepping, or
+one killed outright, ends every other process with one line naming it, and the run resumes."""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ejax.train.workdir import saved_steps
+from tests.train.helpers import REPO
+
+pytestmark = pytest.mark.timeout(600)
+
+LINE = re.compile(r"^error: process 1 of 2 stopped answering at step (\d+) \(train: (.*)\): "
+                  r"run the same command to resume from step (\d+)$", re.M)
+COMMAND = ["--config=configs/tiny.py:runlocal,steps={steps},batch=16", "--config.model.width=32",
+           "--config.model.depth=2", "--config.metrics.log_every_steps=1", "--config.metrics.progress_bar=False",
+           "--config.metrics.tensorboard=False", "--config.checkpoint.every_steps=5",
+           "--config.checkpoint.async_save=False"]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def launch(workdir, *, steps: int, extra=()) -> list[subprocess.Popen]:
+  port = _free_port()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  command = [sys.executable, "-m", "ejax.main", *(c.format(steps=steps) for c in COMMAND), *extra,
+             f"--workdir={workdir}", f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+             "--config.distributed.num_processes=2"]
+  return [subprocess.Popen(command + [f"--config.distributed.process_id={i}"], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def wait_for_step(procs, workdir, step: int, timeout: float = 400) -> None:
+  """Until process 0 has logged `step` and a checkpoint is on disk."""
+  deadline = time.time() + timeout
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  while time.time() < deadline:
+    assert all(p.poll() is None for p in procs), "a process ended early:\n" + procs[0].communicate()[0][-3000:]
+    if os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= step and saved_steps(os.path.join(workdir, "checkpoints")):
+      return
+    time.sleep(0.2)
+  raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def ended_within(proc, seconds: float) -> tuple[str, float]:
+  started = time.time()
+  try:
+    out = proc.communicate(timeout=seconds)[0]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  return out, time.time() - started
+
+
+def test_a_peer_that_stops_stepping_ends_every_process_within_the_step_timeout(tmp_path):
+  workdir = tmp_path / "run"
+  procs = launch(workdir, steps=100_000, extra=["--config.train.step_timeout=30"])
+  try:
+    wait_for_step(procs, workdir, 8)
+    os.kill(procs[1].pid, signal.SIGSTOP)  # process 1 stops stepping (and answering)
+    out, seconds = ended_within(procs[0], 90)
+    assert procs[0].returncode == 3, out[-3000:]
+    match = LINE.search(out)
+    assert match, out[-3000:]
+    assert "waited" in match.group(2) and "train.step_timeout 30 s" in match.group(2)
+    assert 28 <= seconds <= 30 + 3 * 2 + 20  # the timeout, a few heartbeats, a loaded machine's slack
+    assert "Traceback" not in out and "Fatal" not in out
+    assert out.rstrip().splitlines()[-1] == match.group(0)  # the last line
+    # The checkpoint it names is the newest complete one, and intact.
+    assert int(match.group(3)) == saved_steps(str(workdir / "checkpoints"))[-1] >= 5
+    # Woken, process 1 finds process 0 and its coordination service gone: jaxlib ends it at once
+    # (README: a process stopped this long cannot hear the line).
+    os.kill(procs[1].pid, signal.SIGCONT)
+    ended_within(procs[1], 90)
+    assert procs[1].returncode not in (0, None)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+
+
+def test_a_killed_peer_ends_the_other_in_one_line_and_the_run_resumes(tmp_path):
+  workdir = tmp_path / "run"
+  procs = launch(workdir, steps=100_000)
+  try:
+    wait_for_step(procs, workdir, 8)
+    procs[1].kill()  # kill -9
+    out, seconds = ended_within(procs[0], 120)
+    assert procs[0].returncode == 3, out[-3000:]
+    match = LINE.search(out)
+    assert match and "no heartbeat" in match.group(2), out[-3000:]
+    assert seconds < 120
+    assert "Traceback" not in out and "Fatal" not in out and "Aborted" not in out
+    assert out.rstrip().splitlines()[-1] == match.group(0)
+    resume = int(match.group(3))
+    assert resume == saved_steps(str(workdir / "checkpoints"))[-1] >= 5
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  # The same command (ended early by train.stop_at) resumes from the named step on both processes.
+  procs = launch(workdir, steps=100_000, extra=[f"--config.train.stop_at={resume + 3}"])
+  outs = [ended_within(p, 400)[0] for p in procs]
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
+    assert f"resumed from step {resume}" in out
+    assert re.search(rf"train: process {i} of 2 stopped at step {resume + 3} by train.stop_at", out)
