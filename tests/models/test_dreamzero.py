@@ -63,6 +63,15 @@ def runlocal():
   return config, model, batch
 
 
+@pytest.fixture(scope="module")
+def teacher_forced(runlocal):
+  """The teacher-forced DiT outputs, jitted once for the tests below, and the frozen encoders' outputs."""
+  _, model, batch = runlocal
+  text = model.text_encoder(batch["text_ids"], batch["text_mask"])
+  image = model.image_encoder(batch["first_frame"])
+  return jax.jit(model._velocity), text, image
+
+
 @pytest.mark.slow  # ~45 s of compilation; test_dreamzero_train.py trains the same loss in CI
 def test_loss_is_the_sum_of_video_and_action_terms_and_trains_only_the_dit(runlocal):
   config, model, batch = runlocal
@@ -82,7 +91,7 @@ def test_loss_is_the_sum_of_video_and_action_terms_and_trains_only_the_dit(runlo
   assert max(frozen) == 0.0  # umT5, CLIP and the VAE sit behind stop_gradient
 
 
-def test_first_chunk_does_not_see_later_chunks_or_later_clean_frames(runlocal):
+def test_first_chunk_does_not_see_later_chunks_or_later_clean_frames(runlocal, teacher_forced):
   """The WAM mask through the whole DiT: chunk 0's video and action outputs depend on the first clean
   frame, its own noisy latents and actions, but not on clean frames of chunk 0 onwards or on chunk 1."""
   config, model, batch = runlocal
@@ -94,9 +103,8 @@ def test_first_chunk_does_not_see_later_chunks_or_later_clean_frames(runlocal):
   actions = jnp.asarray(rng.normal(size=batch["actions"].shape), jnp.float32)
   t = jnp.full((b, lay.latent_frames), 500.0)
   at = jnp.full((b, lay.num_actions), 500.0)
-  run = jax.jit(lambda clean, noisy, actions: model._velocity(clean, noisy, actions, t, at, batch,
-                                                              model.text_encoder(batch["text_ids"], batch["text_mask"]),
-                                                              model.image_encoder(batch["first_frame"])))
+  velocity, text, image = teacher_forced
+  run = lambda clean, noisy, actions: velocity(clean, noisy, actions, t, at, batch, text, image)
   video, action = run(latents, noisy, actions)
   chunk0_video = slice(lay.frame_tokens, lay.frame_tokens + lay.frames_per_chunk * lay.frame_tokens)
   chunk0_actions = slice(0, lay.actions_per_chunk)
@@ -137,3 +145,25 @@ def test_vae_strides_and_the_error_for_a_clip_it_cannot_take():
   assert WanVAEConfig.for_version("2.2").spatial_stride == 16 and WanVAEConfig.for_version("2.2").z_dim == 48
   with pytest.raises(ValueError, match="error: the Wan VAE takes 1 \\+ 4k frames"):
     vae.encode(jnp.zeros((1, 8, 16, 24, 3)))
+
+
+def test_chunk_by_chunk_kv_cache_matches_teacher_forcing(runlocal, teacher_forced):
+  """Inference's chunk step (the clean frames before the chunk as a KV cache, then the chunk's noisy
+  video, actions and states alone) gives the teacher-forced pass's outputs for that chunk."""
+  config, model, batch = runlocal
+  lay = model.layout
+  rng = np.random.default_rng(1)
+  latents = batch["latents"]
+  noisy = jnp.asarray(rng.normal(size=latents.shape), jnp.float32)
+  actions = jnp.asarray(rng.normal(size=batch["actions"].shape), jnp.float32)
+  video_t = jnp.asarray(rng.uniform(0, 1000, (latents.shape[0], lay.latent_frames)), jnp.float32)
+  action_t = jnp.repeat(video_t[:, 1::lay.frames_per_chunk], lay.actions_per_chunk, axis=1)
+  velocity, text, image = teacher_forced
+  args = (latents, noisy, actions, video_t, action_t, batch, text, image)
+  video, action = velocity(*args)
+  chunk = lay.num_chunks - 1  # the last chunk: a context of the first frame and every earlier chunk
+  chunk_video, chunk_action = jax.jit(lambda *a: model.chunk_velocity(*a, chunk))(*args)
+  where = sequence.chunk_indices(lay, chunk)
+  assert where["context"].size == lay.frame_tokens * (1 + chunk * lay.frames_per_chunk)
+  np.testing.assert_allclose(chunk_video, video[:, where["video"] - lay.video_tokens], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(chunk_action, action[:, where["actions"] - 2 * lay.video_tokens], rtol=1e-4, atol=1e-4)

@@ -159,23 +159,47 @@ class DreamZero(nnx.Module):
     first = jnp.zeros_like(latents).at[:, 0].set(latents[:, 0])
     return jnp.concatenate([mask, first], axis=-1)
 
-  def _velocity(self, clean, noisy, actions, video_t, action_t, batch, text, image):
-    """DiT outputs for noisy latents / actions at per-frame (video_t [b, F]) and per-action timesteps."""
+  def _sequence(self, clean, noisy, actions, video_t, action_t, batch):
+    """The teacher-forced sequence's DiT inputs: tokens, per-token timesteps, states, mask ids, angles."""
     lay, dit = self.layout, self.dit
     condition = self._condition(clean)
     with_condition = lambda x: x if condition is None else jnp.concatenate([x, condition], -1)
     patch = dit.config.patch_size
     tokens = jnp.concatenate([patchify(with_condition(clean), patch), patchify(with_condition(noisy), patch)], 1)
-    frame_tokens = lay.frame_tokens
     video_timesteps = jnp.concatenate([jnp.zeros((clean.shape[0], lay.video_tokens), jnp.float32),
-                                       jnp.repeat(video_t, frame_tokens, axis=1)], axis=1)
+                                       jnp.repeat(video_t, lay.frame_tokens, axis=1)], axis=1)
     stride = lay.actions_per_chunk // lay.states_per_chunk
-    keys, groups = sequence.wam_mask_ids(lay)
+    keys, groups = (jnp.asarray(x) for x in sequence.wam_mask_ids(lay))
     angles = jnp.asarray(sequence.rope_angles(lay, dit.config.head_dim))
-    states = batch["state"].astype(jnp.float32)
-    return dit(tokens, video_timesteps, actions, action_t, states, action_t[:, ::stride],
-               embodiment_ids=batch["embodiment_id"], angles=angles, mask_keys=jnp.asarray(keys),
-               mask_groups=jnp.asarray(groups), text=dit.embed_text(text), image=dit.embed_image(image))
+    return dict(tokens=tokens, video_timesteps=video_timesteps, actions=actions, action_timesteps=action_t,
+                states=batch["state"].astype(jnp.float32), state_timesteps=action_t[:, ::stride],
+                keys=keys, groups=groups, angles=angles)
+
+  def _velocity(self, clean, noisy, actions, video_t, action_t, batch, text, image):
+    """DiT outputs for noisy latents / actions at per-frame (video_t [b, F]) and per-action timesteps."""
+    s, dit = self._sequence(clean, noisy, actions, video_t, action_t, batch), self.dit
+    return dit(s["tokens"], s["video_timesteps"], s["actions"], s["action_timesteps"], s["states"],
+               s["state_timesteps"], embodiment_ids=batch["embodiment_id"], angles=s["angles"],
+               mask_keys=s["keys"], mask_groups=s["groups"], text=dit.embed_text(text), image=dit.embed_image(image))
+
+  def chunk_velocity(self, clean, noisy, actions, video_t, action_t, batch, text, image, chunk: int):
+    """Chunk `chunk`'s outputs the inference way: the clean frames before it as a KV cache, then one
+    pass over the chunk's noisy video, actions and states. Equals the teacher-forced outputs there."""
+    s, dit, lay = self._sequence(clean, noisy, actions, video_t, action_t, batch), self.dit, self.layout
+    where = sequence.chunk_indices(lay, chunk)
+    text, image = dit.embed_text(text), dit.embed_image(image)
+    context = where["context"]
+    cache = dit.context_cache(s["tokens"][:, context], angles=s["angles"][context], mask_keys=s["keys"][context],
+                              mask_groups=s["groups"][context], text=text, image=image)
+    own = np.concatenate([where["video"], where["actions"], where["states"]])
+    first_action = 2 * lay.video_tokens
+    pick = lambda name, index, offset: s[name][:, index - offset]
+    return dit.chunk(s["tokens"][:, where["video"]], s["video_timesteps"][:, where["video"]],
+                     pick("actions", where["actions"], first_action), pick("action_timesteps", where["actions"], first_action),
+                     pick("states", where["states"], first_action + lay.num_actions),
+                     pick("state_timesteps", where["states"], first_action + lay.num_actions),
+                     cache=cache, embodiment_ids=batch["embodiment_id"], angles=s["angles"][own],
+                     mask_keys=s["keys"][own], mask_groups=s["groups"][own], text=text, image=image)
 
   def compute_loss(self, batch, rng):
     lay = self.layout

@@ -83,6 +83,22 @@ def wam_mask_ids(layout: Layout) -> tuple[np.ndarray, np.ndarray]:
   return keys.astype(np.int32), groups.astype(np.int32)
 
 
+def chunk_indices(layout: Layout, chunk: int) -> dict[str, np.ndarray]:
+  """Positions in the teacher-forced sequence of chunk `chunk`'s clean context (every clean token
+  before it), its noisy video, actions and states: what one chunk-by-chunk inference step runs."""
+  if not 0 <= chunk < layout.num_chunks:
+    raise ValueError(f"error: chunk {chunk} is outside the sample's {layout.num_chunks} chunks")
+  chunk_tokens = layout.frames_per_chunk * layout.frame_tokens
+  start = layout.frame_tokens + chunk * chunk_tokens
+  actions0 = 2 * layout.video_tokens
+  states0 = actions0 + layout.num_actions
+  return dict(
+      context=np.arange(start),
+      video=layout.video_tokens + start + np.arange(chunk_tokens),
+      actions=actions0 + chunk * layout.actions_per_chunk + np.arange(layout.actions_per_chunk),
+      states=states0 + chunk * layout.states_per_chunk + np.arange(layout.states_per_chunk))
+
+
 def _inverse_frequencies(dim: int, theta: float) -> np.ndarray:
   return 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
 

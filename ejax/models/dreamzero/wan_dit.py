@@ -93,16 +93,21 @@ class WanSelfAttention(nnx.Module):
   def _heads(self, x):
     return x.reshape(*x.shape[:2], self.num_heads, -1)
 
-  def __call__(self, x, angles, mask_keys, mask_groups):
+  def __call__(self, x, angles, mask_keys, mask_groups, prefix=None):
+    """Attention of x's tokens over [prefix | x] (prefix: a KV cache (k, v, keys, groups) of earlier
+    tokens, e.g. the clean context); returns the output and x's own (k, v) for a cache."""
     q = apply_rope_pairs(self._heads(self.norm_q(self.q(x))), angles)
     k = apply_rope_pairs(self._heads(self.norm_k(self.k(x))), angles)
     v = self._heads(self.v(x))
-    batch = x.shape[0]
-    keys = jnp.broadcast_to(mask_keys, (batch, x.shape[1]))
-    groups = jnp.broadcast_to(mask_groups, (batch, x.shape[1]))
-    out = attention(q, k, v, mask_kind="wam", q_positions=keys, kv_positions=keys, q_block_ids=groups,
-                    kv_block_ids=groups)
-    return self.o(out.reshape(*x.shape[:2], -1))
+    k_all, v_all, kv_keys, kv_groups = k, v, mask_keys, mask_groups
+    if prefix is not None:
+      prefix_k, prefix_v, prefix_keys, prefix_groups = prefix
+      k_all, v_all = jnp.concatenate([prefix_k, k], 1), jnp.concatenate([prefix_v, v], 1)
+      kv_keys, kv_groups = jnp.concatenate([prefix_keys, mask_keys]), jnp.concatenate([prefix_groups, mask_groups])
+    rows = lambda ids: jnp.broadcast_to(ids, (x.shape[0], ids.shape[0]))
+    out = attention(q, k_all, v_all, mask_kind="wam", q_positions=rows(mask_keys), kv_positions=rows(kv_keys),
+                    q_block_ids=rows(mask_groups), kv_block_ids=rows(kv_groups))
+    return self.o(out.reshape(*x.shape[:2], -1)), (k, v)
 
 
 class WanI2VCrossAttention(nnx.Module):
@@ -149,17 +154,18 @@ class WanBlock(nnx.Module):
     self.modulation = layers.make_param(rngs, nnx.initializers.normal(config.dim**-0.5), (6, config.dim),
                                         (None, NORM), common["param_dtype"])
 
-  def __call__(self, x, e, *, angles, mask_keys, mask_groups, text, image):
-    """x [b, L, dim]; e [b, L, 6, dim] fp32 per-token modulation; text / image [b, *, dim]."""
+  def __call__(self, x, e, *, angles, mask_keys, mask_groups, text, image, prefix=None):
+    """x [b, L, dim]; e [b, L, 6, dim] fp32 per-token modulation; text / image [b, *, dim]; prefix: the
+    layer's KV cache of earlier tokens. Returns x and its tokens' (k, v)."""
     e = e + self.modulation[...].astype(jnp.float32)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (e[:, :, i] for i in range(6))
     modulate = lambda h, shift, scale: (h.astype(jnp.float32) * (1 + scale) + shift).astype(x.dtype)
-    y = self.self_attn(modulate(self.norm1(x), shift_msa, scale_msa), angles, mask_keys, mask_groups)
+    y, kv = self.self_attn(modulate(self.norm1(x), shift_msa, scale_msa), angles, mask_keys, mask_groups, prefix)
     x = (x + y * gate_msa).astype(x.dtype)
     x = x + self.cross_attn(self.norm3(x), text, image)
     y = self.ffn(modulate(self.norm2(x), shift_mlp, scale_mlp))
     x = (x + y * gate_mlp).astype(x.dtype)
-    return constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
+    return constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED)), kv
 
 
 class Sequential2(nnx.Module):
@@ -225,32 +231,70 @@ class WanDiT(nnx.Module):
     """[..., dim] fp32 time embedding of timesteps on the 0..1000 grid."""
     return self.time_embedding(timestep_sinusoid(timesteps, self.config.freq_dim)).astype(jnp.float32)
 
+  def _modulation(self, timesteps):
+    temb = self.time_embed(timesteps)
+    e = self.time_projection(jax.nn.silu(temb)).astype(jnp.float32)
+    return temb, e.reshape(*e.shape[:2], 6, -1)
+
+  def _blocks(self, x, e, *, caches=None, **kwargs):
+    """All blocks; caches: per layer (k, v) of a prefix plus its keys / groups. Returns x and the
+    per-layer (k, v) of x's tokens."""
+    kvs = []
+    for i, block in enumerate(self.blocks):
+      prefix = None if caches is None else (*caches["kv"][i], caches["keys"], caches["groups"])
+      x, kv = layers.run_block(block, x, e, prefix=prefix, remat=self.remat, **kwargs)
+      kvs.append(kv)
+    return x, kvs
+
+  def _outputs(self, x, temb, video, num_actions, embodiment_ids):
+    """The head on x's noisy-video tokens (slice `video`) and the action decoder on the actions after them."""
+    shift, scale = (temb[:, video, None] + self.head_modulation[...].astype(jnp.float32)).transpose(2, 0, 1, 3)
+    video_out = self.head((self.head_norm(x[:, video]).astype(jnp.float32) * (1 + scale) + shift).astype(x.dtype))
+    action_out = self.action_decoder(x[:, video.stop:video.stop + num_actions], embodiment_ids)
+    return video_out, action_out
+
+  def _tokens(self, video_tokens, actions, action_timesteps, states, embodiment_ids):
+    x_video = self.patch_embedding(video_tokens)
+    action_tokens = encode_actions(self.action_encoder, actions, action_timesteps, embodiment_ids)
+    state_tokens = self.state_encoder(states, embodiment_ids)
+    x = jnp.concatenate([x_video, action_tokens.astype(x_video.dtype), state_tokens.astype(x_video.dtype)], axis=1)
+    return constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
+
   @with_attention_impl
   def __call__(self, video_tokens: jax.Array, video_timesteps: jax.Array, actions: jax.Array,
                action_timesteps: jax.Array, states: jax.Array, state_timesteps: jax.Array, *,
                embodiment_ids: jax.Array, angles: jax.Array, mask_keys: jax.Array, mask_groups: jax.Array,
                text: jax.Array, image: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """video_tokens [b, 2 Lv, patch_features] (clean then noisy); *_timesteps per token ([b, 2 Lv],
-    [b, A], [b, S]); actions [b, A, action_dim]; states [b, S, max_state_dim]; text / image already
-    embedded ([b, *, dim]). Returns noisy-video outputs [b, Lv, out patch features] and action
-    velocities [b, A, action_dim]."""
-    x_video = self.patch_embedding(video_tokens)
-    action_tokens = encode_actions(self.action_encoder, actions, action_timesteps, embodiment_ids)
-    action_tokens = action_tokens.astype(x_video.dtype)
-    state_tokens = self.state_encoder(states, embodiment_ids).astype(x_video.dtype)
-    x = jnp.concatenate([x_video, action_tokens, state_tokens], axis=1)
-    x = constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
-    temb = self.time_embed(jnp.concatenate([video_timesteps, action_timesteps, state_timesteps], axis=1))
-    e = self.time_projection(jax.nn.silu(temb)).astype(jnp.float32)
-    e = e.reshape(*e.shape[:2], 6, -1)
-    for block in self.blocks:
-      x = layers.run_block(block, x, e, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups,
-                           text=text, image=image, remat=self.remat)
+    """Teacher forcing. video_tokens [b, 2 Lv, patch_features] (clean then noisy); *_timesteps per token
+    ([b, 2 Lv], [b, A], [b, S]); actions [b, A, action_dim]; states [b, S, max_state_dim]; text / image
+    already embedded ([b, *, dim]); angles / mask ids for the whole sequence. Returns noisy-video
+    outputs [b, Lv, out patch features] and action velocities [b, A, action_dim]."""
+    x = self._tokens(video_tokens, actions, action_timesteps, states, embodiment_ids)
+    temb, e = self._modulation(jnp.concatenate([video_timesteps, action_timesteps, state_timesteps], axis=1))
+    x, _ = self._blocks(x, e, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups, text=text, image=image)
     video_len = video_tokens.shape[1] // 2
-    num_actions = actions.shape[1]
-    noisy = x[:, video_len:2 * video_len]
-    shift, scale = (temb[:, video_len:2 * video_len, None] + self.head_modulation[...].astype(jnp.float32)
-                    ).transpose(2, 0, 1, 3)
-    video_out = self.head((self.head_norm(noisy).astype(jnp.float32) * (1 + scale) + shift).astype(x.dtype))
-    action_out = self.action_decoder(x[:, 2 * video_len:2 * video_len + num_actions], embodiment_ids)
-    return video_out, action_out
+    return self._outputs(x, temb, slice(video_len, 2 * video_len), actions.shape[1], embodiment_ids)
+
+  @with_attention_impl
+  def context_cache(self, clean_tokens: jax.Array, *, angles: jax.Array, mask_keys: jax.Array,
+                    mask_groups: jax.Array, text: jax.Array, image: jax.Array) -> dict:
+    """The KV cache of clean context tokens [b, Lc, patch_features] (timestep 0): per layer their
+    (k, v), with their mask keys and groups. Clean tokens attend only clean tokens, so their k / v are
+    the teacher-forced pass's."""
+    x = constrain(self.patch_embedding(clean_tokens), (ACT_BATCH, ACT_LEN, ACT_EMBED))
+    _, e = self._modulation(jnp.zeros(clean_tokens.shape[:2], jnp.float32))
+    _, kvs = self._blocks(x, e, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups, text=text, image=image)
+    return {"kv": kvs, "keys": mask_keys, "groups": mask_groups}
+
+  @with_attention_impl
+  def chunk(self, video_tokens: jax.Array, video_timesteps: jax.Array, actions: jax.Array,
+            action_timesteps: jax.Array, states: jax.Array, state_timesteps: jax.Array, *, cache: dict,
+            embodiment_ids: jax.Array, angles: jax.Array, mask_keys: jax.Array, mask_groups: jax.Array,
+            text: jax.Array, image: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One chunk [noisy video | actions | states] over a context KV cache (context_cache, cut to the
+    clean tokens before the chunk): the teacher-forced outputs of that chunk, at a chunk's cost."""
+    x = self._tokens(video_tokens, actions, action_timesteps, states, embodiment_ids)
+    temb, e = self._modulation(jnp.concatenate([video_timesteps, action_timesteps, state_timesteps], axis=1))
+    x, _ = self._blocks(x, e, caches=cache, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups,
+                        text=text, image=image)
+    return self._outputs(x, temb, slice(0, video_tokens.shape[1]), actions.shape[1], embodiment_ids)
