@@ -7,10 +7,10 @@
 
 DATASET: a recorded ejax.sim demo set with keypoint labels (observation.environment_pixels), e.g.
 $EJAX_CACHE_DIR/sim_demos/all-60ep-64x64-seed0-<hash> (recorded by configs/groot.py:suites on first
-use). The detectors are GR00T's (ejax/models/groot.py aux_heatmaps): one dense layer over each 2x2-pixel
+use). The detectors are GR00T's (ejax/models/perception/, model.perception.detectors): one dense layer over each 2x2-pixel
 patch of the 64 px frames, optional residual 3x3 convolutions over the patch grid (the first plain, the
-later ones dilated: model.aux_heatmap_context, _context_layers, _context_dilation), and per task two
-detector queries (target, goal) plus an optional learnt position term (model.aux_heatmap_position).
+later ones dilated: detectors.context_layers, context_dilation), and per task two
+detector queries (target, goal) plus an optional learnt position term (detectors.position_scale).
 Here the query is a per-task embedding (the model reads it from the instruction), trained alone by
 the same cross-entropy against the labels, batch 32, on every second frame of 5/6 of the episodes.
 Prints, per camera and task, the median error in 64 px image pixels on the held-out episodes (soft-argmax,
@@ -31,8 +31,10 @@ import optax
 from flax import nnx
 
 from ejax.data.lerobot import LeRobotSource
-from ejax.models.connector import heatmap_loss, patchify, pixel_grid
-from ejax.models.groot import AUX_POSITION_SCALE
+from ejax.models.perception.keypoints import heatmap_loss, pixel_grid
+from ejax.models.siglip import patchify
+
+POSITION_SCALE = 10.0   # the position term's gain before the suites recipe raised it to 40
 
 
 def load(root: str, stride: int):
@@ -64,7 +66,7 @@ def directional_max(grid):
 
 class Detectors(nnx.Module):
   def __init__(self, num_tasks: int, cameras: int, context: int, dilation: int, position: bool, rngs: nnx.Rngs,
-               hidden: int = 32, separable: bool = False, position_scale: float = AUX_POSITION_SCALE,
+               hidden: int = 32, separable: bool = False, position_scale: float = POSITION_SCALE,
                target_local: bool = False, corner: bool = False):
     self.hidden = hidden
     # corner: each cell also reads the running max of the features in each of the four directions
@@ -114,7 +116,7 @@ def main():
   parser.add_argument("--dilation", type=int, default=1, help="dilation of the convolutions after the first")
   parser.add_argument("--position", action="store_true", help="the learnt position term")
   parser.add_argument("--separable", action="store_true", help="depthwise 3x3 + 1x1 context convolutions")
-  parser.add_argument("--position-scale", type=float, default=AUX_POSITION_SCALE, help="the position term's gain")
+  parser.add_argument("--position-scale", type=float, default=POSITION_SCALE, help="the position term's gain")
   parser.add_argument("--target-local", action="store_true",
                       help="the target's detector reads the patch features before the context convolutions")
   parser.add_argument("--corner", action="store_true", help="directional max features after the context convolutions")

@@ -15,7 +15,7 @@ Launch (CPU):
   A served policy (job `serve`, README "Deploy"): --config.eval.policy=remote --config.eval.address=127.0.0.1:8000
     (the same success rates and actions as evaluating its checkpoint in-process, same seeds).
   python -m ejax.main --config=configs/eval.py --workdir=runs/eval   (50 episodes per task, LIBERO's count)
-  Perception ablations of a GR00T checkpoint with a keypoint estimate (configs/groot.py's sim recipes):
+  Perception ablations of a checkpoint with model.perception's estimate (configs/groot.py's sim recipes):
     --config.eval.true_estimate=True (act on the simulator's true target and goal) and
     --config.eval.keypoint_geometry=sim|off (place them through ejax.sim's calibrated cameras with the
     model's current keypoint decoding, or by the learnt readout alone; default: as the checkpoint was
@@ -56,9 +56,9 @@ def get_config(arg: str | None = None):
                              # state (configs/groot.py's sim recipes): act on the simulator's true state
                              # in its place, to measure what the policy's perception costs
       keypoint_geometry="checkpoint",  # policy=checkpoint with a keypoint estimate: "checkpoint" places
-                             # its points as trained (model.aux_geometry_cameras); "sim" through
-                             # ejax.sim's calibrated cameras, decoded as the model now does
-                             # (groot.GEOMETRY_RADIUS / _TOLERANCE); "off" by the learnt readout alone
+                             # its points as trained (model.perception.geometry.cameras); "sim" through
+                             # ejax.sim's calibrated cameras, decoded with today's radius / tolerance
+                             # defaults (perception.config.Geometry); "off" by the learnt readout alone
       num_inference_steps=0,  # policy=checkpoint: the flow's Euler steps per chunk (0: as the checkpoint's
                              # model config says)
   ))

@@ -55,7 +55,8 @@ e.g. configs/groot.py:runlocal,steps=50. Record other demonstrations on first us
 
 from configs import common
 from ejax.config.validate import ConfigError
-from ejax.models import groot
+from ejax.models import groot, perception
+from ejax.sim.env import ENVIRONMENT_STATE_SIZE, STATE_SIZE
 from ejax.sim.scene import camera_calibration
 
 def get_config(arg: str | None = None):
@@ -85,9 +86,10 @@ def get_config(arg: str | None = None):
     config.model.vision.update(patch_size=4, width=64, mlp_dim=128)
     config.model.connector.use_pixel_shuffle = True
     # Tried before the keypoint heatmaps and not kept (BENCHMARKS.md, closed-loop sections: 17-41 %
-    # each): an auxiliary object-state target, a conv stem, a deeper DiT, sin-cos position codes,
-    # perturbed demos, 150-500 demos per task, a vision tower pre-trained on rendered layouts, pixel
-    # keypoints, a teacher-forced estimate read from free keypoints.
+    # each; their knobs were removed in issue 33): an auxiliary object-state target, a conv stem, a
+    # deeper DiT, sin-cos position codes, perturbed demos, 150-500 demos per task, a vision tower
+    # pre-trained on rendered layouts, pixel keypoint tokens, a teacher-forced estimate read from free
+    # keypoints.
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
     config.train.update(steps=1500, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
                         remat="none")
@@ -121,16 +123,17 @@ def get_config(arg: str | None = None):
 
 
 def _sim_keypoint_estimate(config) -> None:
-  """The quickstart's perception: where the instructed object is, from the pixels (ejax/models/groot.py,
-  aux_heatmaps). The tower alone never learnt to find a 3-pixel block from 60 demos a task (its
-  policies chose where to go from the arm's pose and the instruction); the recordings' keypoint labels
-  (observation.environment_pixels) train two detectors per camera, chosen by the instruction, on the
-  64 px frames (the tower reads them pooled to 32 px); the action head reads their keypoints and an
+  """The quickstart's perception: where the instructed object is, from the pixels (model.perception,
+  ejax/models/perception/). The tower alone never learnt to find a 3-pixel block from 60 demos a task
+  (its policies chose where to go from the arm's pose and the instruction); the recordings' keypoint
+  labels (observation.environment_pixels) train two detectors per camera, chosen by the instruction, on
+  the 64 px frames (the tower reads them pooled to 32 px); the action head reads their keypoints and an
   estimate of the target and goal read from them (trained on the true ones, slightly noised)."""
   config.data.image_size = (64, 64)
-  config.model.update(aux_image_size=64, aux_state_dim=7, aux_keypoints=1, aux_heatmaps=2, aux_heatmap_input=True,
-                      aux_state_input=True, aux_teacher_forcing=True, aux_teacher_noise=0.05,
-                      max_state_dim=26)  # 11-d state, then the 7-d estimate and 2 points x 2 cameras x (x, y)
+  config.model.perception = perception.default_config()   # image_size 64, 1 free + 2 chosen points, 7-d estimate
+  config.model.perception.estimate.dim = ENVIRONMENT_STATE_SIZE
+  # ejax.sim's 11-d state, then the module's slots (the 7-d estimate, 2 points x 2 cameras x (x, y)): 26
+  config.model.max_state_dim = STATE_SIZE + perception.state_slots(config.model.perception, config.model.num_cameras)
   config.data.update(aux_state_key="observation.environment_state", aux_pixel_key="observation.environment_pixels")
 
 
@@ -147,16 +150,15 @@ def _suites(config) -> None:
   # Four samples a row of 440: the suites' prompts are 72-110 tokens (mean 90), so any 32 fit in 8
   # rows (16 % padding; three a row of 384 padded 30 %).
   config.model.packing.update(row_length=440, samples_per_row=4)
-  config.model.update(aux_heatmap_context=True, aux_heatmap_context_layers=2, aux_heatmap_context_dilation=2,
-                      aux_heatmap_position=True, aux_heatmap_position_scale=40.0)
+  config.model.perception.detectors.update(context_layers=2, context_dilation=2, position_scale=40.0)
   # ejax.sim's cameras are calibrated: at inference the estimate places the target and the goal by
-  # their keypoints through them (ejax/models/geometry.py) instead of the readout's x, y, which
+  # their keypoints through them (ejax/models/perception/geometry.py) instead of the readout's x, y, which
   # memorises the recorded layouts (54.5 % -> 68-70 % on the same checkpoint). Not in the quickstart:
   # its per-patch detectors put a drawer's handle 17-23 px off, which the readout absorbs (59 % -> 39 %).
   # Both points are soft-argmaxes local to their peak, and the goal is the agentview's alone (the wrist
-  # camera sees the held block where the goal is): model_config's aux_geometry_radius / _tolerance
+  # camera sees the held block where the goal is): model.perception.geometry's radius / tolerance
   # defaults (75.3 % -> 78.0 % on one checkpoint).
-  config.model.aux_geometry_cameras = camera_calibration()
+  config.model.perception.geometry.cameras = camera_calibration()
   # 30 % of the demonstrations miss their first grasp and grasp again (ejax/sim/demos.py): without
   # them, a closed gripper always held the target, and after a missed grasp the detectors and the
   # readout found the target in the empty hand (46 of 75 failures). 69 % -> 75.9 %.

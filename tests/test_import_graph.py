@@ -91,3 +91,14 @@ def test_no_package_imports_one_above_it():
   upward = [f"{name} -> {other}" for name, imported in import_graph().items() for other in imported
             if other.split(".")[1] in FORBIDDEN.get(name.split(".")[1], ())]
   assert upward == []
+
+
+def test_train_reaches_models_through_the_registry_alone():
+  """The generic trainer and policy import no model: a model through ejax.models.registry (imported
+  weights through the convert job's ejax.models.io.convert), its perception aids' settings through
+  ejax.models.perception (any model's hook)."""
+  allowed = {"ejax.models", "ejax.models.registry", "ejax.models.layers", "ejax.models.perception",
+             "ejax.models.io.convert"}
+  reached = [f"{name} -> {other}" for name, imported in import_graph().items() if name.startswith("ejax.train.")
+             for other in imported if other.startswith("ejax.models") and other not in allowed]
+  assert reached == []

@@ -61,16 +61,17 @@ def validate(config: ConfigDict) -> None:
     raise ConfigError(f"job stats computes a dataset's statistics and data.name={(data or {}).get('name')!r} is none: "
                       "set --config.data.name=lerobot --config.data.path=<dataset> (or rlds, or sim_demos)")
   model = config.get("model")
-  if (data is not None and model is not None and model.get("aux_state_dim", 0) and not data.get("aux_state_key")
-      and config.job == "train"):
-    raise ConfigError(f"model.aux_state_dim={model.aux_state_dim} trains an auxiliary target but data.aux_state_key "
-                      "is unset: name the dataset feature (e.g. observation.environment_state) or set "
-                      "model.aux_state_dim=0")
-  if (data is not None and model is not None and model.get("aux_heatmaps", 0) and not data.get("aux_pixel_key")
-      and config.job == "train"):
-    raise ConfigError(f"model.aux_heatmaps={model.aux_heatmaps} trains keypoint heatmaps but data.aux_pixel_key is "
-                      "unset: name the dataset's keypoint labels (e.g. observation.environment_pixels) or set "
-                      "model.aux_heatmaps=0")
+  perception = (model.get("perception") if model is not None else None) or {}
+  if data is not None and perception and config.job == "train":
+    estimate, detectors = perception.get("estimate") or {}, perception.get("detectors") or {}
+    if estimate.get("dim", 0) and not data.get("aux_state_key"):
+      raise ConfigError(f"model.perception.estimate.dim={estimate.dim} is trained on a target but data.aux_state_key "
+                        "is unset: name the dataset feature (e.g. observation.environment_state) or set "
+                        "model.perception={} (the released model)")
+    if detectors.get("points", 0) and not data.get("aux_pixel_key"):
+      raise ConfigError(f"model.perception.detectors.points={detectors.points} trains keypoint heatmaps but "
+                        "data.aux_pixel_key is unset: name the dataset feature (e.g. observation.environment_pixels) "
+                        "or set model.perception.detectors.points=0")
   if data is not None and "skip_limit" in data:
     _positive(data, "skip_limit", "data")
   if data is not None and data.get("stats_path") and not os.path.isfile(os.path.expanduser(data.stats_path)):

@@ -22,9 +22,9 @@ config.data fields read here (and by `ejax.data.sources.make_source`, `transform
   image_size          [height, width] the images come out at (None: as stored)
   state_key, action_key  "observation.state", "action"
   aux_state_key       a per-frame vector read and normalised beside the state (None), for a model's
-                      training-only auxiliary target (GR00T's model.aux_state_dim)
-  aux_pixel_key       a per-frame vector read as it is (None): image keypoint labels (GR00T's
-                      model.aux_heatmaps)
+                      training-only target (model.perception's estimate)
+  aux_pixel_key       a per-frame vector read as it is (None): image keypoint labels (model.perception's
+                      detectors)
   embodiment_id       integer id written into every sample (0), or a table robot_type -> id
                       looked up with info.json's robot_type (LeRobot)
   tolerance_s         video frame timestamp tolerance in seconds (1e-4)

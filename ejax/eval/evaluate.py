@@ -103,7 +103,8 @@ def make_policy(config, action_size: int):
     if not config.eval.checkpoint:
       raise ConfigError("config.eval.policy='checkpoint' needs --config.eval.checkpoint=<checkpoint dir>")
     from ejax.train.policy import load_policy
-    choices = {"checkpoint": None, "sim": True, "off": False}
+    from ejax.sim.scene import camera_calibration
+    choices = {"checkpoint": None, "sim": camera_calibration(), "off": False}
     geometry = config.eval.get("keypoint_geometry", "checkpoint")
     if geometry not in choices:
       raise ConfigError(f"config.eval.keypoint_geometry={geometry!r}: use checkpoint, sim or off")

@@ -14,8 +14,8 @@ Batch keys:
   vl_tokens, vl_segment_ids, vl_positions, vl_image_slot [num_rows, row_length] int32
   sample_row_offset, sample_segment, embodiment_id [n] int32
   state [n, max_state_dim], actions / action_mask [n, horizon, max_action_dim] float32
-  aux_pixels [n, cameras * points * 2] float32   (only when model_config.aux_heatmaps > 0: keypoint labels)
-  aux_state [n, aux_state_dim] float32, aux_mask [n]   (only when model_config.aux_state_dim > 0:
+  aux_pixels [n, cameras * points * 2] float32   (model.perception.detectors.points > 0: keypoint labels)
+  aux_state [n, estimate.dim] float32, aux_mask [n]   (model.perception.estimate.dim > 0:
                                        the training-only target, zeros and mask 0 where a sample has none)
 
 Indices between the row arrays and the per-sample arrays are stored relative to each array's
@@ -37,6 +37,7 @@ import numpy as np
 from ejax.data import row_plan
 from ejax.data.packing import pack_sequences
 from ejax.errors import BatchError
+from ejax.models import perception
 from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt, load_tokenizer
 
 IMAGE_PREFIX = "observation.images."
@@ -45,7 +46,7 @@ OUT_OF_VIEW = 10.0  # a keypoint label outside [-1, 1]: not in the image, no hea
 
 def tokens_per_image(model_config) -> int:
   patches = (model_config.vision.image_size // model_config.vision.patch_size) ** 2
-  return (patches // 4 if model_config.connector.use_pixel_shuffle else patches) + model_config.connector.get("keypoints", 0)
+  return patches // 4 if model_config.connector.use_pixel_shuffle else patches
 
 
 def sample_rows(batch, xp=np):
@@ -68,9 +69,10 @@ def rows_for(model_config, num_samples: int) -> int:
 
 
 def batch_image_size(model_config) -> int:
-  """The batch's image size: the vision tower's, or model.aux_image_size where that is larger (the
-  keypoint heatmaps read the larger images, the tower an average-pooled copy)."""
-  return max(int(model_config.vision.image_size), int(model_config.get("aux_image_size", 0) or 0))
+  """The batch's image size: the vision tower's, or model.perception.image_size where that is larger
+  (its detectors read the larger images, the tower an average-pooled copy)."""
+  settings = perception.read(model_config)
+  return max(int(model_config.vision.image_size), settings.image_size if settings else 0)
 
 
 def _resize(image: np.ndarray, size: int) -> np.ndarray:
@@ -141,7 +143,8 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
       "state": states.astype(np.float32), "actions": actions.astype(np.float32),
       "action_mask": action_masks.astype(np.float32),
   }
-  aux_dim = model_config.get("aux_state_dim", 0)
+  settings = perception.read(model_config)
+  aux_dim = settings.estimate.dim if settings else 0
   if aux_dim:
     aux_states = aux_states if aux_states is not None else [None] * n
     batch["aux_state"] = np.zeros((n, aux_dim), np.float32)
@@ -150,9 +153,9 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
       if value is not None:
         value = np.asarray(value, np.float32).reshape(-1)
         if value.shape[0] != aux_dim:
-          raise BatchError(f"the auxiliary state has {value.shape[0]} dims, config.model.aux_state_dim is {aux_dim}")
+          raise BatchError(f"the auxiliary state has {value.shape[0]} dims, model.perception.estimate.dim is {aux_dim}")
         batch["aux_state"][i], batch["aux_mask"][i] = value, 1.0
-  points = model_config.get("aux_heatmaps", 0)
+  points = settings.detectors.points if settings else 0
   if points:
     # Keypoint labels [n, cameras * points * 2], (x, y) in [-1, 1] where in view; a sample without them
     # gets an out-of-view label everywhere (no heatmap loss).
@@ -162,7 +165,7 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
       if value is not None:
         value = np.asarray(value, np.float32).reshape(-1)
         if value.shape[0] != width:
-          raise BatchError(f"the keypoint labels have {value.shape[0]} values, model.aux_heatmaps={points} points in "
+          raise BatchError(f"the keypoint labels have {value.shape[0]} values, model.perception.detectors.points={points} in "
                            f"{model_config.num_cameras} cameras need {width}")
         batch["aux_pixels"][i] = value
   return batch
@@ -177,9 +180,10 @@ def prompt_ids(model_config, tokenizer: QwenTokenizer, task: str, num_images: in
 def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_rows: int | None = None,
             seed: int = 0, aux_key: str | None = None, pixel_key: str | None = None) -> dict[str, np.ndarray]:
   """Tokenises, pads and packs pipeline samples into one GR00T batch; `aux_key` names the samples'
-  auxiliary target (model_config.aux_state_dim > 0), `pixel_key` their keypoint labels
-  (model_config.aux_heatmaps > 0)."""
+  target of model.perception's estimate, `pixel_key` its detectors' keypoint labels."""
   c = model_config
+  settings = perception.read(c)
+  data_dims = settings.layout.data_dims if settings else c.max_state_dim
   cameras = sorted(k for k in samples[0] if k.startswith(IMAGE_PREFIX))
   if len(cameras) != c.num_cameras:
     raise BatchError(f"samples have {len(cameras)} cameras {cameras} but config.model.num_cameras={c.num_cameras}")
@@ -189,11 +193,10 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     prompts.append(prompt_ids(c, tokenizer, task, len(cameras)))
     images += [_resize(np.asarray(sample[k], np.uint8), batch_image_size(c)) for k in cameras]
     state = np.asarray(sample["observation.state"], np.float32)
-    reserved = ((c.aux_state_dim if c.get("aux_state_input", False) else 0)
-                + (c.num_cameras * c.aux_heatmaps * 2 if c.get("aux_heatmap_input", False) else 0))
-    if reserved and state.shape[-1] > c.max_state_dim - reserved:
-      raise BatchError(f"model.aux_state_input / aux_heatmap_input put {reserved} values in the state's last slots: "
-                       f"the {state.shape[-1]}-d state leaves no room in max_state_dim={c.max_state_dim} (raise it "
+    reserved = c.max_state_dim - data_dims
+    if reserved and state.shape[-1] > data_dims:
+      raise BatchError(f"model.perception puts {reserved} values in the state's last slots: the "
+                       f"{state.shape[-1]}-d state leaves no room in max_state_dim={c.max_state_dim} (raise it "
                        f"to {state.shape[-1] + reserved})")
     states.append(_pad_to(state, c.max_state_dim, 0, "state"))
     action = np.asarray(sample["action"], np.float32)

@@ -4,11 +4,6 @@ Patchify (a stride-`patch` convolution, written as one Dense over flattened patc
 position embeddings, pre-LN encoder blocks with GELU(tanh) MLPs, and a final LayerNorm. The
 attention-pooling head of the CLIP-style model is not built: both VLAs use the patch tokens.
 Sizes: So400m/14 (width 1152, depth 27, MLP 4304, 16 heads) in GR00T-N1.5 and pi0.5.
-
-`conv_stem` (off in the released models) puts stride-2 3x3 convolutions before the patchify, as in
-"Early convolutions help transformers see better" (Xiao et al. 2021): each halves the resolution, so
-the patch grid, and everything after it, is unchanged. Trained from scratch on a few hundred
-demonstrations it lends the tower a convolution's locality where a linear patchify has none.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ejax.kernels.attention import with_attention_impl
@@ -36,28 +30,10 @@ class SiglipConfig:
   image_size: int = 224
   norm_eps: float = 1e-6
   act: str = "gelu_tanh"
-  conv_stem: tuple[int, ...] = ()   # output channels of stride-2 3x3 convolutions before the patchify
-  posemb_init: str = "normal"       # "normal" (N(0, 0.02), as released) or "sincos2d" (trained from scratch)
-
-  def __post_init__(self):
-    object.__setattr__(self, "conv_stem", tuple(int(c) for c in self.conv_stem))  # configs give lists
-    if self.posemb_init not in ("normal", "sincos2d"):
-      raise ValueError(f"vision.posemb_init={self.posemb_init!r}: use 'normal' or 'sincos2d'")
 
   @property
   def num_patches(self) -> int:
     return (self.image_size // self.patch_size) ** 2
-
-
-def sincos_2d(grid: int, width: int) -> np.ndarray:
-  """Fixed 2-D sine-cosine position codes [grid * grid, width] (row-major patches), as MAE and ViT
-  trained from scratch use: a quarter of the channels each for sin / cos of the row and the column."""
-  if width % 4:
-    raise ValueError(f"vision.posemb_init='sincos2d' needs a width divisible by 4, got {width}")
-  omega = 1.0 / 10_000 ** (np.arange(width // 4) / (width // 4))
-  rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
-  codes = [f(axis.reshape(-1, 1) * omega) for axis in (rows, cols) for f in (np.sin, np.cos)]
-  return np.concatenate(codes, axis=1).astype(np.float32)
 
 
 def normalize_images(images_uint8: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -90,21 +66,6 @@ class SiglipBlock(nnx.Module):
     return constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
 
 
-class _Conv(nnx.Module):
-  """A stride-2 3x3 convolution with bias, NHWC."""
-
-  def __init__(self, in_channels: int, out_channels: int, *, dtype, param_dtype, rngs: nnx.Rngs):
-    self.dtype = dtype
-    self.kernel = layers.make_param(rngs, nnx.initializers.lecun_normal(), (3, 3, in_channels, out_channels),
-                                    (None, None, None, EMBED), param_dtype)
-    self.bias = layers.make_param(rngs, nnx.initializers.zeros, (out_channels,), (EMBED,), param_dtype)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    y = jax.lax.conv_general_dilated(x.astype(self.dtype), self.kernel[...].astype(self.dtype), (2, 2),
-                                     ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    return y + self.bias[...].astype(self.dtype)
-
-
 class SiglipVisionTransformer(nnx.Module):
   """images [n, H, W, 3] in [-1, 1] -> patch tokens [n, num_patches, width]."""
 
@@ -114,23 +75,11 @@ class SiglipVisionTransformer(nnx.Module):
     self.remat = remat
     self.attention_impl = attention_impl
     self.dtype = dtype
-    stem = tuple(config.conv_stem)
-    if config.patch_size % (2 ** len(stem)):
-      raise ValueError(f"vision.conv_stem has {len(stem)} stride-2 layers; patch_size={config.patch_size} must be a "
-                       f"multiple of {2 ** len(stem)}")
-    self.stem_patch = config.patch_size // (2 ** len(stem))
-    self.conv_stem = nnx.List([
-        _Conv(c_in, c_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        for c_in, c_out in zip((3,) + stem[:-1], stem)])
-    patch_dim = self.stem_patch * self.stem_patch * (stem[-1] if stem else 3)
+    patch_dim = config.patch_size * config.patch_size * 3
     self.patch_embedding = layers.Dense(patch_dim, config.width, axes=(IN_FEATURES, EMBED), dtype=dtype,
                                         param_dtype=param_dtype, rngs=rngs)
-    init = nnx.initializers.normal(0.02)
-    if config.posemb_init == "sincos2d":
-      table = sincos_2d(config.image_size // config.patch_size, config.width)
-      init = lambda key, shape, dtype: jnp.asarray(table, dtype)  # noqa: E731
-    self.position_embedding = layers.make_param(rngs, init, (config.num_patches, config.width), (None, EMBED),
-                                                param_dtype)
+    self.position_embedding = layers.make_param(rngs, nnx.initializers.normal(0.02), (config.num_patches, config.width),
+                                                (None, EMBED), param_dtype)
     self.blocks = nnx.List([SiglipBlock(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
                             for _ in range(config.depth)])
     self.post_layernorm = layers.LayerNorm(config.width, eps=config.norm_eps, dtype=dtype,
@@ -138,10 +87,7 @@ class SiglipVisionTransformer(nnx.Module):
 
   @with_attention_impl
   def __call__(self, images: jax.Array) -> jax.Array:
-    x = images.astype(self.dtype)
-    for conv in self.conv_stem:
-      x = jax.nn.gelu(conv(x))
-    patches = patchify(x, self.stem_patch)
+    patches = patchify(images.astype(self.dtype), self.config.patch_size)
     if patches.shape[1] != self.config.num_patches:
       raise ValueError(f"SigLIP expects {self.config.image_size}px images ({self.config.num_patches} patches), "
                        f"got {images.shape[1]}x{images.shape[2]}")

@@ -329,7 +329,7 @@ def handle_position(drawer_q, xp=np):
 
 
 def camera_calibration() -> dict[str, dict]:
-  """Both cameras' calibration in the form model.aux_geometry_cameras takes: the agentview's pose in
+  """Both cameras' calibration in the form model.perception.geometry.cameras takes: the agentview's pose in
   the world; the wrist camera's offset from the tool centre point (the hand keeps its orientation, so
   the offset and the rotation are constant) and rotation; each camera's vertical field of view."""
   model = mj_model()

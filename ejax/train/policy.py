@@ -21,6 +21,7 @@ from ml_collections import ConfigDict
 
 from ejax.checkpoint import Checkpointer, CheckpointError, abstract_target
 from ejax.data import transforms
+from ejax.models import perception
 from ejax.models.registry import get_model_spec
 from ejax.parallel import make_mesh
 from ejax.train.optim import make_optimizer
@@ -92,11 +93,12 @@ class CheckpointPolicy:
   def use_true_estimate(self) -> None:
     """Act on the simulator's true object state (data.aux_state_key in the observations, normalised
     as in training) where the model would act on its own estimate of it: an eval ablation that says
-    how much the policy's perception costs. Needs a model trained with model.aux_teacher_forcing."""
+    how much the policy's perception costs. Needs a model trained with model.perception.teacher.forcing."""
     key = self.data.get("aux_state_key", None)
-    if not (key and self.config.model.get("aux_state_input", False) and self.config.model.get("aux_teacher_forcing", False)):
+    if not (key and perception.acts_on_a_given_estimate(self.config.model)):
       raise ValueError("eval.true_estimate needs a checkpoint trained with a teacher-forced estimate "
-                       "(model.aux_state_input, model.aux_teacher_forcing and data.aux_state_key): this one has none")
+                       "(model.perception.estimate.to_state, .teacher.forcing and data.aux_state_key): this one "
+                       "has none")
     self.true_estimate = policy_normalizer(self.data, self.norm_stats, [key])
 
   def _samples(self, obs: dict[str, np.ndarray], instructions: list[str]) -> list[dict[str, Any]]:
@@ -181,46 +183,29 @@ def _stack(samples):
   return {k: np.stack([s[k] for s in samples]) for k in samples[0] if not isinstance(samples[0][k], str)}
 
 
-def with_geometry(config: ConfigDict, norm_stats: dict | None, geometry: bool | None = None) -> ConfigDict:
-  """A copy of a checkpoint's config with what the model's keypoint geometry needs at inference
-  (model.aux_geometry_cameras, ejax/models/geometry.py): the statistics that map its estimate and
-  state to metres, from the checkpoint's. geometry: None as trained; False off; True ejax.sim's camera
-  calibration and the model's current defaults for decoding the keypoints (for a checkpoint trained on
-  ejax.sim's cameras before the model had geometry, or before those defaults changed)."""
-  config = config.copy_and_resolve_references()
-  model = config.model
-  if geometry is False:
-    if "aux_geometry_cameras" in model:
-      model.aux_geometry_cameras = {}
-  elif geometry:
-    if not (model.get("aux_state_input", False) and model.get("aux_heatmaps", 0)):
-      raise CheckpointError("eval.keypoint_geometry needs a checkpoint with a keypoint estimate "
-                            "(model.aux_state_input and model.aux_heatmaps): this one has none")
-    from ejax.models.groot import GEOMETRY_RADIUS, GEOMETRY_TOLERANCE
-    from ejax.sim.scene import camera_calibration
-    model.aux_geometry_cameras = camera_calibration()
-    # and today's decoding of the keypoints (a checkpoint saves the settings it was trained with)
-    for key, value in (("aux_geometry_radius", GEOMETRY_RADIUS), ("aux_geometry_tolerance", GEOMETRY_TOLERANCE)):
-      if key in model:
-        del model[key]
-      model[key] = value
-  if model.get("aux_geometry_cameras"):
-    keys = [config.data.get("state_key", "observation.state"), config.data.get("aux_state_key")]
-    normalizer = policy_normalizer(config.data, norm_stats, keys)
-    norm = {}
-    for name, key, size in zip(("state", "estimate"), keys, (int(model.max_state_dim), int(model.aux_state_dim))):
-      # without statistics (data.normalization none) the values are metres already
-      centre, scale = normalizer.params.get(key, (np.zeros(size), np.ones(size)))
-      norm[name] = [np.asarray(centre).tolist(), np.asarray(scale).tolist()]
-    model.aux_geometry_norm = norm
-  return config
+def _renamed(tree, renames: dict[str, str]):
+  """`tree` with every nnx.State in it (parameters, optimizer moments) holding its entries under the
+  renamed paths ({old path prefix "a/b": new}), e.g. to restore a checkpoint written with other names."""
+  def rename(state):
+    flat = []
+    for path, value in state.flat_state():
+      text = "/".join(str(k) for k in path)
+      for old, new in renames.items():
+        if text == old or text.startswith(old + "/"):
+          path = tuple(new.split("/")) + path[len(old.split("/")):]
+          break
+      flat.append((path, value))
+    return nnx.State.from_flat_path(flat)
+  return jax.tree.map(lambda x: rename(x) if isinstance(x, nnx.State) else x, tree,
+                      is_leaf=lambda x: isinstance(x, nnx.State))
 
 
 def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool = True,
-                geometry: bool | None = None, num_inference_steps: int = 0) -> CheckpointPolicy:
+                geometry: bool | dict | None = None, num_inference_steps: int = 0) -> CheckpointPolicy:
   """Restores a training checkpoint (the EMA weights when the run kept them) as a policy; `geometry`
-  see with_geometry; num_inference_steps > 0: the flow's Euler steps per chunk instead of the saved
-  model config's."""
+  see perception.with_statistics; num_inference_steps > 0: the flow's Euler steps per chunk instead of
+  the saved model config's. A checkpoint written before model.perception existed is read in today's
+  layout (ejax.models.perception.upgrade)."""
   if not os.path.isdir(checkpoint_dir):
     raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist: point "
                           f"--config.eval.checkpoint at a training run's <workdir>/checkpoints")
@@ -229,14 +214,25 @@ def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool =
     meta = checkpointer.read_meta(step)
     if not meta.get("config"):
       raise CheckpointError(f"checkpoint {checkpoint_dir} carries no config: it was not written by ejax's trainer")
-    config = with_geometry(ConfigDict(meta["config"]), meta.get("norm_stats"), geometry)
+    saved = ConfigDict(meta["config"])
+    try:
+      config = perception.with_statistics(saved, meta.get("norm_stats"), geometry)
+    except ValueError as error:
+      raise CheckpointError(str(error)) from None
     if num_inference_steps:
       config.model.num_inference_steps = int(num_inference_steps)
     tx, _ = make_optimizer(config.train)
     mesh = make_mesh(dict(data=-1))
     rules = [tuple(rule) for rule in config.sharding_rules]
     abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
-    state, _, _ = checkpointer.restore(step, abstract_target(abstract, shardings))
+    target = abstract_target(abstract, shardings)
+    if perception.upgrade.is_old(saved.model):
+      renames = perception.upgrade.PARAM_RENAMES
+      back = {new: old for old, new in renames.items()}
+      state, _, _ = checkpointer.restore(step, _renamed(target, back))
+      state = _renamed(state, renames)
+    else:
+      state, _, _ = checkpointer.restore(step, target)
   finally:
     checkpointer.close()
   params = state.ema_params if (use_ema and state.ema_params is not None) else state.params
@@ -261,7 +257,7 @@ def load_imported_policy(weights_dir: str, config: ConfigDict) -> CheckpointPoli
                             "--config.data.stats_path=<stats.json> (the stats job writes one; a LeRobot dataset has "
                             "meta/stats.json), or data.normalization=none")
     norm_stats = load_stats(stats_path)
-  config = with_geometry(config, norm_stats)
+  config = perception.with_statistics(config, norm_stats)
   try:
     model = restore_params(config.model, weights_dir)
   except (ValueError, KeyError, TypeError) as error:

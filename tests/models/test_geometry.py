@@ -1,10 +1,10 @@
-"""Keypoints through calibrated cameras (ejax/models/geometry.py) against ejax.sim's own projection."""
+"""Keypoints through calibrated cameras (ejax/models/perception/geometry.py) against ejax.sim's own projection."""
 
 import jax.numpy as jnp
 import numpy as np
 
-from ejax.models import geometry
-from ejax.models.connector import pixel_grid
+from ejax.models.perception import geometry
+from ejax.models.perception.keypoints import pixel_grid
 from ejax.sim import camera, scene
 
 
@@ -64,28 +64,6 @@ def test_local_soft_argmax_keeps_to_the_strongest_peak():
   weights = np.exp(logits[0, :, 0] - logits.max())
   global_xy = (weights[:, None] * grid).sum(0) / weights.sum()
   assert np.linalg.norm(global_xy - local) > 0.2
-
-
-def test_the_relation_chooses_among_the_detections_not_the_brightest():
-  shape, cell = (32, 32), 2.0 / 32
-  grid = pixel_grid(*shape)
-  content = np.full((1, 32 * 32, 1), -10.0, np.float32)
-  left, middle, right = 16 * 32 + 4, 10 * 32 + 16, 20 * 32 + 28     # three identical blocks
-  content[0, [left, middle, right], 0] = (3.0, 4.5, 4.0)              # the middle one reads brighter
-  content[0, right + 1, 0] = 3.9                                      # a blob, not a second detection
-  content[0, 2 * 32 + 2, 0] = -2.0                                    # something else, far weaker
-  position = jnp.asarray(0.5 * grid[None, :, :1])                     # "on the right": + x, a weak term
-  # the logits' argmax takes the brighter middle block; the relation among the detections the right one
-  assert int(jnp.argmax(jnp.asarray(content) + position, axis=1)[0, 0]) == middle
-  chosen = int(geometry.relational_peak(jnp.asarray(content), position, shape, margin=3.0)[0, 0])
-  assert chosen == right
-  # "on the left": the left block, though 1.5 below the brightest; a margin of 1 leaves it out
-  assert int(geometry.relational_peak(jnp.asarray(content), -position, shape, margin=3.0)[0, 0]) == left
-  assert int(geometry.relational_peak(jnp.asarray(content), -position, shape, margin=1.0)[0, 0]) == middle
-  # the weak far peak is never a detection, and the soft-argmax then centres on the chosen cell
-  local = np.asarray(geometry.local_soft_argmax(jnp.asarray(content), grid, 1, cell,
-                                                centre=jnp.asarray([[chosen]])))[0, 0]
-  np.testing.assert_allclose(local, grid[right] + [cell * np.exp(-0.1) / (1 + np.exp(-0.1)), 0], atol=1e-3)
 
 
 def test_a_point_with_zero_tolerance_keeps_the_world_camera():

@@ -92,8 +92,12 @@ def test_collate_pads_masks_and_packs(tokenizer, text_first):
 
 
 def test_collate_carries_the_auxiliary_target_where_a_sample_has_one(tokenizer):
+  from ejax.models import perception
   c = config_for(tokenizer)
-  c.aux_state_dim = 3
+  c.perception = perception.default_config()
+  c.perception.update(image_size=0)
+  c.perception.estimate.update(dim=3, to_state=False)
+  c.perception.detectors.update(points=0, to_state=False)
   rng = np.random.default_rng(0)
   samples = [sample(rng, "pick up the red cube", 5, 3, 2, 1), sample(rng, "open the drawer", 8, 4, 0, 0)]
   samples[0]["observation.environment_state"] = np.array([0.1, 0.2, 0.3], np.float32)
@@ -102,7 +106,7 @@ def test_collate_carries_the_auxiliary_target_where_a_sample_has_one(tokenizer):
   np.testing.assert_array_equal(batch["aux_mask"], [1, 0])
   assert "aux_state" not in groot_inputs.collate(samples, config_for(tokenizer), tokenizer)  # off by default
   samples[1]["observation.environment_state"] = np.zeros(4, np.float32)
-  with pytest.raises(ValueError, match="aux_state_dim is 3"):
+  with pytest.raises(ValueError, match="estimate.dim is 3"):
     groot_inputs.collate(samples, c, tokenizer, aux_key="observation.environment_state")
 
 

@@ -47,8 +47,12 @@ def test_true_estimate_acts_on_the_simulators_object_state_in_place_of_the_estim
   from ejax.train.policy import CheckpointPolicy
   from tests.models.test_groot import tiny_config as tiny_groot
 
+  from ejax.models import perception
   c = tiny_groot()
-  c.update(aux_state_dim=2, aux_state_input=True, aux_teacher_forcing=True)
+  c.perception = perception.default_config()
+  c.perception.update(image_size=0)
+  c.perception.estimate.update(dim=2, width=32)
+  c.perception.detectors.update(points=0, to_state=False)
   c.packing.update(row_length=512, samples_per_row=2)
   model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
   key, size, n = "observation.environment_state", c.vision.image_size, 3
@@ -75,44 +79,45 @@ def test_true_estimate_acts_on_the_simulators_object_state_in_place_of_the_estim
   sampled = nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(0)))(model, batch)
   np.testing.assert_allclose(true, policy.env_actions(np.asarray(sampled)), rtol=1e-4, atol=1e-5)
   plain = c.copy_and_resolve_references()
-  plain.aux_teacher_forcing = False
+  plain.perception.teacher.forcing = False
   refused = CheckpointPolicy(groot.create(plain, nnx.Rngs(0)), ConfigDict(dict(model=plain, data=data)), stats)
   with pytest.raises(ValueError, match="teacher-forced estimate"):
     refused.use_true_estimate()
 
 
 def test_keypoint_geometry_gets_the_checkpoints_statistics_and_can_be_switched():
-  """with_geometry (load_policy; eval.keypoint_geometry): a calibrated model is handed the statistics
-  that map its estimate and state to metres; "sim" calibrates a keypoint model trained before
-  geometry existed, "off" leaves the readout alone, and a model without a keypoint estimate is refused."""
+  """perception.with_statistics (load_policy; eval.keypoint_geometry): a calibrated model is handed the
+  statistics that map its estimate and state to metres; "sim" (the cameras given) calibrates a keypoint
+  model trained before geometry existed, saved in the layout before model.perception, with today's
+  decoding; "off" leaves the readout alone, and a model without a keypoint estimate is refused."""
   import pytest
   from ml_collections import ConfigDict
 
-  from ejax.checkpoint import CheckpointError
-  from ejax.models import groot
+  from ejax.models import perception
   from ejax.sim.scene import camera_calibration
-  from ejax.train.policy import with_geometry
 
   key = "observation.environment_state"
   stats = {"observation.state": {"mean": np.arange(11, dtype=np.float32), "std": np.full(11, 2.0, np.float32)},
            key: {"mean": np.full(7, 0.5, np.float32), "std": np.full(7, 0.25, np.float32)}}
   data = dict(state_key="observation.state", aux_state_key=key, normalization="mean_std")
-  model = dict(name="groot", aux_state_input=True, aux_heatmaps=2, aux_state_dim=7, max_state_dim=26)
-  calibrated = with_geometry(ConfigDict(dict(model=dict(model, aux_geometry_cameras=camera_calibration()),
-                                             data=data)), stats)
-  norm = calibrated.model.aux_geometry_norm
+  model = dict(name="groot", num_cameras=2, max_state_dim=26, perception=perception.default_config().to_dict())
+  with_cameras = ConfigDict(dict(model=model, data=data))
+  with_cameras.model.perception.geometry.cameras = camera_calibration()
+  calibrated = perception.with_statistics(with_cameras, stats)
+  norm = calibrated.model.perception.geometry.norm
   np.testing.assert_allclose(norm["state"][0], np.arange(11))
   np.testing.assert_allclose(norm["estimate"][1], np.full(7, 0.25))
-  old = with_geometry(ConfigDict(dict(model=model, data=data)), stats, True)   # saved before the keys existed
-  assert sorted(old.model.aux_geometry_cameras) == ["agentview", "wrist"] and "estimate" in old.model.aux_geometry_norm
-  assert not with_geometry(ConfigDict(dict(model=model, data=data)), stats).model.get("aux_geometry_cameras")
-  # "sim" also decodes the keypoints as the model now does, whatever the checkpoint saved
-  saved = dict(model, aux_geometry_cameras=camera_calibration(), aux_geometry_radius=(2, 0), aux_geometry_tolerance=0.04)
-  today = with_geometry(ConfigDict(dict(model=saved, data=data)), stats, True).model
-  assert tuple(today.aux_geometry_radius) == groot.GEOMETRY_RADIUS
-  assert tuple(today.aux_geometry_tolerance) == groot.GEOMETRY_TOLERANCE
-  assert with_geometry(ConfigDict(dict(model=saved, data=data)), stats).model.aux_geometry_tolerance == 0.04
-  off = with_geometry(calibrated, stats, False)
-  assert not off.model.aux_geometry_cameras
-  with pytest.raises(CheckpointError, match="keypoint estimate"):
-    with_geometry(ConfigDict(dict(model=dict(name="groot", aux_state_dim=0), data=data)), stats, True)
+  assert not perception.with_statistics(ConfigDict(dict(model=model, data=data)), stats).model.perception.geometry.norm
+  # saved before model.perception existed, and before the geometry's keys did
+  old = dict(name="groot", num_cameras=2, max_state_dim=26, aux_state_input=True, aux_heatmaps=2, aux_state_dim=7,
+             aux_keypoints=1, aux_geometry_radius=(2, 0), aux_geometry_tolerance=0.04)
+  today = perception.with_statistics(ConfigDict(dict(model=old, data=data)), stats, camera_calibration()).model
+  settings = perception.read(today)
+  assert sorted(settings.geometry.cameras) == ["agentview", "wrist"] and settings.geometry.active
+  assert settings.geometry.radius == (2, 2) and settings.geometry.tolerance == (0.04, 0.0)   # today's defaults
+  as_trained = perception.read(perception.with_statistics(ConfigDict(dict(model=old, data=data)), stats).model)
+  assert as_trained.geometry.tolerance == 0.04 and not as_trained.geometry.active
+  off = perception.with_statistics(calibrated, stats, False)
+  assert not off.model.perception.geometry.cameras
+  with pytest.raises(ValueError, match="keypoint estimate"):
+    perception.with_statistics(ConfigDict(dict(model=dict(name="groot"), data=data)), stats, camera_calibration())

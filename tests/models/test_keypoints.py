@@ -1,12 +1,13 @@
-"""Pixel keypoints (model.connector.keypoints): spatial-softmax tokens after the connector's."""
+"""Spatial-softmax keypoints and their heatmap loss (ejax/models/perception/keypoints.py), and the
+instruction's detectors of the perception module learning where each instruction points."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ejax.models import groot, groot_inputs, layers
-from ejax.models.connector import KEYPOINT_HIDDEN, PixelKeypoints, heatmap_loss, pixel_grid
+from ejax.models import groot, groot_inputs, perception
+from ejax.models.perception.keypoints import KEYPOINT_HIDDEN, PixelKeypoints, heatmap_loss, pixel_grid
 from ejax.models.siglip import normalize_images
 
 
@@ -18,15 +19,14 @@ def test_pixel_grid_is_row_major_centres_in_unit_square():
 
 def test_a_keypoint_follows_a_green_object_across_the_image():
   """A detector for green pixels puts its keypoint on a green square wherever it is (the same weights at
-  every pixel), not on the red distractor, and its token changes with the position."""
-  keypoints = PixelKeypoints(2, 16, rngs=nnx.Rngs(0))
+  every pixel), not on the red distractor."""
+  keypoints = PixelKeypoints(2, rngs=nnx.Rngs(0))
   conv = np.zeros((3, 3, 3, KEYPOINT_HIDDEN), np.float32)
   conv[1, 1, 1, 0], conv[1, 1, 0, 0] = 1.0, -1.0        # hidden 0: green minus red at the centre pixel
   keypoints.conv[...] = jnp.asarray(conv)
   detectors = np.zeros((KEYPOINT_HIDDEN, 2), np.float32)
   detectors[0, 0] = 30.0
   keypoints.detectors.kernel[...] = jnp.asarray(detectors)
-  tokens = []
   for top, left in ((2, 3), (20, 9), (11, 25)):
     image = np.full((1, 32, 32, 3), -1.0, np.float32)
     image[0, top:top + 3, left:left + 3] = (-1.0, 1.0, -1.0)      # green
@@ -34,31 +34,13 @@ def test_a_keypoint_follows_a_green_object_across_the_image():
     coords, strength = keypoints.coordinates(jnp.asarray(image))
     expected = pixel_grid(32, 32).reshape(32, 32, 2)[top + 1, left + 1]
     np.testing.assert_allclose(coords[0, 0], expected, atol=0.02)
-    tokens.append(np.asarray(keypoints(jnp.asarray(image))[0, 0]))
-  assert min(np.abs(a - b).max() for i, a in enumerate(tokens) for b in tokens[i + 1:]) > 1e-3
-
-
-def test_keypoints_add_image_tokens_and_freeze_with_the_vision_tower():
-  c = groot.model_config("runlocal")
-  c.update(num_cameras=1)
-  c.packing.row_length = 256
-  base = groot_inputs.tokens_per_image(c)
-  c.connector.keypoints = 8
-  assert groot_inputs.tokens_per_image(c) == base + 8
-  model = nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0)))  # shapes only: no weights to make
-  batch = groot.example_batch(c, 2, seed=0)
-  graphdef, state = nnx.split(model)
-  encoded = jax.eval_shape(lambda s, b: nnx.merge(graphdef, s).backbone.encode_images(b), state, batch)
-  assert encoded.shape[1] == base + 8
-  trainable = nnx.state(model, groot.trainable_filter(c))
-  assert not [p for p, _ in nnx.to_flat_state(trainable) if "keypoints" in p]   # tune_visual=False
 
 
 def test_keypoints_on_pixel_patches_find_the_object_to_a_fraction_of_a_patch():
   """pixel_patch=2: one dense layer over each 2x2 patch (space to depth), the softmax over the 16 x 16
-  patch grid; a green 3x3 square is still placed to within half a patch, coordinates only (no tokens)."""
-  keypoints = PixelKeypoints(1, 0, pixel_patch=2, rngs=nnx.Rngs(0))
-  assert keypoints.fc1 is None and keypoints.conv.shape == (1, 1, 12, KEYPOINT_HIDDEN)
+  patch grid; a green 3x3 square is still placed to within half a patch."""
+  keypoints = PixelKeypoints(1, pixel_patch=2, rngs=nnx.Rngs(0))
+  assert keypoints.conv.shape == (1, 1, 12, KEYPOINT_HIDDEN)
   conv = np.zeros((1, 1, 12, KEYPOINT_HIDDEN), np.float32)
   conv[0, 0, 1::3, 0], conv[0, 0, 0::3, 0] = 1.0, -1.0   # hidden 0: green minus red, summed over the patch
   keypoints.conv[...] = jnp.asarray(conv)
@@ -76,43 +58,6 @@ def test_keypoints_on_pixel_patches_find_the_object_to_a_fraction_of_a_patch():
     assert summary.shape == (1, 3) and np.allclose(summary[0, :2], coords[0, 0])
 
 
-def test_auxiliary_keypoints_read_the_pixels_and_train_from_the_target():
-  """model.aux_keypoints: the auxiliary estimate reads a keypoint detector over each sample's images
-  directly, so its target's gradient reaches the detector (not only the VL path), and moving an image's
-  pixels moves that sample's estimate only."""
-  c = groot.model_config("runlocal")
-  c.update(num_cameras=2, aux_state_dim=3, aux_keypoints=4, tune_visual=True, tune_llm=True)
-  c.vision.update(depth=1, image_size=32)
-  c.llm.num_layers = 1
-  c.packing.row_length = 256
-  model = layers.host_random_init(nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
-  assert model.action_head.aux_keypoints.conv.shape == (1, 1, 12, KEYPOINT_HIDDEN)
-  batch = groot.example_batch(c, 2, seed=3)
-  labelled = dict(batch, aux_state=np.ones((2, 3), np.float32), aux_mask=np.ones(2, np.float32))
-  # Jitted (op by op this took ~50 s on 2 cores); each call reads the model's current weights.
-  context = nnx.jit(lambda m, b: m.context(b)[0])
-  estimate = nnx.jit(lambda m, v, b: m.aux_estimate(v, b))
-  vl = context(model, labelled)
-  before = np.asarray(estimate(model, vl, labelled))
-  moved = dict(labelled, images=labelled["images"].copy())
-  moved["images"][3] = np.roll(moved["images"][3], 9, axis=1)          # sample 1's second camera
-  model.backbone.vision.patch_embedding.kernel[...] *= 0.0              # isolate the keypoint path
-  vl, vl_moved = context(model, labelled), context(model, moved)
-  np.testing.assert_allclose(vl, vl_moved, atol=1e-6)
-  after, after_moved = (np.asarray(estimate(model, v, b)) for v, b in ((vl, labelled), (vl_moved, moved)))
-  np.testing.assert_allclose(after[0], after_moved[0], rtol=1e-6)
-  assert np.abs(after[1] - after_moved[1]).max() > 1e-4
-  time, noise = jnp.full((2,), 0.5), jnp.zeros(batch["actions"].shape)
-  grads = nnx.jit(nnx.grad(lambda m, b: m.compute_loss(b, jax.random.key(1), time=time, noise=noise,
-                                                        train=False)[1]["aux_state_loss"]))(model, labelled)
-  assert float(jnp.abs(grads.action_head.aux_keypoints.detectors.kernel[...]).sum()) > 0
-  assert float(jnp.abs(grads.action_head.aux_keypoint_in.kernel[...]).sum()) > 0
-  assert before.shape == (2, 3)
-  # The arm's state is an input too (the wrist camera sees the object relative to the hand).
-  shifted = dict(labelled, state=labelled["state"] + np.eye(c.max_state_dim, dtype=np.float32)[0])
-  assert np.abs(np.asarray(estimate(model, vl, shifted)) - after).max() > 1e-4
-
-
 def test_heatmap_loss_picks_the_labelled_cell_and_skips_points_out_of_view():
   grid = (4, 4)
   logits = np.zeros((1, 16, 3), np.float32)
@@ -126,12 +71,16 @@ def test_heatmap_loss_picks_the_labelled_cell_and_skips_points_out_of_view():
 
 
 def test_instruction_chosen_heatmaps_learn_where_each_instruction_points():
-  """model.aux_heatmaps: detectors chosen by the instruction, trained by the heatmap loss against
+  """model.perception.detectors: detectors chosen by the instruction, trained by the heatmap loss against
   keypoint labels, learn to put each instruction's keypoint on its own object (a green square for one
   prompt, a red one for the other) wherever the squares are, in a few hundred steps."""
   import optax
   c = groot.model_config("runlocal")
-  c.update(num_cameras=1, aux_state_dim=3, aux_keypoints=2, aux_heatmaps=1, tune_visual=True, tune_llm=True)
+  c.update(num_cameras=1, tune_visual=True, tune_llm=True)
+  c.perception = perception.default_config()
+  c.perception.update(image_size=0)
+  c.perception.detectors.update(free=2, points=1)
+  c.perception.estimate.dim = 3
   c.vision.update(depth=1, image_size=32)
   c.llm.num_layers = 1
   c.packing.row_length = 256
@@ -159,15 +108,17 @@ def test_instruction_chosen_heatmaps_learn_where_each_instruction_points():
 
   @nnx.jit
   def step(model, optimizer, b):
-    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m.action_head.heatmap_loss(b, m.instruction_embedding(b))))(model)
+    def heatmap_loss(m):
+      seen = m.perception(normalize_images(b["images"], jnp.float32), m.instruction_embedding(b), b["state"])
+      return m.perception.losses(seen, dict(b, aux_mask=jnp.ones(b["state"].shape[0])), b["images"])["aux_heatmap_loss"][1]
+    loss, grads = nnx.value_and_grad(heatmap_loss)(model)
     optimizer.update(model, grads)
     return loss
 
   for _ in range(300):
     step(model, optimizer, batch(16)[0])
   test, labels = batch(32)
-  head = model.action_head
   images = normalize_images(test["images"], jnp.float32)
-  coords, _ = head.aux_keypoints.coordinates(images, logits=head.heatmap_logits(images, model.instruction_embedding(test)))
+  coords = model.perception(images, model.instruction_embedding(test), test["state"]).keypoints.reshape(-1, 1, 2)
   error = np.abs(np.asarray(coords[:, -1]) - labels).max(axis=1)
   assert np.median(error) < 1 / 16 and np.mean(error < 2 / 16) > 0.9   # within a 2-pixel patch

@@ -3,7 +3,7 @@
 A learnt readout from keypoints to positions memorises the layouts it was trained on (ejax.sim's
 15 tasks: ~1 cm on training frames, 2-14 cm along rollouts on unseen layouts). A camera whose pose is
 known needs no learning for that: the point lies on the ray through its pixel, and a height fixes
-where on the ray. GR00T's keypoint estimate uses these (models/groot.py, model.aux_geometry_cameras).
+where on the ray. The perception module's estimate uses these (ejax/models/perception/, model.perception.geometry).
 
 Conventions (ejax.sim.camera.image_points'): (x, y) in [-1, 1] from the left / top edge, the camera
 looking along its -z axis with x right and y up; `rotation` [3, 3] maps camera axes to world axes
@@ -46,24 +46,6 @@ def local_soft_argmax(logits: jax.Array, grid: np.ndarray, radius: int, cell: fl
   return jnp.einsum("npk,pd->nkd", weights, grid)
 
 
-def relational_peak(content: jax.Array, score: jax.Array, shape: tuple[int, int], margin: float,
-                    window: int = 1) -> jax.Array:
-  """The cell [n, K] that a relation picks among the detections of heatmaps `content` [n, cells, K]
-  (row-major over `shape` (rows, columns)): of the cells that are the largest within `window` cells
-  around them and within `margin` of the map's largest, the one where `score` [n, cells, K] (the
-  instruction's position term: "the block on the left") is largest.
-
-  Three identical blocks are three peaks of nearly equal height; adding the position term to the
-  logits, as the detectors are trained, lets a block that reads slightly brighter outweigh the
-  relation, while choosing among the peaks lets the relation decide."""
-  n, cells, k = content.shape
-  maps = content.reshape(n, *shape, k)
-  pooled = jax.lax.reduce_window(maps, -jnp.inf, jax.lax.max, (1, 2 * window + 1, 2 * window + 1, 1),
-                                 (1, 1, 1, 1), "SAME").reshape(n, cells, k)
-  peaks = (content >= pooled) & (content >= jnp.max(content, axis=1, keepdims=True) - margin)
-  return jnp.argmax(jnp.where(peaks, score, -jnp.inf), axis=1)
-
-
 def locate(points_xy: jax.Array, heights: jax.Array, tcp: jax.Array, cameras: list[dict],
            tolerance) -> jax.Array:
   """World positions [n, P, 3] of P points seen by each camera.
@@ -88,7 +70,7 @@ def locate(points_xy: jax.Array, heights: jax.Array, tcp: jax.Array, cameras: li
     rays.append((cam["mount"], jnp.broadcast_to(origin, direction.shape), direction, points_xy[:, index]))
   world = [r for r in rays if r[0] == "world"]
   if not world:
-    raise ValueError("model.aux_geometry_cameras: no camera is mounted in the world (mount='world')")
+    raise ValueError("model.perception.geometry.cameras: no camera is mounted in the world (mount='world')")
   _, origin, direction, _ = world[0]
   estimate, _ = on_plane(origin, direction, heights)
   for mount, hand_origin, hand_direction, xy in rays:
