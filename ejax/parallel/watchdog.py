@@ -20,6 +20,7 @@ ejax.parallel.distributed sets its timeout well above LOST_AFTER_S: this thread 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -70,7 +71,8 @@ class Watchdog:
     self._phase: str | None = None
     self._step = 0
     self._since = time.monotonic()
-    self._step_seconds: list[float] = []
+    self._steps_timed = 0
+    self._step_seconds: collections.deque[float] = collections.deque(maxlen=1000)  # the recent warmed-up steps
     self._seq = 0
     self._seen: dict[int, tuple[int, float]] = {}  # peer -> (its heartbeat count, when it last moved here)
     self._unreachable_since: float | None = None
@@ -89,7 +91,9 @@ class Watchdog:
   def end(self) -> None:
     with self._lock:
       if self._phase == "train step":
-        self._step_seconds.append(time.monotonic() - self._since)
+        self._steps_timed += 1
+        if self._steps_timed > WARMUP_STEPS:
+          self._step_seconds.append(time.monotonic() - self._since)
       self._phase = None
 
   @contextlib.contextmanager
@@ -104,7 +108,8 @@ class Watchdog:
   def timeout_s(self) -> float:
     if self._fixed_timeout is not None:
       return self._fixed_timeout
-    warmed = self._step_seconds[WARMUP_STEPS:]
+    with self._lock:
+      warmed = list(self._step_seconds)
     return max(MIN_TIMEOUT_S, MEDIAN_FACTOR * statistics.median(warmed)) if warmed else MIN_TIMEOUT_S
 
   def wait_for_verdict(self, error: BaseException) -> None:
