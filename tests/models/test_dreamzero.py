@@ -167,3 +167,27 @@ def test_chunk_by_chunk_kv_cache_matches_teacher_forcing(runlocal, teacher_force
   assert where["context"].size == lay.frame_tokens * (1 + chunk * lay.frames_per_chunk)
   np.testing.assert_allclose(chunk_video, video[:, where["video"] - lay.video_tokens], rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(chunk_action, action[:, where["actions"] - 2 * lay.video_tokens], rtol=1e-4, atol=1e-4)
+
+
+def test_unpatchify_inverts_the_head_layout():
+  latents = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4, 6, 5)), jnp.float32)
+  tokens = dz.patchify(latents, (1, 2, 2), channels_last=True)
+  np.testing.assert_array_equal(dz.unpatchify(tokens, (1, 2, 2), (3, 4, 6)), latents)
+
+
+def test_sample_chunk_shapes_guidance_and_determinism(runlocal):
+  """The policy step: the chunk's actions and latents, finite and deterministic for a key; guidance
+  changes the video (one Euler step: the actions take the conditional velocity, as the official
+  policy's do, so the guidance scale leaves them alone)."""
+  config, model, batch = runlocal
+  lay = model.layout
+  run = jax.jit(lambda scale: model.sample_chunk(batch, jax.random.key(0), chunk=1, num_steps=1, cfg_scale=scale))
+  actions, video = run(5.0)
+  assert actions.shape == (2, lay.actions_per_chunk, config.action_dim)
+  assert video.shape == (2, lay.frames_per_chunk) + batch["latents"].shape[2:]
+  assert np.all(np.isfinite(actions)) and np.all(np.isfinite(video))
+  actions_again, video_again = run(5.0)
+  np.testing.assert_array_equal(actions, actions_again)
+  actions_unguided, video_unguided = run(1.0)
+  assert float(jnp.abs(video - video_unguided).max()) > 1e-4
+  np.testing.assert_allclose(actions_unguided, actions, rtol=1e-5, atol=1e-6)

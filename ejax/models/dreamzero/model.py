@@ -58,6 +58,7 @@ def model_config(variant: str = "5b") -> ml_collections.ConfigDict:
   c.max_state_dim = 64
   c.action_dim = 32
   c.num_inference_steps = 16
+  c.cfg_scale = 5.0                  # classifier-free guidance of the video velocity (the official policy's)
   # ejax/data/synthetic.py's sample shape (the smoke-test data; ejax/models/dreamzero/inputs.py)
   c.state_dim = 8
   c.num_tasks = 4
@@ -127,6 +128,15 @@ def patchify(latents: jax.Array, patch: tuple[int, int, int], *, channels_last: 
   return x.transpose(order).reshape(b, (f // pt) * (h // ph) * (w // pw), c * pt * ph * pw)
 
 
+def unpatchify(tokens: jax.Array, patch: tuple[int, int, int], grid: tuple[int, int, int]) -> jax.Array:
+  """Head outputs [b, F/pt * H/ph * W/pw, pt * ph * pw * C] (channels last) -> latents [b, F, H, W, C]."""
+  b = tokens.shape[0]
+  f, h, w = grid
+  pt, ph, pw = patch
+  x = tokens.reshape(b, f // pt, h // ph, w // pw, pt, ph, pw, -1)
+  return x.transpose(0, 1, 4, 2, 5, 3, 6, 7).reshape(b, f, h, w, -1)
+
+
 class DreamZero(nnx.Module):
   def __init__(self, config, rngs: nnx.Rngs):
     self.config = config
@@ -182,24 +192,37 @@ class DreamZero(nnx.Module):
                s["state_timesteps"], embodiment_ids=batch["embodiment_id"], angles=s["angles"],
                mask_keys=s["keys"], mask_groups=s["groups"], text=dit.embed_text(text), image=dit.embed_image(image))
 
-  def chunk_velocity(self, clean, noisy, actions, video_t, action_t, batch, text, image, chunk: int):
-    """Chunk `chunk`'s outputs the inference way: the clean frames before it as a KV cache, then one
-    pass over the chunk's noisy video, actions and states. Equals the teacher-forced outputs there."""
+  def chunk_cache(self, clean, batch, text, image, chunk: int) -> dict:
+    """The KV cache of the clean frames before chunk `chunk` (text / image: the encoders' outputs)."""
+    lay, dit = self.layout, self.dit
+    b = clean.shape[0]
+    zeros_actions = jnp.zeros((b, lay.num_actions, self.config.action_dim), jnp.float32)
+    s = self._sequence(clean, clean, zeros_actions, jnp.zeros((b, lay.latent_frames)),
+                       jnp.zeros((b, lay.num_actions)), batch)
+    context = sequence.chunk_indices(lay, chunk)["context"]
+    return dit.context_cache(s["tokens"][:, context], angles=s["angles"][context], mask_keys=s["keys"][context],
+                             mask_groups=s["groups"][context], text=dit.embed_text(text), image=dit.embed_image(image))
+
+  def chunk_step(self, cache, clean, noisy, actions, video_t, action_t, batch, text, image, chunk: int):
+    """Chunk `chunk`'s DiT outputs over its context cache: noisy / actions / timesteps are full-sample
+    arrays (only the chunk's part is read)."""
     s, dit, lay = self._sequence(clean, noisy, actions, video_t, action_t, batch), self.dit, self.layout
     where = sequence.chunk_indices(lay, chunk)
-    text, image = dit.embed_text(text), dit.embed_image(image)
-    context = where["context"]
-    cache = dit.context_cache(s["tokens"][:, context], angles=s["angles"][context], mask_keys=s["keys"][context],
-                              mask_groups=s["groups"][context], text=text, image=image)
     own = np.concatenate([where["video"], where["actions"], where["states"]])
-    first_action = 2 * lay.video_tokens
+    first_action, first_state = 2 * lay.video_tokens, 2 * lay.video_tokens + lay.num_actions
     pick = lambda name, index, offset: s[name][:, index - offset]
     return dit.chunk(s["tokens"][:, where["video"]], s["video_timesteps"][:, where["video"]],
                      pick("actions", where["actions"], first_action), pick("action_timesteps", where["actions"], first_action),
-                     pick("states", where["states"], first_action + lay.num_actions),
-                     pick("state_timesteps", where["states"], first_action + lay.num_actions),
+                     pick("states", where["states"], first_state), pick("state_timesteps", where["states"], first_state),
                      cache=cache, embodiment_ids=batch["embodiment_id"], angles=s["angles"][own],
-                     mask_keys=s["keys"][own], mask_groups=s["groups"][own], text=text, image=image)
+                     mask_keys=s["keys"][own], mask_groups=s["groups"][own], text=dit.embed_text(text),
+                     image=dit.embed_image(image))
+
+  def chunk_velocity(self, clean, noisy, actions, video_t, action_t, batch, text, image, chunk: int):
+    """Chunk `chunk`'s outputs the inference way: the clean frames before it as a KV cache, then one
+    pass over the chunk's noisy video, actions and states. Equals the teacher-forced outputs there."""
+    cache = self.chunk_cache(clean, batch, text, image, chunk)
+    return self.chunk_step(cache, clean, noisy, actions, video_t, action_t, batch, text, image, chunk)
 
   def compute_loss(self, batch, rng):
     lay = self.layout
@@ -230,28 +253,50 @@ class DreamZero(nnx.Module):
     metrics = dict(per_sample_loss=per_sample, video_loss=video_loss.mean(), action_loss=action_loss.mean())
     return per_sample.mean(), metrics
 
-  def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
-    """Euler sampling of all chunks' actions and future latents together on the shifted grid, the
-    clean stream holding the observed latents (teacher-forced; the UniPC / KV-cache sampler is
-    issue 32's deliverable 4)."""
-    lay = self.layout
+  def sample_chunk(self, batch, rng, *, chunk: int = 0, noise=None, num_steps=None, cfg_scale=None):
+    """Chunk `chunk`'s actions [b, actions_per_chunk, action_dim] and predicted latents [b, frames_per_chunk,
+    h, w, z], from the observed frames before it (batch["latents"]' first 1 + chunk * frames_per_chunk).
+
+    As the official policy acts: the clean context is a KV cache computed once (one with the prompt,
+    one with an empty prompt for guidance); each denoising step runs the chunk alone over it; the
+    video velocity is guided (uncond + cfg_scale * (cond - uncond)), the actions take the conditional
+    one. Steps are Euler on the shifted grid (the official sampler is 16 UniPC steps; not here yet).
+    """
+    lay, dit = self.layout, self.dit
     text, image, latents = self.encode_context(batch)
     latents = latents.astype(jnp.float32)
     b = latents.shape[0]
+    empty = jnp.zeros_like(batch["text_mask"])
+    unconditional = jax.lax.stop_gradient(self.text_encoder(batch["text_ids"], empty))
+    scale = self.config.get("cfg_scale", 5.0) if cfg_scale is None else cfg_scale
+    caches = [self.chunk_cache(latents, batch, context, image, chunk) for context in (text, unconditional)]
     video_rng, action_rng = jax.random.split(rng)
-    actions = (jax.random.normal(action_rng, (b, lay.num_actions, self.config.action_dim), jnp.float32)
-               if noise is None else noise)
-    video = jax.random.normal(video_rng, latents.shape, jnp.float32)
+    frames = slice(1 + chunk * lay.frames_per_chunk, 1 + (chunk + 1) * lay.frames_per_chunk)
+    actions_at = slice(chunk * lay.actions_per_chunk, (chunk + 1) * lay.actions_per_chunk)
+    chunk_video = jax.random.normal(video_rng, latents[:, frames].shape, jnp.float32)
+    chunk_actions = (jax.random.normal(action_rng, (b, lay.actions_per_chunk, self.config.action_dim), jnp.float32)
+                     if noise is None else noise)
     steps = num_steps or self.config.num_inference_steps
-    sigmas = shifted_sigmas(steps)
+    sigmas = np.append(shifted_sigmas(steps), 0.0)
+    grid = latents.shape[2:4]
     for i in range(steps):
-      sigma, next_sigma = float(sigmas[i]), float(sigmas[i + 1]) if i + 1 < steps else 0.0
-      t = jnp.full((b, lay.latent_frames), sigma * NUM_TRAIN_TIMESTEPS)
-      video_out, action_out = self._velocity(latents, video, actions, t, t[:, :1].repeat(lay.num_actions, 1),
-                                             batch, text, image)
-      del video_out  # the video prediction is not fed back here: actions only (see the docstring)
-      actions = actions + action_out.astype(jnp.float32) * (next_sigma - sigma)
-    return actions
+      noisy = latents.at[:, frames].set(chunk_video)
+      actions = jnp.zeros((b, lay.num_actions, self.config.action_dim), jnp.float32).at[:, actions_at].set(chunk_actions)
+      t = jnp.full((b, lay.latent_frames), sigmas[i] * NUM_TRAIN_TIMESTEPS, jnp.float32)
+      at = jnp.full((b, lay.num_actions), sigmas[i] * NUM_TRAIN_TIMESTEPS, jnp.float32)
+      (video_cond, action_cond), (video_uncond, _) = (
+          self.chunk_step(cache, latents, noisy, actions, t, at, batch, context, image, chunk)
+          for cache, context in zip(caches, (text, unconditional)))
+      video_velocity = video_uncond + scale * (video_cond - video_uncond)
+      step = float(sigmas[i + 1] - sigmas[i])
+      chunk_video = chunk_video + step * unpatchify(video_velocity.astype(jnp.float32), dit.config.patch_size,
+                                                    (lay.frames_per_chunk, *grid))
+      chunk_actions = chunk_actions + step * action_cond.astype(jnp.float32)
+    return chunk_actions, chunk_video
+
+  def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
+    """The first chunk's actions from the first observed frame (the registry's policy entry point)."""
+    return self.sample_chunk(batch, rng, chunk=0, noise=noise, num_steps=num_steps)[0]
 
 
 def create(config, rngs: nnx.Rngs) -> DreamZero:
