@@ -41,6 +41,7 @@ from ejax.rl import warm_start
 from ejax.rl.build import load_rl_policy, make_env, make_policy  # noqa: F401 (load_rl_policy: re-exported)
 from ejax.rl.checkpoint import RLCheckpointer
 from ejax.rl.pipeline import RLPipeline
+from ejax.train import wandb_run
 
 
 @contextlib.contextmanager
@@ -101,6 +102,26 @@ def _check_sft_checkpoint(policy: ConfigDict) -> None:
                       "GR00T checkpoint (configs/groot.py's train job): point sft= at one")
 
 
+def log_updates_to_wandb(learner) -> None:
+  """Every learner update's scalars (losses, approx KL, success and reward of the episodes it saw, lag),
+  against the policy version (rl/version), into the launch's W&B run when config.metrics.wandb is on;
+  the judging before and after logs through the eval job's evaluation (ejax.eval.evaluate.log_to_wandb)."""
+  run = wandb_run.active_run()
+  if run is None:
+    return
+  run.define_metric("rl/version")
+  run.define_metric("rl/*", step_metric="rl/version")
+  previous = learner.on_update
+
+  def on_update(version: int, params, opt_state, record: dict) -> None:
+    if previous is not None:
+      previous(version, params, opt_state, record)
+    run.log({"rl/version": version, **{f"rl/{key}": float(value) for key, value in record.items()
+                                        if key not in ("version", "time") and isinstance(value, (int, float))}})
+
+  learner.on_update = on_update
+
+
 def run_job(config: ConfigDict, workdir: str) -> dict:
   check_config(config)
   rl = config.rl
@@ -150,6 +171,8 @@ def run_job(config: ConfigDict, workdir: str) -> dict:
       policy.initial_params = multihost_utils.broadcast_one_to_all(policy.initial_params)
 
   pipeline = RLPipeline(rl, env, policy, checkpoint_dir=checkpoint_dir, sharding_rules=config.sharding_rules)
+  if lead:
+    log_updates_to_wandb(pipeline.learner)
   if not resuming:
     pipeline.save_checkpoint(starting_point=True)  # version 0: the SFT policy, for later judging
   params = pipeline.local_learner_params()  # every process (a gather where the mesh spans them)

@@ -1,6 +1,7 @@
-"""Weights & Biases logging (`--config.metrics.wandb=True`, README "Configs and jobs"): one W&B run
-per launch, holding the config, the scalars TensorBoard gets (ejax.train.metrics.MetricsWriter) and
-the eval job's success table and videos (ejax.eval.evaluate).
+"""Weights & Biases logging (`--config.metrics.wandb=True`, README "Quickstart"): one W&B run per
+launch, holding the config, the scalars TensorBoard gets (ejax.train.metrics.MetricsWriter), the eval
+job's success table, plot and videos (ejax.eval.evaluate) and the rl job's learner scalars per policy
+version (ejax.rl.runner).
 
 ejax.main opens a `session` around the job. The run itself starts on the first thing logged, and
 only the writers of process 0 log, so a multi-process job makes one run. A launch that resumes a

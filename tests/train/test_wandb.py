@@ -149,3 +149,31 @@ def test_eval_logs_the_success_table_and_videos(tmp_path, offline):
   video = logged["eval/videos/goal_open_drawer_0"]
   assert video["_type"] == "video-file"
   assert videos.read_mp4(os.path.join(files, video["path"])).shape == (6, 16, 32, 3)
+
+
+def test_rl_logs_each_update_against_the_policy_version(tmp_path, offline):
+  """The rl job hooks its learner's on_update (ejax.rl.runner.log_updates_to_wandb): each update's
+  scalars arrive with rl/version as their x axis, after the pipeline's own callback."""
+  import types
+
+  from configs import rl_vla3
+  from ejax.rl import runner
+  from ejax.train import wandb_run
+  config = rl_vla3.get_config("runlocal,task=point_reach")
+  config.metrics.update(wandb=True, wandb_mode="offline")
+  seen = []
+  learner = types.SimpleNamespace(on_update=lambda version, *rest: seen.append(version))
+  workdir = tmp_path / "rl_run"
+  with wandb_run.session(config, str(workdir)):
+    runner.log_updates_to_wandb(learner)
+    for version, loss in ((1, 0.5), (2, 0.25)):
+      learner.on_update(version, None, None, {"version": version, "time": 12.0, "policy_loss": loss,
+                                              "success_rate": version / 4, "lag_max": 1, "note": "text"})
+  wandb.teardown()
+  assert seen == [1, 2]
+  records = read_records(workdir)
+  assert first(records, "run").job_type == "rl"
+  rows = [row for row in history(records) if "rl/version" in row]
+  assert [(row["rl/version"], row["rl/policy_loss"], row["rl/success_rate"], row["rl/lag_max"]) for row in rows] == [
+      (1, 0.5, 0.25, 1), (2, 0.25, 0.5, 1)]
+  assert not any("rl/note" in row or "rl/time" in row for row in rows)
