@@ -10,7 +10,7 @@ from flax import nnx
 from configs import dreamzero as dreamzero_config
 from ejax.models import layers, summary
 from ejax.models.dreamzero import model as dz
-from ejax.models.dreamzero import sequence
+from ejax.models.dreamzero import sequence, unipc
 from ejax.models.dreamzero.vae import WanVAE, WanVAEConfig
 
 
@@ -191,3 +191,26 @@ def test_sample_chunk_shapes_guidance_and_determinism(runlocal):
   actions_unguided, video_unguided = run(1.0)
   assert float(jnp.abs(video - video_unguided).max()) > 1e-4
   np.testing.assert_allclose(actions_unguided, actions, rtol=1e-5, atol=1e-6)
+
+
+def test_unipc_follows_the_flow_of_gaussian_data_better_than_euler():
+  """Data N(mu, s^2): the exact flow ODE maps a noise draw n to mu + s n and its velocity is known in
+  closed form. 16 UniPC steps on the official grid land far closer than 16 Euler steps."""
+  mu, s = 0.5, 1.0
+  n = np.random.default_rng(0).standard_normal(1000)
+
+  def velocity(x, sigma):
+    alpha = 1 - sigma
+    mean = mu + alpha * s**2 / (alpha**2 * s**2 + sigma**2) * (x - alpha * mu)
+    return (x - mean) / sigma
+
+  grid = unipc.sigmas(16)
+  assert grid[0] == pytest.approx(5 * 0.999 / (1 + 4 * 0.999)) and grid[-1] == 0.0 and grid.shape == (17,)
+  start = (1 - grid[0]) * mu + np.sqrt((1 - grid[0]) ** 2 * s**2 + grid[0] ** 2) * n
+  solver, x, y = unipc.UniPC(16), start, start
+  for i in range(16):
+    assert solver.timestep == int(grid[i] * 1000)
+    x = solver.step(velocity(x, grid[i]), x)
+    y = y + (grid[i + 1] - grid[i]) * velocity(y, grid[i])
+  unipc_error, euler_error = np.abs(x - (mu + s * n)).max(), np.abs(y - (mu + s * n)).max()
+  assert unipc_error < 0.15 and unipc_error < 0.3 * euler_error, (unipc_error, euler_error)

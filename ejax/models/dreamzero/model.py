@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from ejax.models.dreamzero import sequence
+from ejax.models.dreamzero import sequence, unipc
 from ejax.models.dreamzero.image_encoder import ClipVisionConfig, ClipVisionTower
 from ejax.models.dreamzero.text_encoder import UMT5Config, UMT5Encoder
 from ejax.models.dreamzero.vae import WanVAE, WanVAEConfig
@@ -260,7 +260,7 @@ class DreamZero(nnx.Module):
     As the official policy acts: the clean context is a KV cache computed once (one with the prompt,
     one with an empty prompt for guidance); each denoising step runs the chunk alone over it; the
     video velocity is guided (uncond + cfg_scale * (cond - uncond)), the actions take the conditional
-    one. Steps are Euler on the shifted grid (the official sampler is 16 UniPC steps; not here yet).
+    one; video and actions each step with UniPC (unipc.py) on the shift-5 grid, 16 steps by default.
     """
     lay, dit = self.layout, self.dit
     text, image, latents = self.encode_context(batch)
@@ -277,21 +277,21 @@ class DreamZero(nnx.Module):
     chunk_actions = (jax.random.normal(action_rng, (b, lay.actions_per_chunk, self.config.action_dim), jnp.float32)
                      if noise is None else noise)
     steps = num_steps or self.config.num_inference_steps
-    sigmas = np.append(shifted_sigmas(steps), 0.0)
+    video_solver, action_solver = unipc.UniPC(steps, SHIFT), unipc.UniPC(steps, SHIFT)
     grid = latents.shape[2:4]
-    for i in range(steps):
+    for _ in range(steps):
       noisy = latents.at[:, frames].set(chunk_video)
       actions = jnp.zeros((b, lay.num_actions, self.config.action_dim), jnp.float32).at[:, actions_at].set(chunk_actions)
-      t = jnp.full((b, lay.latent_frames), sigmas[i] * NUM_TRAIN_TIMESTEPS, jnp.float32)
-      at = jnp.full((b, lay.num_actions), sigmas[i] * NUM_TRAIN_TIMESTEPS, jnp.float32)
+      t = jnp.full((b, lay.latent_frames), video_solver.timestep, jnp.float32)
+      at = jnp.full((b, lay.num_actions), action_solver.timestep, jnp.float32)
       (video_cond, action_cond), (video_uncond, _) = (
           self.chunk_step(cache, latents, noisy, actions, t, at, batch, context, image, chunk)
           for cache, context in zip(caches, (text, unconditional)))
       video_velocity = video_uncond + scale * (video_cond - video_uncond)
-      step = float(sigmas[i + 1] - sigmas[i])
-      chunk_video = chunk_video + step * unpatchify(video_velocity.astype(jnp.float32), dit.config.patch_size,
-                                                    (lay.frames_per_chunk, *grid))
-      chunk_actions = chunk_actions + step * action_cond.astype(jnp.float32)
+      video_velocity = unpatchify(video_velocity.astype(jnp.float32), dit.config.patch_size,
+                                  (lay.frames_per_chunk, *grid))
+      chunk_video = video_solver.step(video_velocity, chunk_video)
+      chunk_actions = action_solver.step(action_cond.astype(jnp.float32), chunk_actions)
     return chunk_actions, chunk_video
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
