@@ -7,5 +7,9 @@ denoises future video latents and action chunks together.
   text_encoder.py  umT5-XXL's encoder (frozen)
   image_encoder.py CLIP ViT-H/14's vision tower (frozen, first frame, 257 tokens)
   vae.py           the Wan 2.1 / 2.2 video VAE (frozen)
-  model.py         the whole model: config, flow-matching loss, registry entry
+  model.py         the whole model: config, flow-matching loss, chunk-by-chunk KV-cache policy step,
+                   registry entry
+  unipc.py         the UniPC sampler of the official policy
+  inputs.py        batches from the input pipeline's samples (synthetic so far)
+Weights: ejax/models/io/dreamzero.py. Config: configs/dreamzero.py (:5b, :14b, :runlocal).
 """
