@@ -38,7 +38,7 @@ def test_two_processes_train_identically_and_checkpoint(tmp_path):
           [sys.executable, "-m", "ejax.main", "--config=configs/tiny.py:runlocal,steps=4,batch=16", *OVERRIDES,
            f"--config.distributed.coordinator_address=127.0.0.1:{port}",
            "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
-           "--config.compilation_cache_dir=",  # two writers of one cache entry could tear it
+           f"--config.compilation_cache_dir={tmp_path / 'xla'}",  # asked for, as by default (README, Multi-host)
            f"--workdir={workdir}"],
           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i in range(2)]
@@ -53,6 +53,10 @@ def test_two_processes_train_identically_and_checkpoint(tmp_path):
   for i, (process, out) in enumerate(zip(processes, outputs)):
     assert process.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
 
+  # A multi-process CPU run compiles without the persistent cache (its processes would otherwise run
+  # different executables whose collectives never meet) and checks that both hold the same step.
+  assert all("persistent compilation cache off" in out for out in outputs)
+  assert not (tmp_path / "xla").exists() or not os.listdir(tmp_path / "xla")
   finals = [re.search(r"train: process (\d) of 2 finished at step 4, loss (\S+),", out) for out in outputs]
   assert all(finals), outputs
   assert {m.group(1) for m in finals} == {"0", "1"}
