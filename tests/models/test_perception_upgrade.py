@@ -73,3 +73,52 @@ def test_experiments_that_were_not_kept_are_refused():
     old[key] = value
     with pytest.raises(ValueError, match=key):
       perception.upgrade_config(old)
+
+
+def test_a_train_checkpoint_written_before_the_move_acts_the_same_through_load_policy(saved, tmp_path):
+  """The fixture's weights saved as the train job saved them before the move (the old parameter names,
+  the old flat model config) load through load_policy, which hands the geometry the checkpoint's
+  statistics, and sample the fixture's actions."""
+  from ml_collections import ConfigDict
+
+  from configs import common
+  from ejax.checkpoint import Checkpointer
+  from ejax.parallel import make_mesh
+  from ejax.train.optim import make_optimizer
+  from ejax.train.policy import _renamed, load_policy
+  from ejax.train.state import materialize, plan_train_state
+
+  old = json.loads(str(saved["config"]))
+  norm = old.pop("aux_geometry_norm")   # what the policy computes from the checkpoint's statistics
+  key = "observation.environment_state"
+  stats = {"observation.state": {"mean": norm["state"][0], "std": norm["state"][1]},
+           key: {"mean": norm["estimate"][0], "std": norm["estimate"][1]},
+           "action": {"mean": [0.0] * old["max_action_dim"], "std": [1.0] * old["max_action_dim"]}}
+  config = common.base_config()
+  config.model = ConfigDict(old)
+  config.data.update(name="sim_demos", aux_state_key=key, normalization="mean_std", image_size=(64, 64))
+  new_model = perception.upgrade_config(config.model)
+  params = perception.upgrade_params({k[len("param/"):]: v for k, v in saved.items() if k.startswith("param/")})
+  nested = {}
+  for path, value in params.items():
+    *parents, leaf = path.split("/")
+    node = nested
+    for name in parents:
+      node = node.setdefault(name, {})
+    node[leaf] = value
+  tx, _ = make_optimizer(config.train)
+  rules = [tuple(rule) for rule in config.sharding_rules]
+  state = materialize(plan_train_state(new_model, config.train, tx, make_mesh(dict(data=-1)), rules), nested)
+  back = {new: old_name for old_name, new in perception.upgrade.PARAM_RENAMES.items()}
+  checkpointer = Checkpointer(str(tmp_path), async_save=False, for_writing=True)
+  checkpointer.save(1, _renamed(state, back), meta={"config": json.loads(config.to_json_best_effort()),
+                                                     "norm_stats": stats})
+  checkpointer.close()
+  policy = load_policy(str(tmp_path), use_ema=False)
+  given = perception.read(policy.config.model).geometry.norm
+  for name in ("state", "estimate"):
+    np.testing.assert_allclose(np.asarray(given[name], np.float64), norm[name], rtol=1e-6)
+  batch = {k[len("batch/"):]: v for k, v in saved.items() if k.startswith("batch/")}
+  batch.update(aux_state=np.zeros_like(batch["aux_state"]), aux_mask=np.zeros_like(batch["aux_mask"]))
+  actions = policy._sample(policy._state, batch, jax.random.key(2), jnp.asarray(saved["noise"]))
+  np.testing.assert_allclose(actions, saved["actions"], rtol=1e-5, atol=1e-5)
