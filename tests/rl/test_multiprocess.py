@@ -4,7 +4,8 @@
 (a) sync mode over 2 processes ends with the parameters of 1 process running the same shards;
 (b) async over 2 processes: lag <= eta, every shard contributes, a SIGTERM to one process stops
     both at the same version with that version checkpointed, and the run resumes on 1 process;
-(c) the learner's batch is global: its env dimension is every process's segments together.
+(c) the learner's batch is global: its env dimension is every process's segments together;
+(d) a process killed mid-run ends the other in one line naming the version to resume from.
 """
 
 import json
@@ -142,3 +143,39 @@ def test_async_two_processes_bound_lag_stop_together_on_sigterm_and_resume_on_on
   assert resumed["resumed"] and resumed["start_version"] == run["version"]
   assert resumed["version"] == run["version"] + 2 and resumed["num_processes"] == 1
   assert resumed["lag_max"] <= 2
+
+
+def test_a_killed_peer_ends_the_other_in_one_line_naming_the_version_to_resume_from(tmp_path):
+  workdir = tmp_path / "run"
+  procs = launch(workdir, processes=2, updates=400)
+  checkpoints = RLCheckpointer(str(workdir / "rl_checkpoints"))
+  deadline = time.time() + 420
+  try:
+    while time.time() < deadline:
+      try:
+        checkpoints._manager.reload()
+        if (checkpoints.latest_version() or 0) >= 2:
+          break
+      except FileNotFoundError:
+        pass
+      assert all(proc.poll() is None for proc in procs), "a process ended before the kill"
+      time.sleep(0.5)
+    procs[1].kill()  # kill -9
+    started = time.time()
+    out = procs[0].communicate(timeout=150)[0]
+  finally:
+    checkpoints.close()
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+  assert time.time() - started < 120 and procs[0].returncode == 3, out[-3000:]
+  last = out.rstrip().splitlines()[-1]
+  match = re.fullmatch(r"error: process 1 of 2 stopped answering at update (\d+) \(rl: no heartbeat for \d+ s\): "
+                       r"run the same command to resume from version (\d+)", last)
+  assert match, out[-3000:]
+  assert "Traceback" not in out and "Fatal" not in out
+  saved = RLCheckpointer(str(workdir / "rl_checkpoints"))
+  try:
+    assert saved.latest_version() == int(match.group(2)) >= 2
+  finally:
+    saved.close()
