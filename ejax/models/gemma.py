@@ -129,8 +129,7 @@ class GemmaLoRA(nnx.Module):
   `<weight>_a` has the weight's shape with its output axis replaced by the rank, `<weight>_b` with
   its input axis replaced."""
 
-  def __init__(self, config: GemmaConfig, lora, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-    from ejax.models.lora import A_INIT, B_INIT
+  def __init__(self, config: GemmaConfig, lora, a_init, b_init, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.scale = lora.scale
     self.targets = tuple(lora.targets)
     c, r, L = config, lora.rank, config.depth  # noqa: N806
@@ -145,8 +144,8 @@ class GemmaLoRA(nnx.Module):
         continue
       a_shape, b_shape = shape[:-1] + (r,), shape[:-2] + (r,) + shape[-1:]
       a_names, b_names = names[:-1] + (None,), names[:-2] + (None,) + names[-1:]
-      setattr(self, f"{name}_a", _param(rngs, A_INIT, a_shape, a_names, param_dtype))
-      setattr(self, f"{name}_b", _param(rngs, B_INIT, b_shape, b_names, param_dtype))
+      setattr(self, f"{name}_a", _param(rngs, a_init, a_shape, a_names, param_dtype))
+      setattr(self, f"{name}_b", _param(rngs, b_init, b_shape, b_names, param_dtype))
 
   def names(self) -> list[str]:
     return [name for name in _LORA_DELTAS if _LORA_TARGETS[name] in self.targets]

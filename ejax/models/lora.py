@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ejax.models import layers
+from ejax.models import gemma, layers
 
 A_INIT = jax.nn.initializers.normal(0.01)
 B_INIT = jax.nn.initializers.zeros
@@ -113,7 +113,6 @@ def _find(model: nnx.Module, name: str) -> list[nnx.Module]:
 
 def attach(model: nnx.Module, model_config, rngs: nnx.Rngs, param_dtype=jnp.float32) -> nnx.Module:
   """Adds the adapters model_config.lora asks for to `model` (in place; returned for chaining)."""
-  from ejax.models import gemma
   for name, config in settings(model_config).items():
     modules = _find(model, name)
     if not modules:
@@ -121,7 +120,8 @@ def attach(model: nnx.Module, model_config, rngs: nnx.Rngs, param_dtype=jnp.floa
       raise ValueError(f"model.lora.{name}: the model has no submodule {name!r}; use one of {', '.join(children)}")
     for module in modules:
       if isinstance(module, gemma.GemmaDecoder):
-        module.layers.lora = gemma.GemmaLoRA(module.config, config, rngs=rngs, param_dtype=param_dtype)
+        module.layers.lora = gemma.GemmaLoRA(module.config, config, A_INIT, B_INIT, rngs=rngs,
+                                             param_dtype=param_dtype)
         continue
       projections = _projections(module, config.targets)
       if not projections:
@@ -146,7 +146,6 @@ def trainable_filter(base_filter, model_config):
 def merge(model: nnx.Module) -> nnx.Module:
   """Folds every adapter into its weights and removes it (in place; returned): the model then has
   the released architecture and computes the same function."""
-  from ejax.models import gemma
   for _, node in list(model.iter_modules()):
     lora = getattr(node, LORA, None)
     if isinstance(lora, Adapter):
