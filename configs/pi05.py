@@ -6,6 +6,9 @@ Launch (one host, all its GPUs; the dataset and PaliGemma's tokenizer are local 
 Start from released weights by importing them first (openpi tree or LeRobot safetensors):
   python -m ejax.main --config=configs/pi05.py --config.job=convert --config.convert.direction=import \
       --config.convert.source=/ckpt/pi05_base --config.convert.destination=/ckpt/pi05_ejax
+LoRA fine-tuning (openpi's gemma_2b_lora + gemma_300m_lora: only the adapters, SigLIP and the
+projections train; the adapters are merged into the weights by the convert job's export):
+  python -m ejax.main --config=configs/pi05.py:lora --config.train.init_weights=/ckpt/pi05_ejax ...
 Model summary without allocating it (3.3B parameters: Gemma-2B 2.51B, Gemma-300M 0.31B + its
 adaRMS 0.11B, SigLIP So400m 0.41B):
   python -m ejax.main --config=configs/pi05.py --config.job=summary
@@ -26,7 +29,7 @@ Measured on a 2-core CPU shared with other jobs, on a 16-episode LeRobot v3 data
 video cameras, 3-dim state and action, 4 tasks): compile ~70 s, then 200 steps in ~15 s; the
 flow-matching loss fell from 1.93 (step 20) to 0.56 (step 200). tests/models/test_pi05_inputs.py
 trains the runlocal model on pipeline-schema samples and checks the loss falls below half.
-Arg string: `runlocal`, `steps=N`, `batch=N`, `horizon=N`, `dataset=PATH|sim`, e.g.
+Arg string: `runlocal`, `steps=N`, `batch=N`, `horizon=N`, `dataset=PATH|sim`, `lora`, e.g.
 configs/pi05.py:runlocal,steps=50. `runlocal,dataset=sim` trains on the GR00T quickstart's recorded
 ejax.sim demonstrations with a tokenizer built locally from the suites' instructions (nothing to
 download), and the eval job judges it like any checkpoint:
@@ -40,11 +43,15 @@ from ejax.models import pi05
 
 
 def get_config(arg: str | None = None):
-  args = common.parse_arg(arg, runlocal=False, steps=0, batch=0, horizon=0, dataset="")
+  args = common.parse_arg(arg, runlocal=False, steps=0, batch=0, horizon=0, dataset="", lora=False)
   config = common.base_config()
   config.model = pi05.model_config("runlocal" if args.runlocal else "full")
   # pi05_libero: 10-step chunks; the model's horizon and the pipeline's are one number.
   config.model.action_horizon = args.horizon or 10
+  # LoRA adapters (ejax/models/lora.py), rank 0 = off; `lora` in the arg gives openpi's
+  # gemma_2b_lora + gemma_300m_lora (its pi05 LoRA fine-tuning: rank 16 / 32 on attention and MLP).
+  config.model.lora = dict(llm=dict(rank=16 if args.lora else 0, alpha=16.0, targets="attn,ffn"),
+                           expert=dict(rank=32 if args.lora else 0, alpha=32.0, targets="attn,ffn"))
   config.data.update(
       name="lerobot", horizon=config.model.action_horizon,
       image_size=(config.model.vision.image_size,) * 2, normalization="quantile")  # openpi: q01/q99
@@ -54,6 +61,11 @@ def get_config(arg: str | None = None):
                       b1=0.9, b2=0.95, weight_decay=1e-10, grad_clip_norm=1.0, ema_decay=0.999,
                       remat=config.model.remat)
   config.checkpoint.every_steps = 1000
+  # Under LoRA the frozen Gemma weights are kept in bf16 (openpi does the same): 2.8B of them; and,
+  # as openpi's low-memory LoRA recipes, no EMA.
+  config.train.frozen_dtype = "bfloat16" if args.lora else ""
+  if args.lora:
+    config.train.ema_decay = 0.0
   if args.runlocal:
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
     config.train.update(steps=200, global_batch_size=8, learning_rate=1e-3, warmup_fraction=0.05,

@@ -137,10 +137,19 @@ def plan_train_state(model_config, train, tx, mesh: Mesh, rules: Rules, seed: in
     return jax.ShapeDtypeStruct(x.shape, param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
   abstract_params = jax.tree.map(cast, params)
+  # train.frozen_dtype: store the frozen weights in this dtype (e.g. bfloat16 under LoRA, as openpi
+  # does: half the memory of a frozen fp32 LLM); "" keeps the model's param_dtype.
+  frozen_dtype = jnp.dtype(train.frozen_dtype) if train.get("frozen_dtype") else None
+
+  def cast_frozen(x):
+    x = _to_struct(x)
+    floating = frozen_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+    return jax.ShapeDtypeStruct(x.shape, frozen_dtype) if floating else x
+
   ema = train.ema_decay > 0
   abstract = TrainState(
       step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
-      frozen=jax.tree.map(_to_struct, frozen), rest=jax.tree.map(_to_struct, rest),
+      frozen=jax.tree.map(cast_frozen, frozen), rest=jax.tree.map(_to_struct, rest),
       opt_state=jax.eval_shape(tx.init, abstract_params), ema_params=abstract_params if ema else None,
       rng=_to_struct(state_rng))
   return StatePlan(abstract, tree_shardings(abstract, mesh, rules), params, frozen, rest, deferred, state_rng,
