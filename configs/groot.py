@@ -65,6 +65,10 @@ def get_config(arg: str | None = None):
     args.runlocal = True  # the longer CPU recipe is runlocal on all 15 tasks (_suites)
   config = common.base_config()
   config.model = groot.model_config("runlocal" if args.runlocal else "full")
+  # LoRA adapters (ejax/models/lora.py) on the DiT's or the frozen LLM's attention and MLP; rank 0 = off,
+  # e.g. --config.model.lora.dit.rank=32 (adapters train, the adapted weights stay frozen).
+  config.model.lora = dict(llm=dict(rank=0, alpha=0.0, targets="attn,ffn"),
+                           dit=dict(rank=0, alpha=0.0, targets="attn,ffn"))
   config.data.update(name="lerobot", horizon=config.model.action_horizon,
                      image_size=(config.model.vision.image_size,) * 2, normalization="mean_std")
   # FSDP over every device: 2.4B parameters with Adam state for the trainable 1.1B.
