@@ -145,6 +145,7 @@ def test_async_two_processes_bound_lag_stop_together_on_sigterm_and_resume_on_on
   assert resumed["lag_max"] <= 2
 
 
+@pytest.mark.slow  # the mechanism (ejax/parallel/watchdog.py) is the train job's, tested in CI there
 def test_a_killed_peer_ends_the_other_in_one_line_naming_the_version_to_resume_from(tmp_path):
   workdir = tmp_path / "run"
   procs = launch(workdir, processes=2, updates=400)
