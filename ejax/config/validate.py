@@ -98,15 +98,14 @@ def _check_wandb(metrics: ConfigDict) -> None:
 
 
 def _check_init_weights(path: str) -> None:
-  """train.init_weights holds what the convert job imports, not a run's checkpoints (which resume instead)."""
-  from ejax.checkpoint.kinds import RL, TRAIN, checkpoint_kind
+  """train.init_weights holds what the convert job imports or a train run's checkpoints (whose
+  weights start a new run); an rl job's checkpoints are neither."""
+  from ejax.checkpoint.kinds import RL, checkpoint_kind
   resolved = os.path.abspath(os.path.expanduser(path))
-  kinds = {checkpoint_kind(resolved)} | {checkpoint_kind(os.path.join(resolved, name))
-                                          for name in ("checkpoints", "rl_checkpoints")}
-  if kinds & {TRAIN, RL}:
-    raise ConfigError(f"train.init_weights={path!r} holds an ejax job's checkpoints, not imported weights: to continue "
-                      "that run, run its command again with its --workdir (it resumes); init_weights takes the "
-                      "destination of --config.job=convert --config.convert.direction=import")
+  kinds = {checkpoint_kind(resolved)} | {checkpoint_kind(os.path.join(resolved, "rl_checkpoints"))}
+  if RL in kinds:
+    raise ConfigError(f"train.init_weights={path!r} holds an rl job's checkpoints: init_weights takes a train run's "
+                      "checkpoints or the destination of --config.job=convert --config.convert.direction=import")
 
 
 def _positive(section: ConfigDict, key: str, prefix: str) -> None:

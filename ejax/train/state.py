@@ -346,11 +346,13 @@ def _loaded_leaves(plan: StatePlan, loaded: dict) -> dict:
 
 
 def read_weights(directory: str, plan: StatePlan) -> dict:
-  """Parameters imported by the convert job (an orbax checkpoint of the model's nnx.Param state),
-  restored straight into the plan's dtypes and shardings; a pure dict for materialize(plan, loaded).
+  """Starting weights, restored straight into the plan's dtypes and shardings; a pure dict for
+  materialize(plan, loaded). `directory` holds either the convert job's import (an orbax checkpoint
+  of the model's nnx.Param state) or a train run's checkpoints (its newest step's weights, EMA ones
+  if it kept them, start a new run: a LoRA fine-tune of a trained policy, say).
 
-  Parameters the checkpoint lacks are left to their initializers (how many is logged); a tensor the
-  model does not have, or of another shape, is a one-line error."""
+  Parameters the checkpoint lacks (new LoRA adapters, say) are left to their initializers (how many
+  is logged); a tensor the model does not have, or of another shape, is a one-line error."""
   import orbax.checkpoint as ocp
   from absl import logging
 
@@ -358,10 +360,11 @@ def read_weights(directory: str, plan: StatePlan) -> dict:
   path = os.path.abspath(os.path.expanduser(directory))
   if not os.path.isdir(path):
     raise UserError(f"train.init_weights={directory!r} is not a directory: give the destination of the convert "
-                    "job (--config.job=convert --config.convert.direction=import)")
+                    "job (--config.job=convert --config.convert.direction=import) or a train run's checkpoints")
+  train_state = _train_checkpoint_state(path)
   checkpointer = ocp.StandardCheckpointer()
   try:
-    saved = checkpointer.metadata(path).item_metadata.tree
+    saved = checkpointer.metadata(train_state or path).item_metadata.tree
   except Exception as error:  # not an orbax checkpoint, or a damaged one
     raise UserError(f"train.init_weights={directory!r} is not an orbax checkpoint of imported weights ({error}): "
                     "write one with the convert job") from None
@@ -374,6 +377,8 @@ def read_weights(directory: str, plan: StatePlan) -> dict:
       if isinstance(value, dict):
         out[key] = target(value, name + "/")
         continue
+      if name not in paths and name.endswith("/value"):  # a train state keeps nnx Variables' {"value": ...}
+        name = name[:-len("/value")]
       if name not in paths:
         raise UserError(f"train.init_weights: tensor {name} {tuple(value.shape)} has no parameter in config.model: "
                         "import weights of the same model and size")
@@ -384,11 +389,45 @@ def read_weights(directory: str, plan: StatePlan) -> dict:
       out[key] = jax.ShapeDtypeStruct(struct.shape, struct.dtype, sharding=sharding)
     return out
 
-  restored = checkpointer.restore(path, target(saved))
+  if train_state is None:
+    restored = checkpointer.restore(path, target(saved))
+  else:
+    # A train state: the model's weights are its trained part (EMA when kept) plus its frozen part;
+    # the optimizer state and the rest stay on disk.
+    weights = "ema_params" if isinstance(saved.get("ema_params"), dict) and saved["ema_params"] else "params"
+    wanted = {weights: target(saved[weights]), "frozen": target(saved.get("frozen") or {})}
+    state = ocp.PyTreeCheckpointer().restore(train_state, args=ocp.args.PyTreeRestore(
+        item=wanted, restore_args=ocp.checkpoint_utils.construct_restore_args(wanted), partial_restore=True))
+    restored = _merge_trees(_strip_values(state[weights]), _strip_values(state["frozen"]))
   missing = len(paths) - len(_flat_pure(restored))
-  logging.info("imported weights %s: %d parameters loaded, %d left to their initializers", directory,
+  logging.info("initial weights %s: %d parameters loaded, %d left to their initializers", directory,
                len(paths) - missing, missing)
   return restored
+
+
+def _train_checkpoint_state(path: str) -> str | None:
+  """The state item of the newest step when `path` is a train run's checkpoints (or its workdir)."""
+  from ejax.checkpoint.kinds import TRAIN, checkpoint_kind, numbered
+  for candidate in (path, os.path.join(path, "checkpoints")):
+    if checkpoint_kind(candidate) == TRAIN:
+      return os.path.join(candidate, str(numbered(candidate)[-1]), "state")
+  return None
+
+
+def _strip_values(tree):
+  """{"kernel": {"value": x}} -> {"kernel": x} (nnx Variables in a saved state)."""
+  if isinstance(tree, dict):
+    if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+      return tree["value"]
+    return {key: _strip_values(value) for key, value in tree.items()}
+  return tree
+
+
+def _merge_trees(a: dict, b: dict) -> dict:
+  out = dict(a)
+  for key, value in b.items():
+    out[key] = _merge_trees(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+  return out
 
 
 def create_train_state(model_config, train, tx, mesh: Mesh, rules: Rules, seed: int) -> tuple[TrainState, Any]:

@@ -156,6 +156,22 @@ def test_the_train_job_starts_from_imported_weights(tmp_path):
   result = train(config, str(tmp_path / "run"))
   assert result["final_step"] == 1
 
+  # A train run's checkpoints start a new run from its newest weights (a LoRA fine-tune of a trained
+  # policy, say): its trained part (EMA when kept) and its frozen part, nothing of its optimizer.
+  import orbax.checkpoint as ocp
+  from ejax.checkpoint.kinds import numbered
+  step_dir = tmp_path / "run" / "checkpoints"
+  saved = ocp.StandardCheckpointer().restore(str(step_dir / str(numbered(str(step_dir))[-1]) / "state"))
+  trained = saved["ema_params"] if saved.get("ema_params") else saved["params"]
+  with mesh:
+    state = state_lib.materialize(plan, state_lib.read_weights(str(tmp_path / "run"), plan))
+  got = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state.params)}
+  want = state_lib._flat_pure(state_lib._strip_values(trained))
+  assert got.keys() == want.keys()
+  for name, value in want.items():
+    np.testing.assert_array_equal(got[name], np.asarray(value))
+  assert any(not np.array_equal(got[name], imported[name]) for name in got)  # the step moved them
+
   other = tiny_config()
   other.model.width = 64
   bigger = get_model_spec(other.model.name).create(other.model, nnx.Rngs(0))
