@@ -20,7 +20,8 @@ from tests.train.helpers import REPO
 LAUNCHES = int(os.environ.get("EJAX_LAUNCHES", "20"))
 RECIPES = {
     "sft": (["--config=configs/groot.py:runlocal,dataset=synthetic,steps=60"], r"train: process {i} of 2 finished at step 60"),
-    "rl": (["--config=configs/rl_vla3.py:runlocal,task=point_reach"], r"RL done"),  # process 0: "RL done: ...", the others: "RL done on process q: ..."
+    # Process 0 ends "RL done: ...", the others "RL done on process q: ...".
+    "rl": (["--config=configs/rl_vla3.py:runlocal,task=point_reach"], r"RL done"),
 }
 
 
