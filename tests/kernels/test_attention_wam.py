@@ -66,22 +66,30 @@ def test_mask_ids_give_the_official_mask():
   assert Layout(grid_height=5, grid_width=10).length == 1000
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
-def test_wam_attention_matches_the_official_blocks(impl):
+@pytest.fixture(scope="module")
+def case():
+  """Inputs, the mask arguments and the specification's values and gradients (computed once)."""
   rng = np.random.default_rng(0)
   shape = (2, LAYOUT.length, HEADS, HEAD_DIM)
   q, k, v, d_out = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(4))
   keys, groups = (jnp.broadcast_to(jnp.asarray(x), (2, LAYOUT.length)) for x in wam_mask_ids(LAYOUT))
   kwargs = dict(mask_kind="wam", q_positions=keys, kv_positions=keys, q_block_ids=groups, kv_block_ids=groups)
-  interpret = jax.default_backend() != "gpu"  # a GPU compiles the Triton kernels
-  tested = lambda q, k, v: flash_attention(q, k, v, impl=impl, block_sizes=BLOCKS, interpret=interpret, **kwargs)
   spec = lambda q, k, v: official_blockwise(q, k, v, LAYOUT)
-  grad = lambda attend: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(attend(*a) * d_out), argnums=(0, 1, 2)))
-  np.testing.assert_allclose(tested(q, k, v), spec(q, k, v), atol=2e-5, rtol=2e-5)
-  (got_value, got), (want_value, want) = grad(tested)(q, k, v), grad(spec)(q, k, v)
-  np.testing.assert_allclose(got_value, want_value, rtol=1e-5)
-  for name, g, w in zip("qkv", got, want):
-    np.testing.assert_allclose(g, w, atol=2e-5 * float(jnp.abs(w).max()), err_msg=f"d{name} of impl={impl}")
+  value, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(spec(*a) * d_out), argnums=(0, 1, 2)))(q, k, v)
+  return dict(qkv=(q, k, v), d_out=d_out, kwargs=kwargs, out=jax.jit(spec)(q, k, v), value=value, grads=grads)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_wam_attention_matches_the_official_blocks(case, impl):
+  interpret = jax.default_backend() != "gpu"  # a GPU compiles the Triton kernels
+  tested = lambda q, k, v: flash_attention(q, k, v, impl=impl, block_sizes=BLOCKS, interpret=interpret,
+                                           **case["kwargs"])
+  q, k, v = case["qkv"]
+  np.testing.assert_allclose(jax.jit(tested)(q, k, v), case["out"], atol=2e-5, rtol=2e-5)
+  value, grads = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(tested(*a) * case["d_out"]), argnums=(0, 1, 2)))(q, k, v)
+  np.testing.assert_allclose(value, case["value"], rtol=1e-5)
+  for name, got, want in zip("qkv", grads, case["grads"]):
+    np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()), err_msg=f"d{name} of impl={impl}")
 
 
 def test_tiles_the_mask_forbids_are_skipped():

@@ -91,6 +91,8 @@ def test_loss_is_the_sum_of_video_and_action_terms_and_trains_only_the_dit(runlo
   assert max(frozen) == 0.0  # umT5, CLIP and the VAE sit behind stop_gradient
 
 
+@pytest.mark.slow  # ~20 s; implied in CI by test_chunk_by_chunk_kv_cache_matches_teacher_forcing (the chunk
+#                   path never sees later tokens) and the mask tests in tests/kernels/test_attention_wam.py
 def test_first_chunk_does_not_see_later_chunks_or_later_clean_frames(runlocal, teacher_forced):
   """The WAM mask through the whole DiT: chunk 0's video and action outputs depend on the first clean
   frame, its own noisy latents and actions, but not on clean frames of chunk 0 onwards or on chunk 1."""
@@ -175,6 +177,7 @@ def test_unpatchify_inverts_the_head_layout():
   np.testing.assert_array_equal(dz.unpatchify(tokens, (1, 2, 2), (3, 4, 6)), latents)
 
 
+@pytest.mark.slow  # ~50 s of compilation: two KV caches and a guided chunk step
 def test_sample_chunk_shapes_guidance_and_determinism(runlocal):
   """The policy step: the chunk's actions and latents, finite and deterministic for a key; guidance
   changes the video (one Euler step: the actions take the conditional velocity, as the official
