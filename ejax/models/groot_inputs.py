@@ -38,10 +38,10 @@ from ejax.data import row_plan
 from ejax.data.packing import pack_sequences
 from ejax.errors import BatchError
 from ejax.models import perception
+from ejax.models.perception.targets import check_state, targets
 from ejax.models.qwen_tokenizer import QwenTokenizer, eagle_prompt, load_tokenizer
 
 IMAGE_PREFIX = "observation.images."
-OUT_OF_VIEW = 10.0  # a keypoint label outside [-1, 1]: not in the image, no heatmap loss
 
 
 def tokens_per_image(model_config) -> int:
@@ -143,31 +143,7 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
       "state": states.astype(np.float32), "actions": actions.astype(np.float32),
       "action_mask": action_masks.astype(np.float32),
   }
-  settings = perception.read(model_config)
-  aux_dim = settings.estimate.dim if settings else 0
-  if aux_dim:
-    aux_states = aux_states if aux_states is not None else [None] * n
-    batch["aux_state"] = np.zeros((n, aux_dim), np.float32)
-    batch["aux_mask"] = np.zeros((n,), np.float32)
-    for i, value in enumerate(aux_states):
-      if value is not None:
-        value = np.asarray(value, np.float32).reshape(-1)
-        if value.shape[0] != aux_dim:
-          raise BatchError(f"the auxiliary state has {value.shape[0]} dims, model.perception.estimate.dim is {aux_dim}")
-        batch["aux_state"][i], batch["aux_mask"][i] = value, 1.0
-  points = settings.detectors.points if settings else 0
-  if points:
-    # Keypoint labels [n, cameras * points * 2], (x, y) in [-1, 1] where in view; a sample without them
-    # gets an out-of-view label everywhere (no heatmap loss).
-    width = model_config.num_cameras * points * 2
-    batch["aux_pixels"] = np.full((n, width), OUT_OF_VIEW, np.float32)
-    for i, value in enumerate(aux_pixels if aux_pixels is not None else [None] * n):
-      if value is not None:
-        value = np.asarray(value, np.float32).reshape(-1)
-        if value.shape[0] != width:
-          raise BatchError(f"the keypoint labels have {value.shape[0]} values, model.perception.detectors.points={points} in "
-                           f"{model_config.num_cameras} cameras need {width}")
-        batch["aux_pixels"][i] = value
+  batch.update(targets(perception.read(model_config), n, aux_states, aux_pixels))
   return batch
 
 
@@ -183,7 +159,6 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
   target of model.perception's estimate, `pixel_key` its detectors' keypoint labels."""
   c = model_config
   settings = perception.read(c)
-  data_dims = settings.layout.data_dims if settings else c.max_state_dim
   cameras = sorted(k for k in samples[0] if k.startswith(IMAGE_PREFIX))
   if len(cameras) != c.num_cameras:
     raise BatchError(f"samples have {len(cameras)} cameras {cameras} but config.model.num_cameras={c.num_cameras}")
@@ -193,11 +168,7 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
     prompts.append(prompt_ids(c, tokenizer, task, len(cameras)))
     images += [_resize(np.asarray(sample[k], np.uint8), batch_image_size(c)) for k in cameras]
     state = np.asarray(sample["observation.state"], np.float32)
-    reserved = c.max_state_dim - data_dims
-    if reserved and state.shape[-1] > data_dims:
-      raise BatchError(f"model.perception puts {reserved} values in the state's last slots: the "
-                       f"{state.shape[-1]}-d state leaves no room in max_state_dim={c.max_state_dim} (raise it "
-                       f"to {state.shape[-1] + reserved})")
+    check_state(settings, state.shape[-1])
     states.append(_pad_to(state, c.max_state_dim, 0, "state"))
     action = np.asarray(sample["action"], np.float32)
     if action.shape[0] != c.action_horizon:

@@ -10,6 +10,12 @@ The prefix sees itself bidirectionally, the suffix sees the prefix and itself, t
 the suffix (block-causal mask from per-token ar flags). Sampling fills the prefix KV cache once and
 runs 10 Euler steps of the expert only.
 
+model.perception (empty: as released) hooks the simulator-trained perception module
+(ejax/models/perception/) as GR00T does: once per batch it reads each sample's cameras, its prompt's
+text embeddings and its state vector (batch["state"], beside the prompt's bins), adds its own losses,
+and what it writes into the state's slots joins the expert's adaRMS conditioning through a projection
+that starts at zero.
+
 Packed inputs (built by `ejax.models.pi05_inputs`): the prefixes of several samples share a row of
 `packing.row_length` tokens (segment ids, per-sample positions; no padding tokens and no tokens for
 masked camera slots), and each row carries `packing.samples_per_row` action-chunk slots of
@@ -30,7 +36,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from ejax.models import flow, gemma, layers, pi05_inputs
+from ejax.models import flow, gemma, layers, perception, pi05_inputs
 from ejax.models.registry import ModelSpec
 from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
 from ejax.parallel import axes as ax
@@ -76,6 +82,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.packing = dict(row_length=0, samples_per_row=0, max_images_per_sample=3, max_row_length=4096, probe_samples=512)
   c.remat = "full"
   c.attention_impl = "auto"
+  c.perception = {}                 # simulator-trained perception aids (ejax/models/perception/); {}: as released
   # openpi fine-tunes every parameter by default (pi05 configs have no freeze filter).
   c.train_vision = True
   c.train_llm = True
@@ -137,6 +144,18 @@ class Pi05(nnx.Module):
     self.time_mlp_in = layers.Dense(width, width, axes=(ax.EMBED, ax.MLP), **common)
     self.time_mlp_out = layers.Dense(width, width, axes=(ax.MLP, ax.EMBED), **common)
     self.action_out_proj = layers.Dense(width, config.action_dim, axes=(ax.EMBED, ax.IN_FEATURES), **common)
+    # The hook: model.perception's module (None: the released model). pi0.5 reads the state as prompt
+    # tokens, so what the module writes into the state's slots reaches the action expert through the
+    # adaRMS conditioning instead, by a projection that starts at zero (the released behaviour).
+    settings = perception.read(config)
+    self.perception = self.perception_cond = nnx.data(None)
+    if settings is not None:
+      if settings.image_size not in (0, vision_config.image_size):
+        raise ValueError(f"pi0.5's model.perception.image_size must be the tower's ({vision_config.image_size}) or 0")
+      self.perception = perception.Perception(settings, llm_config.width, **common)
+      if settings.layout.reserved:
+        self.perception_cond = layers.Dense(settings.layout.reserved, width, axes=(ax.IN_FEATURES, ax.EMBED),
+                                            kernel_init=nnx.initializers.zeros, **common)
 
   # -- prefix -----------------------------------------------------------------------------------
 
@@ -167,13 +186,17 @@ class Pi05(nnx.Module):
       raise ValueError(f"suffix length {suffix_len} is not a multiple of action_horizon {horizon}")
     return rows, suffix_len // horizon, horizon
 
-  def embed_suffix(self, batch, noisy_actions: jax.Array, t: jax.Array) -> gemma.Stream:
-    """Per-sample noisy chunks [n, H, A] and times [n] scattered into their rows' suffix slots."""
+  def embed_suffix(self, batch, noisy_actions: jax.Array, t: jax.Array, seen=None) -> gemma.Stream:
+    """Per-sample noisy chunks [n, H, A] and times [n] scattered into their rows' suffix slots; `seen`:
+    what the perception module saw (its state slots join the conditioning)."""
     rows, slots, horizon = self._suffix_layout(batch)
     dtype = self.dtype
     tokens = self.action_in_proj(noisy_actions.astype(dtype))  # [n, H, W]
     cond = time_embedding(t, tokens.shape[-1]).astype(dtype)
     cond = jax.nn.swish(self.time_mlp_out(jax.nn.swish(self.time_mlp_in(cond))))  # [n, W]
+    if seen is not None and self.perception_cond is not None:
+      slots_written = seen.state[:, self.perception.config.layout.data_dims:]
+      cond = cond + self.perception_cond(slots_written.astype(dtype))
     slot = pi05_inputs.sample_rows(batch, xp=jnp) * slots + batch["sample_slot"]  # [n] into rows x slots
     width = tokens.shape[-1]
     x = set_rows(jnp.zeros((rows * slots, horizon, width), dtype), slot, tokens)
@@ -196,6 +219,23 @@ class Pi05(nnx.Module):
 
   # -- the registry interface -------------------------------------------------------------------
 
+  def perceive(self, batch, rng=None):
+    """The perception module's view of the batch, once (None without one): each sample's cameras, the
+    mean of its prompt's text-token embeddings as the instruction, the state vector."""
+    if self.perception is None:
+      return None
+    n, cameras = batch["sample_row_offset"].shape[0], self.config.num_cameras
+    if batch["images"].shape[0] != n * cameras:
+      raise ValueError(f"model.perception reads {cameras} cameras a sample; the batch has {batch['images'].shape[0]} "
+                       f"images for {n} samples: set packing.max_images_per_sample={cameras} and give every camera")
+    rows = pi05_inputs.sample_rows(batch, xp=jnp)
+    mask = ((batch["prefix_segment_ids"][rows] == (batch["sample_slot"] + 1)[:, None])
+            & ~batch["prefix_is_image"][rows]).astype(jnp.float32)
+    embedded = self.llm.embed(batch["prefix_tokens"][rows], jnp.float32)
+    instruction = jnp.einsum("nl,nld->nd", mask, embedded) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+    images = normalize_images(batch["images"], self.dtype)
+    return self.perception(images, instruction, jnp.asarray(batch["state"]), targets=batch, rng=rng)
+
   def _run(self, streams, **kwargs):
     return gemma.run_mixture([self.llm, self.expert], streams, dtype=self.dtype, remat=self.config.remat,
                              attention_impl=self.config.attention_impl, **kwargs)
@@ -206,15 +246,16 @@ class Pi05(nnx.Module):
     `time` [n] / `noise` [n, H, A] fix the draws (tests); the per-sample loss is the mean squared
     velocity error over the real action entries (action_mask), the loss their mean over the batch.
     """
-    del train  # pi0.5 has no dropout
     time_rng, noise_rng = jax.random.split(rng)
     actions = batch["actions"].astype(jnp.float32)
     n = actions.shape[0]
     t = flow.sample_time(time_rng, n, convention="openpi") if time is None else time
     noise = jax.random.normal(noise_rng, actions.shape, jnp.float32) if noise is None else noise
     noisy, target = flow.interpolate(noise, actions, t, convention="openpi")
+    # pi0.5 has no dropout: a training step's rng only noises the perception module's teacher
+    seen = self.perceive(batch, jax.random.fold_in(rng, 2) if train else None)
     prefix = self.embed_prefix(batch)
-    suffix = self.embed_suffix(batch, noisy, t)
+    suffix = self.embed_suffix(batch, noisy, t, seen)
     (_, suffix_out), _ = self._run([prefix, suffix])
     velocity = self._velocity_from_suffix(batch, suffix_out)
     mask = batch["action_mask"].astype(jnp.float32)
@@ -222,16 +263,22 @@ class Pi05(nnx.Module):
     real = jnp.sum(mask, axis=(1, 2))
     per_sample_loss = jnp.sum(squared, axis=(1, 2)) / jnp.maximum(real, 1.0)
     loss = jnp.sum(squared) / jnp.maximum(jnp.sum(real), 1.0)
-    return loss, {"per_sample_loss": per_sample_loss, "flow_loss": loss}
+    metrics = {"per_sample_loss": per_sample_loss, "flow_loss": loss}
+    if seen is not None:
+      for name, (weight, value) in self.perception.losses(seen, batch, batch["images"]).items():
+        metrics[name] = value
+        loss = loss + weight * value
+    return loss, metrics
 
   def velocity_fn(self, batch):
     """velocity_fn(x [n, H, A], t [n]) for ejax.models.flow; the prefix KV cache is filled here,
     once, and every call runs only the action expert against it."""
     prefix = self.embed_prefix(batch)
     _, cache = self._run([prefix, None], return_kv_cache=True)
+    seen = self.perceive(batch)   # once, like the prefix's cache
 
     def fn(x, t):
-      (_, suffix_out), _ = self._run([None, self.embed_suffix(batch, x, t)], kv_cache=cache)
+      (_, suffix_out), _ = self._run([None, self.embed_suffix(batch, x, t, seen)], kv_cache=cache)
       return self._velocity_from_suffix(batch, suffix_out)
     return fn
 
@@ -268,12 +315,15 @@ def example_batch(model_config, batch_size: int, seed: int = 0):
 def make_collate(model_config, data_config=None):
   """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path
   (on ejax.sim's recorded demonstrations without one: a tokenizer built locally from the suites'
-  instructions, ejax.models.paligemma_tokenizer.sim_suites_tokenizer)."""
+  instructions, ejax.models.paligemma_tokenizer.sim_suites_tokenizer); with model.perception, its targets
+  from data.aux_state_key / aux_pixel_key."""
+  data = data_config if data_config is not None else {}
+  keys = dict(aux_key=data.get("aux_state_key", None), pixel_key=data.get("aux_pixel_key", None))
   if not model_config.tokenizer_path and data_config is not None and data_config.get("name") == "sim_demos":
     from ejax.models.paligemma_tokenizer import PaligemmaTokenizer, sim_suites_tokenizer
     return pi05_inputs.make_collate(model_config, PaligemmaTokenizer(sim_suites_tokenizer(),
-                                                                     max_len=model_config.max_token_len))
-  return pi05_inputs.make_collate(model_config)
+                                                                     max_len=model_config.max_token_len), **keys)
+  return pi05_inputs.make_collate(model_config, **keys)
 
 
 SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,

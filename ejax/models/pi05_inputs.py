@@ -34,6 +34,8 @@ import numpy as np
 from ejax.data import row_plan
 from ejax.data.packing import pack_sequences
 from ejax.errors import BatchError
+from ejax.models import perception
+from ejax.models.perception.targets import check_state, targets
 from ejax.models.paligemma_tokenizer import PaligemmaTokenizer
 
 IMAGE_PREFIX = "observation.images."
@@ -198,17 +200,22 @@ def present_cameras(sample: dict) -> list[str]:
 
 
 def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *, num_rows: int | None = None,
-            seed: int = 0, pack: bool = True) -> dict[str, np.ndarray]:
-  """Tokenises (task + discretised state), resizes, pads and packs pipeline samples into a batch."""
+            seed: int = 0, pack: bool = True, aux_key: str | None = None,
+            pixel_key: str | None = None) -> dict[str, np.ndarray]:
+  """Tokenises (task + discretised state), resizes, pads and packs pipeline samples into a batch; with
+  model.perception also the state as a vector and the module's targets (`aux_key`, `pixel_key`)."""
   c = model_config
-  prompts, images, actions, masks = [], [], [], []
+  settings = perception.read(c)
+  prompts, images, actions, masks, states = [], [], [], [], []
   for index, sample in enumerate(samples):
     cameras = present_cameras(sample)
     if len(cameras) > c.num_cameras:
       raise BatchError(f"sample {index} has {len(cameras)} cameras {cameras} > config.model.num_cameras "
                        f"{c.num_cameras}")
+    check_state(settings, np.asarray(sample["observation.state"]).size)
     state = _pad_to(np.asarray(sample["observation.state"], np.float32).reshape(-1), c.max_state_dim, 0,
                     "max_state_dim")
+    states.append(state)
     prompts.append(tokenizer.tokenize_prompt(str(sample["task"]), state))
     images.append([resize_with_pad(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras])
     action = np.asarray(sample["action"], np.float32)
@@ -220,20 +227,35 @@ def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *,
     mask[:, :action.shape[1]] = real_steps[:, None]
     actions.append(_pad_to(action, c.action_dim, 1, "action_dim"))
     masks.append(mask)
-  return assemble(c, prompts, images, np.stack(actions), np.stack(masks), num_rows=num_rows, seed=seed, pack=pack)
+  batch = assemble(c, prompts, images, np.stack(actions), np.stack(masks), num_rows=num_rows, seed=seed, pack=pack)
+  return with_perception(batch, c, np.stack(states), [s.get(aux_key) for s in samples] if aux_key else None,
+                         [s.get(pixel_key) for s in samples] if pixel_key else None)
 
 
-def make_collate(model_config, tokenizer: PaligemmaTokenizer | None = None) -> Callable[[list[dict]], dict]:
+def with_perception(batch: dict, model_config, states: np.ndarray, aux_states=None, aux_pixels=None) -> dict:
+  """The batch with what model.perception reads beside the prompt (the state as a vector [n,
+  max_state_dim]) and trains on (perception.targets); unchanged without model.perception."""
+  settings = perception.read(model_config)
+  if settings is None:
+    return batch
+  return dict(batch, state=states.astype(np.float32), **targets(settings, states.shape[0], aux_states, aux_pixels))
+
+
+def make_collate(model_config, tokenizer: PaligemmaTokenizer | None = None, *, aux_key: str | None = None,
+                 pixel_key: str | None = None) -> Callable[[list[dict]], dict]:
   # The train job chooses an auto row from the dataset first (ejax.train.inputs); elsewhere (a policy
   # built from a config, not a checkpoint) the example batch's choice stands.
   model_config = example_config(model_config)
   tokenizer = tokenizer or PaligemmaTokenizer(model_config.tokenizer_path, max_len=model_config.max_token_len)
-  return lambda samples: collate(samples, model_config, tokenizer)
+  return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key, pixel_key=pixel_key)
 
 
 def example_cameras(model_config) -> int:
   """Cameras present in every example sample: all image slots but the last, as one dataset has a fixed
-  set (pi05_libero: the base and left-wrist cameras of three slots, the right wrist absent)."""
+  set (pi05_libero: the base and left-wrist cameras of three slots, the right wrist absent); every camera
+  with model.perception, which reads each sample's cameras in turn."""
+  if perception.read(model_config) is not None:
+    return model_config.num_cameras
   return max(1, min(model_config.num_cameras, int(model_config.packing.max_images_per_sample)) - 1)
 
 
@@ -282,4 +304,9 @@ def example_batch(model_config, batch_size: int, seed: int = 0, *, pack: bool = 
     steps = c.action_horizon - int(rng.integers(0, c.action_horizon // 4 + 1))
     actions[i, :, :dims] = rng.uniform(-1, 1, (c.action_horizon, dims))
     masks[i, :steps, :dims] = 1.0
-  return assemble(c, prompts, images, actions, masks, seed=seed, pack=pack)
+  batch = assemble(c, prompts, images, actions, masks, seed=seed, pack=pack)
+  states = np.zeros((batch_size, c.max_state_dim), np.float32)
+  settings = perception.read(c)
+  if settings is not None:
+    states[:, :settings.layout.data_dims] = rng.uniform(-1, 1, (batch_size, settings.layout.data_dims))
+  return with_perception(batch, c, states)

@@ -150,3 +150,40 @@ def test_flow_sde_log_prob_recomputes_from_the_stored_chain(config, model, batch
   assert sample.chain.shape == (BATCH, config.num_inference_steps + 1, config.action_horizon, config.action_dim)
   np.testing.assert_allclose(log_prob(model, packed, sample.chain, sample.step_index), sample.log_prob,
                              rtol=1e-4, atol=1e-3)
+
+
+def test_the_perception_hook_is_wired_and_starts_as_the_released_model():
+  """model.perception on pi0.5: its batch carries the state vector and the module's targets, the loss
+  adds the module's own losses, and what it writes into the state's slots joins the action expert's
+  conditioning through a projection that starts at zero (the released model's flow loss and actions)
+  and that the flow loss trains."""
+  from ejax.models import perception
+  c = pi05.model_config("runlocal")
+  c.max_state_dim = 4 + 2 + 2 * 2 * 2   # the data's 4, a 2-d estimate, 2 points x 2 cameras x (x, y)
+  c.packing.update(max_images_per_sample=2, row_length=256)
+  c.perception = perception.default_config()
+  c.perception.update(image_size=0)
+  c.perception.estimate.update(dim=2, width=16)
+  model = layers.host_random_init(nnx.eval_shape(lambda: pi05.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  fresh = pi05.create(c, nnx.Rngs(0)).perception_cond   # as initialised: zero
+  for name in ("kernel", "bias"):
+    assert not np.asarray(getattr(fresh, name)[...]).any()
+    getattr(model.perception_cond, name)[...] = getattr(fresh, name)[...]
+  batch = pi05.example_batch(c, 4, seed=3)
+  assert batch["state"].shape == (4, 14) and not batch["state"][:, 4:].any()
+  assert batch["aux_state"].shape == (4, 2) and batch["aux_pixels"].shape == (4, 8)
+  labelled = dict(batch, aux_state=np.full((4, 2), 0.5, np.float32), aux_mask=np.ones(4, np.float32))
+  time, noise = jnp.full((4,), 0.5), jnp.asarray(np.random.default_rng(0).normal(size=batch["actions"].shape),
+                                                  jnp.float32)
+  loss_fn = lambda m, b: m.compute_loss(b, jax.random.key(1), time=time, noise=noise, train=False)
+  loss, metrics = nnx.jit(loss_fn)(model, labelled)
+  np.testing.assert_allclose(loss, metrics["flow_loss"] + metrics["aux_state_loss"] + metrics["aux_heatmap_loss"],
+                             rtol=1e-5)
+  grads = nnx.jit(nnx.grad(lambda m, b: loss_fn(m, b)[1]["flow_loss"]))(model, labelled)
+  assert float(jnp.abs(grads.perception_cond.kernel[...]).sum()) > 0
+  assert float(jnp.abs(grads.perception.readout_out.kernel[...]).sum()) == 0   # the estimate learns by its own loss
+  sampled = nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(2), noise=noise))(model, batch)
+  model.perception = model.perception_cond = nnx.data(None)   # the released model on the same weights
+  np.testing.assert_allclose(nnx.jit(loss_fn)(model, labelled)[1]["flow_loss"], metrics["flow_loss"], rtol=1e-6)
+  np.testing.assert_allclose(nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(2), noise=noise))(model, batch),
+                             sampled, rtol=1e-6, atol=1e-6)
