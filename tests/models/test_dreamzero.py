@@ -34,8 +34,10 @@ def test_summary_counts_match_the_published_components(variant, dit, dit_with_en
   assert counts["image_encoder"] == pytest.approx(0.632e9, rel=0.01)    # CLIP ViT-H/14 vision, ~0.63B
   assert counts["vae"] == pytest.approx(vae, rel=0.01)
   assert result["trainable_params"] == counts["dit"] + counts["per_embodiment"]
-  # FSDP over 8 devices: no parameter of the DiT or the encoders is left whole on every device.
+  # FSDP over 8 devices: no parameter of the DiT or the encoders is left whole on every device, and
+  # each device holds an eighth of the parameters (the VAE's convolutions included).
   assert result["largest_replicated_param"]["bytes"] < 64 * 2**20
+  assert result["total_param_bytes_per_device"] < 4 * result["total_params"] / 8 * 1.01
 
 
 def test_sample_layout_of_the_published_sizes():
