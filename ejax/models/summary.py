@@ -69,15 +69,20 @@ def _shard_elements(shape: Sequence[int], spec, mesh_shape: Mapping[str, int]) -
 
 
 def summarize(model_config, mesh_sizes: Mapping[str, int], rules: Sequence[tuple[str, Any]],
-              num_devices: int | None = None) -> dict[str, Any]:
-  """Counts and per-device bytes of the model's parameters (nnx.Param) under a mesh and rules."""
+              num_devices: int | None = None, train=None) -> dict[str, Any]:
+  """Counts and per-device bytes of the model's parameters (nnx.Param) under a mesh and rules; with
+  `train` (config.train) also the train state a device holds: trained parameters in the master
+  dtype with their Adam moments (and EMA copy), frozen ones in train.frozen_dtype."""
   module = model_module(model_config.name)
   components: Mapping[str, Sequence[str]] = getattr(module, "COMPONENTS", {})
   model = abstract_model(model_config)
-  trainable_paths = None
-  if hasattr(module, "trainable_filter"):
-    trainable_state = nnx.state(model, module.trainable_filter(model_config))
-    trainable_paths = {_path_string(p) for p, _ in nnx.to_flat_state(trainable_state)}
+  # The registry's filter: the model's own, with LoRA's adapters (ejax.models.lora) when configured.
+  trainable_state = nnx.state(model, get_model_spec(model_config.name).trainable_filter(model_config))
+  trainable_paths = {_path_string(p) for p, _ in nnx.to_flat_state(trainable_state)}
+  state_bytes = {"trained": 0, "optimizer": 0, "ema": 0, "frozen": 0}
+  master = jax.numpy.dtype(train.get("param_dtype", "float32")).itemsize if train is not None else 4
+  ema = train is not None and train.get("ema_decay", 0) > 0
+  frozen_dtype = train.get("frozen_dtype") if train is not None else None
   sizes = dict(mesh_sizes)
   if num_devices is None:
     num_devices = jax.device_count() if -1 in sizes.values() else math.prod(max(v, 1) for v in sizes.values())
@@ -98,8 +103,15 @@ def summarize(model_config, mesh_sizes: Mapping[str, int], rules: Sequence[tuple
     name = component_of(path_str, components)
     counts[name] += size
     bytes_per_device[name] += nbytes
-    if trainable_paths is not None and path_str in trainable_paths:
+    elements = _shard_elements(value.shape, spec, mesh_shape)
+    if path_str in trainable_paths:
       trainable += size
+      state_bytes["trained"] += elements * master
+      state_bytes["optimizer"] += 2 * elements * 4  # Adam's two fp32 moments
+      state_bytes["ema"] += elements * master if ema else 0
+    else:
+      state_bytes["frozen"] += elements * (jax.numpy.dtype(frozen_dtype).itemsize if frozen_dtype
+                                           else value.dtype.itemsize)
     if all(axis is None for axis in spec) and size * value.dtype.itemsize > largest_replicated[1]:
       largest_replicated = (path_str, size * value.dtype.itemsize)
   if not counts[OTHER]:
@@ -109,11 +121,18 @@ def summarize(model_config, mesh_sizes: Mapping[str, int], rules: Sequence[tuple
       "mesh": mesh_shape,
       "param_counts": counts,
       "total_params": sum(counts.values()),
-      "trainable_params": trainable if trainable_paths is not None else None,
+      "trainable_params": trainable,
+      "lora_params": sum(size for path, size in _sizes(model) if "/lora/" in f"/{path}/"),
+      "train_state_bytes_per_device": state_bytes if train is not None else None,
       "param_bytes_per_device": bytes_per_device,
       "total_param_bytes_per_device": sum(bytes_per_device.values()),
       "largest_replicated_param": {"path": largest_replicated[0], "bytes": largest_replicated[1]},
   }
+
+
+def _sizes(model):
+  return [(_path_string(path), math.prod(v.get_value().shape))
+          for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))]
 
 
 def format_summary(summary: Mapping[str, Any]) -> str:
@@ -123,8 +142,15 @@ def format_summary(summary: Mapping[str, Any]) -> str:
   for name, count in summary["param_counts"].items():
     lines.append(f"{name:<28}{count:>16,}{summary['param_bytes_per_device'][name]:>18,}")
   lines.append(f"{'total':<28}{summary['total_params']:>16,}{summary['total_param_bytes_per_device']:>18,}")
-  if summary["trainable_params"] is not None:
-    lines.append(f"{'trainable':<28}{summary['trainable_params']:>16,}")
+  lines.append(f"{'trainable':<28}{summary['trainable_params']:>16,}")
+  if summary.get("lora_params"):
+    lines.append(f"{'  of which LoRA adapters':<28}{summary['lora_params']:>16,}")
+  state = summary.get("train_state_bytes_per_device")
+  if state:
+    gib = 2**30
+    lines.append(f"train state per device: {sum(state.values()) / gib:.2f} GiB (trained {state['trained'] / gib:.2f} + "
+                 f"Adam {state['optimizer'] / gib:.2f} + EMA {state['ema'] / gib:.2f} + frozen {state['frozen'] / gib:.2f});"
+                 " activations come on top: python -m ejax.train.compile_report measures the whole step")
   largest = summary["largest_replicated_param"]
   lines.append(f"largest fully replicated parameter: {largest['path'] or '-'} ({largest['bytes']:,} bytes)")
   return "\n".join(lines)
@@ -136,7 +162,7 @@ def run_job(config, workdir: str) -> dict[str, Any]:
     raise ConfigError("job summary describes a model, and this config has no model: use configs/groot.py, "
                       "configs/pi05.py or configs/tiny.py with --config.job=summary")
   rules = [tuple(rule) for rule in config.sharding_rules]
-  summary = summarize(config.model, dict(config.mesh), rules)
+  summary = summarize(config.model, dict(config.mesh), rules, train=config.get("train"))
   text = format_summary(summary)
   print(text)
   if workdir:

@@ -171,3 +171,33 @@ def test_bad_lora_settings_name_the_fix():
     _random_model(_config("pi05", {"vision_tower": {"rank": 4}}))
   with pytest.raises(ValueError, match="targets"):
     lora.settings(_config("pi05", {"llm": {"rank": 4, "targets": "attention"}}))
+
+
+def test_the_summary_counts_openpis_pi05_lora_and_the_state_a_device_holds():
+  import sys
+  sys.path.insert(0, ".")
+  from configs import common
+  from ejax.models import summary
+  from ejax.train.compile_report import load_config_file
+  config = load_config_file("configs/pi05.py", "lora")
+  result = summary.summarize(config.model, {"data": 1, "fsdp": 1, "tensor": 1}, common.SHARDING_RULES,
+                             num_devices=1, train=config.train)
+
+  def per_layer(width, mlp, heads, head_dim, rank):  # openpi's adapter shapes, layer by layer
+    return rank * (heads * width + heads * head_dim      # q_einsum: [N, D, r], [N, r, H]
+                   + 2 * width + 2 * head_dim              # kv_einsum (1 kv head): [2, 1, D, r], [2, 1, r, H]
+                   + heads * head_dim + heads * width      # attn_vec_einsum: [N, H, r], [N, r, D]
+                   + 2 * width + 2 * mlp                   # gating_einsum: [2, D, r], [2, r, F]
+                   + mlp + width)                          # linear: [F, r], [r, D]
+  adapters = 18 * (per_layer(2048, 16_384, 8, 256, 16) + per_layer(1024, 4096, 8, 256, 32))
+  assert result["lora_params"] == adapters == 49_987_584
+  counts = result["param_counts"]
+  frozen = result["total_params"] - result["trainable_params"]
+  # Frozen: both Gemma decoders (adaRMS included) less their adapters; trained: SigLIP, the
+  # projections and the adapters (openpi's freeze filter).
+  assert frozen == counts["gemma_2b"] + counts["gemma_300m"] + counts["gemma_300m_adarms"] - adapters
+  assert result["trainable_params"] == (counts["siglip_so400m"] + counts["vision_projection"]
+                                        + counts["action_time_projections"] + adapters)
+  state = result["train_state_bytes_per_device"]
+  assert state["frozen"] == 2 * frozen and state["ema"] == 0  # bf16, no EMA (openpi's LoRA recipe)
+  assert state["trained"] == 4 * result["trainable_params"] and state["optimizer"] == 8 * result["trainable_params"]
