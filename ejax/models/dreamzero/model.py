@@ -176,8 +176,9 @@ class DreamZero(nnx.Module):
     with_condition = lambda x: x if condition is None else jnp.concatenate([x, condition], -1)
     patch = dit.config.patch_size
     tokens = jnp.concatenate([patchify(with_condition(clean), patch), patchify(with_condition(noisy), patch)], 1)
-    video_timesteps = jnp.concatenate([jnp.zeros((clean.shape[0], lay.video_tokens), jnp.float32),
-                                       jnp.repeat(video_t, lay.frame_tokens, axis=1)], axis=1)
+    # per latent frame of both streams: clean frames at t = 0, noisy frames at theirs
+    video_timesteps = jnp.concatenate([jnp.zeros((clean.shape[0], lay.latent_frames), jnp.float32),
+                                       video_t.astype(jnp.float32)], axis=1)
     stride = lay.actions_per_chunk // lay.states_per_chunk
     keys, groups = (jnp.asarray(x) for x in sequence.wam_mask_ids(lay))
     angles = jnp.asarray(sequence.rope_angles(lay, dit.config.head_dim))
@@ -211,7 +212,8 @@ class DreamZero(nnx.Module):
     own = np.concatenate([where["video"], where["actions"], where["states"]])
     first_action, first_state = 2 * lay.video_tokens, 2 * lay.video_tokens + lay.num_actions
     pick = lambda name, index, offset: s[name][:, index - offset]
-    return dit.chunk(s["tokens"][:, where["video"]], s["video_timesteps"][:, where["video"]],
+    frames = lay.latent_frames + 1 + chunk * lay.frames_per_chunk + np.arange(lay.frames_per_chunk)
+    return dit.chunk(s["tokens"][:, where["video"]], s["video_timesteps"][:, frames],
                      pick("actions", where["actions"], first_action), pick("action_timesteps", where["actions"], first_action),
                      pick("states", where["states"], first_state), pick("state_timesteps", where["states"], first_state),
                      cache=cache, embodiment_ids=batch["embodiment_id"], angles=s["angles"][own],

@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ejax.kernels.attention import attention, with_attention_impl
@@ -154,10 +155,11 @@ class WanBlock(nnx.Module):
     self.modulation = layers.make_param(rngs, nnx.initializers.normal(config.dim**-0.5), (6, config.dim),
                                         (None, NORM), common["param_dtype"])
 
-  def __call__(self, x, e, *, angles, mask_keys, mask_groups, text, image, prefix=None):
-    """x [b, L, dim]; e [b, L, 6, dim] fp32 per-token modulation; text / image [b, *, dim]; prefix: the
-    layer's KV cache of earlier tokens. Returns x and its tokens' (k, v)."""
-    e = e + self.modulation[...].astype(jnp.float32)
+  def __call__(self, x, e, *, token_slots, angles, mask_keys, mask_groups, text, image, prefix=None):
+    """x [b, L, dim]; e [b, slots, 6, dim] fp32 modulation per timestep slot and token_slots [L] each
+    token's slot (per-token AdaLN without a [b, L, 6, dim] tensor kept across the blocks); text / image
+    [b, *, dim]; prefix: the layer's KV cache of earlier tokens. Returns x and its tokens' (k, v)."""
+    e = jnp.take(e, token_slots, axis=1) + self.modulation[...].astype(jnp.float32)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (e[:, :, i] for i in range(6))
     modulate = lambda h, shift, scale: (h.astype(jnp.float32) * (1 + scale) + shift).astype(x.dtype)
     y, kv = self.self_attn(modulate(self.norm1(x), shift_msa, scale_msa), angles, mask_keys, mask_groups, prefix)
@@ -246,9 +248,16 @@ class WanDiT(nnx.Module):
       kvs.append(kv)
     return x, kvs
 
-  def _outputs(self, x, temb, video, num_actions, embodiment_ids):
+  @staticmethod
+  def _slots(video_tokens: int, num_frames: int, num_actions: int, num_states: int) -> np.ndarray:
+    """[tokens] int32: each token's timestep slot: its latent frame's, then one per action and state."""
+    frames = np.repeat(np.arange(num_frames), video_tokens // num_frames)
+    return np.concatenate([frames, num_frames + np.arange(num_actions + num_states)]).astype(np.int32)
+
+  def _outputs(self, x, temb, token_slots, video, num_actions, embodiment_ids):
     """The head on x's noisy-video tokens (slice `video`) and the action decoder on the actions after them."""
-    shift, scale = (temb[:, video, None] + self.head_modulation[...].astype(jnp.float32)).transpose(2, 0, 1, 3)
+    temb = jnp.take(temb, token_slots[video], axis=1)
+    shift, scale = (temb[:, :, None] + self.head_modulation[...].astype(jnp.float32)).transpose(2, 0, 1, 3)
     video_out = self.head((self.head_norm(x[:, video]).astype(jnp.float32) * (1 + scale) + shift).astype(x.dtype))
     action_out = self.action_decoder(x[:, video.stop:video.stop + num_actions], embodiment_ids)
     return video_out, action_out
@@ -265,15 +274,18 @@ class WanDiT(nnx.Module):
                action_timesteps: jax.Array, states: jax.Array, state_timesteps: jax.Array, *,
                embodiment_ids: jax.Array, angles: jax.Array, mask_keys: jax.Array, mask_groups: jax.Array,
                text: jax.Array, image: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Teacher forcing. video_tokens [b, 2 Lv, patch_features] (clean then noisy); *_timesteps per token
-    ([b, 2 Lv], [b, A], [b, S]); actions [b, A, action_dim]; states [b, S, max_state_dim]; text / image
-    already embedded ([b, *, dim]); angles / mask ids for the whole sequence. Returns noisy-video
-    outputs [b, Lv, out patch features] and action velocities [b, A, action_dim]."""
+    """Teacher forcing. video_tokens [b, 2 Lv, patch_features] (clean then noisy); video_timesteps per
+    latent frame of both streams [b, 2 F], the others per token ([b, A], [b, S]); actions [b, A,
+    action_dim]; states [b, S, max_state_dim]; text / image already embedded ([b, *, dim]); angles / mask
+    ids for the whole sequence. Returns noisy-video outputs [b, Lv, out patch features] and action
+    velocities [b, A, action_dim]."""
     x = self._tokens(video_tokens, actions, action_timesteps, states, embodiment_ids)
     temb, e = self._modulation(jnp.concatenate([video_timesteps, action_timesteps, state_timesteps], axis=1))
-    x, _ = self._blocks(x, e, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups, text=text, image=image)
+    slots = self._slots(video_tokens.shape[1], video_timesteps.shape[1], actions.shape[1], states.shape[1])
+    x, _ = self._blocks(x, e, token_slots=slots, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups,
+                        text=text, image=image)
     video_len = video_tokens.shape[1] // 2
-    return self._outputs(x, temb, slice(video_len, 2 * video_len), actions.shape[1], embodiment_ids)
+    return self._outputs(x, temb, slots, slice(video_len, 2 * video_len), actions.shape[1], embodiment_ids)
 
   @with_attention_impl
   def context_cache(self, clean_tokens: jax.Array, *, angles: jax.Array, mask_keys: jax.Array,
@@ -282,8 +294,10 @@ class WanDiT(nnx.Module):
     (k, v), with their mask keys and groups. Clean tokens attend only clean tokens, so their k / v are
     the teacher-forced pass's."""
     x = constrain(self.patch_embedding(clean_tokens), (ACT_BATCH, ACT_LEN, ACT_EMBED))
-    _, e = self._modulation(jnp.zeros(clean_tokens.shape[:2], jnp.float32))
-    _, kvs = self._blocks(x, e, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups, text=text, image=image)
+    _, e = self._modulation(jnp.zeros((clean_tokens.shape[0], 1), jnp.float32))  # one slot: t = 0
+    slots = np.zeros(clean_tokens.shape[1], np.int32)
+    _, kvs = self._blocks(x, e, token_slots=slots, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups,
+                          text=text, image=image)
     return {"kv": kvs, "keys": mask_keys, "groups": mask_groups}
 
   @with_attention_impl
@@ -292,9 +306,11 @@ class WanDiT(nnx.Module):
             embodiment_ids: jax.Array, angles: jax.Array, mask_keys: jax.Array, mask_groups: jax.Array,
             text: jax.Array, image: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One chunk [noisy video | actions | states] over a context KV cache (context_cache, cut to the
-    clean tokens before the chunk): the teacher-forced outputs of that chunk, at a chunk's cost."""
+    clean tokens before the chunk): the teacher-forced outputs of that chunk, at a chunk's cost.
+    video_timesteps per latent frame of the chunk [b, frames]."""
     x = self._tokens(video_tokens, actions, action_timesteps, states, embodiment_ids)
     temb, e = self._modulation(jnp.concatenate([video_timesteps, action_timesteps, state_timesteps], axis=1))
-    x, _ = self._blocks(x, e, caches=cache, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups,
-                        text=text, image=image)
-    return self._outputs(x, temb, slice(0, video_tokens.shape[1]), actions.shape[1], embodiment_ids)
+    slots = self._slots(video_tokens.shape[1], video_timesteps.shape[1], actions.shape[1], states.shape[1])
+    x, _ = self._blocks(x, e, caches=cache, token_slots=slots, angles=angles, mask_keys=mask_keys,
+                        mask_groups=mask_groups, text=text, image=image)
+    return self._outputs(x, temb, slots, slice(0, video_tokens.shape[1]), actions.shape[1], embodiment_ids)
