@@ -17,8 +17,10 @@ function of the state and the chunks' actions, ejax/models/dreamzero/inputs.py):
   python -m ejax.main --config=configs/dreamzero.py:runlocal
 Expect (2026-11-27, 2 cores shared with other jobs): state ready in 1 s, the step compiled in 25-40 s,
 then ~150 samples/s; 20 steps take the loss from 5.9 to 1.6 (video 3.0 -> 1.2, action 3.0 -> 0.4).
-Not yet here (issue 32): LeRobot video samples (deliverable 3), UniPC / KV-cache sampling and the
-eval / serve jobs (4), the closed loop (5).
+Sampling (ejax/models/dreamzero/model.py, unipc.py): the official 16-step UniPC with guidance on the
+video, chunk by chunk over a KV cache of the clean context (tested equal to teacher forcing).
+Not yet here (issue 32): LeRobot video samples (deliverable 3), the eval / serve jobs (4), the
+closed loop (5).
 """
 
 from configs import common
