@@ -83,6 +83,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.remat = "full"
   c.attention_impl = "auto"
   c.perception = {}                 # simulator-trained perception aids (ejax/models/perception/); {}: as released
+  c.perception_tokens = False       # with model.perception: its state slots also join each action token (zero-init)
   # openpi fine-tunes every parameter by default (pi05 configs have no freeze filter).
   c.train_vision = True
   c.train_llm = True
@@ -148,7 +149,7 @@ class Pi05(nnx.Module):
     # tokens, so what the module writes into the state's slots reaches the action expert through the
     # adaRMS conditioning instead, by a projection that starts at zero (the released behaviour).
     settings = perception.read(config)
-    self.perception = self.perception_cond = nnx.data(None)
+    self.perception = self.perception_cond = self.perception_tokens = nnx.data(None)
     if settings is not None:
       if settings.image_size not in (0, vision_config.image_size):
         raise ValueError(f"pi0.5's model.perception.image_size must be the tower's ({vision_config.image_size}) or 0")
@@ -156,6 +157,11 @@ class Pi05(nnx.Module):
       if settings.layout.reserved:
         self.perception_cond = layers.Dense(settings.layout.reserved, width, axes=(ax.IN_FEATURES, ax.EMBED),
                                             kernel_init=nnx.initializers.zeros, **common)
+        # perception_tokens: the slots also join every action token's input (as GR00T's state token is
+        # one the action head attends to), by a second projection that starts at zero.
+        if config.get("perception_tokens", False):
+          self.perception_tokens = layers.Dense(settings.layout.reserved, width, axes=(ax.IN_FEATURES, ax.EMBED),
+                                                kernel_init=nnx.initializers.zeros, **common)
 
   # -- prefix -----------------------------------------------------------------------------------
 
@@ -197,6 +203,8 @@ class Pi05(nnx.Module):
     if seen is not None and self.perception_cond is not None:
       slots_written = seen.state[:, self.perception.config.layout.data_dims:]
       cond = cond + self.perception_cond(slots_written.astype(dtype))
+      if self.perception_tokens is not None:
+        tokens = tokens + self.perception_tokens(slots_written.astype(dtype))[:, None, :]
     slot = pi05_inputs.sample_rows(batch, xp=jnp) * slots + batch["sample_slot"]  # [n] into rows x slots
     width = tokens.shape[-1]
     x = set_rows(jnp.zeros((rows * slots, horizon, width), dtype), slot, tokens)

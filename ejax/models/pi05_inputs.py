@@ -216,7 +216,10 @@ def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *,
     state = _pad_to(np.asarray(sample["observation.state"], np.float32).reshape(-1), c.max_state_dim, 0,
                     "max_state_dim")
     states.append(state)
-    prompts.append(tokenizer.tokenize_prompt(str(sample["task"]), state))
+    # With model.perception the state's last slots are the module's (zero in the data): the prompt bins
+    # only the data's own entries (the slots reach the expert through its conditioning instead).
+    prompts.append(tokenizer.tokenize_prompt(str(sample["task"]), state if settings is None
+                                             else state[:settings.layout.data_dims]))
     images.append([resize_with_pad(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras])
     action = np.asarray(sample["action"], np.float32)
     if action.shape[0] != c.action_horizon:

@@ -152,11 +152,12 @@ def test_flow_sde_log_prob_recomputes_from_the_stored_chain(config, model, batch
                              rtol=1e-4, atol=1e-3)
 
 
-def test_the_perception_hook_is_wired_and_starts_as_the_released_model():
+@pytest.mark.parametrize("tokens", [False, True])
+def test_the_perception_hook_is_wired_and_starts_as_the_released_model(tokens):
   """model.perception on pi0.5: its batch carries the state vector and the module's targets, the loss
   adds the module's own losses, and what it writes into the state's slots joins the action expert's
-  conditioning through a projection that starts at zero (the released model's flow loss and actions)
-  and that the flow loss trains."""
+  conditioning (and with perception_tokens each action token's input) through projections that start
+  at zero (the released model's flow loss and actions) and that the flow loss trains."""
   from ejax.models import perception
   c = pi05.model_config("runlocal")
   c.max_state_dim = 4 + 2 + 2 * 2 * 2   # the data's 4, a 2-d estimate, 2 points x 2 cameras x (x, y)
@@ -164,11 +165,15 @@ def test_the_perception_hook_is_wired_and_starts_as_the_released_model():
   c.perception = perception.default_config()
   c.perception.update(image_size=0)
   c.perception.estimate.update(dim=2, width=16)
+  c.perception_tokens = tokens
   model = layers.host_random_init(nnx.eval_shape(lambda: pi05.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
-  fresh = pi05.create(c, nnx.Rngs(0)).perception_cond   # as initialised: zero
-  for name in ("kernel", "bias"):
-    assert not np.asarray(getattr(fresh, name)[...]).any()
-    getattr(model.perception_cond, name)[...] = getattr(fresh, name)[...]
+  projections = ("perception_cond", "perception_tokens") if tokens else ("perception_cond",)
+  assert (pi05.create(c, nnx.Rngs(0)).perception_tokens is None) != tokens
+  for projection in projections:
+    fresh = getattr(pi05.create(c, nnx.Rngs(0)), projection)   # as initialised: zero
+    for name in ("kernel", "bias"):
+      assert not np.asarray(getattr(fresh, name)[...]).any()
+      getattr(getattr(model, projection), name)[...] = getattr(fresh, name)[...]
   batch = pi05.example_batch(c, 4, seed=3)
   assert batch["state"].shape == (4, 14) and not batch["state"][:, 4:].any()
   assert batch["aux_state"].shape == (4, 2) and batch["aux_pixels"].shape == (4, 8)
@@ -180,10 +185,11 @@ def test_the_perception_hook_is_wired_and_starts_as_the_released_model():
   np.testing.assert_allclose(loss, metrics["flow_loss"] + metrics["aux_state_loss"] + metrics["aux_heatmap_loss"],
                              rtol=1e-5)
   grads = nnx.jit(nnx.grad(lambda m, b: loss_fn(m, b)[1]["flow_loss"]))(model, labelled)
-  assert float(jnp.abs(grads.perception_cond.kernel[...]).sum()) > 0
+  for projection in projections:
+    assert float(jnp.abs(getattr(grads, projection).kernel[...]).sum()) > 0
   assert float(jnp.abs(grads.perception.readout_out.kernel[...]).sum()) == 0   # the estimate learns by its own loss
   sampled = nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(2), noise=noise))(model, batch)
-  model.perception = model.perception_cond = nnx.data(None)   # the released model on the same weights
+  model.perception = model.perception_cond = model.perception_tokens = nnx.data(None)   # the released model
   np.testing.assert_allclose(nnx.jit(loss_fn)(model, labelled)[1]["flow_loss"], metrics["flow_loss"], rtol=1e-6)
   np.testing.assert_allclose(nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(2), noise=noise))(model, batch),
                              sampled, rtol=1e-6, atol=1e-6)

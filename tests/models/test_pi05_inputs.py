@@ -144,3 +144,27 @@ def test_runlocal_loss_falls_by_half_on_a_small_dataset(config, tokenizer):
     losses.append(float(step(model, optimizer, batch, keys[i])))
   start, end = np.mean(losses[:10]), np.mean(losses[-10:])
   assert end < 0.5 * start, (start, end)
+
+
+def test_collate_with_perception_bins_only_the_datas_own_state(tokenizer):
+  """With model.perception the state's last slots are the module's (zero in the data): the prompt bins the
+  data's own entries only (26 bins for ejax.sim's 11-d state overflowed the runlocal prompt), and the batch
+  carries the whole vector for the module."""
+  from ejax.models import perception
+  c = pi05.model_config("runlocal")
+  c.action_horizon = 4
+  c.perception = perception.default_config()
+  c.perception.update(image_size=0)
+  c.perception.estimate.update(dim=2, width=16)
+  c.max_state_dim = STATE_DIM + perception.state_slots(c.perception, c.num_cameras)
+  demos = SmallDemos(c.action_horizon)
+  samples = [demos.sample(i) for i in (1, 2, 4, 5)]   # both cameras each: the hook reads every camera
+  batch = pi05_inputs.collate(samples, c, tokenizer)
+  assert batch["state"].shape == (4, c.max_state_dim)
+  for i, sample in enumerate(samples):
+    row, slot = pi05_inputs.sample_rows(batch)[i], batch["sample_slot"][i]
+    in_row = batch["prefix_segment_ids"][row] == slot + 1
+    text = batch["prefix_tokens"][row][in_row & ~batch["prefix_is_image"][row]]
+    np.testing.assert_array_equal(text, tokenizer.tokenize_prompt(sample["task"], sample["observation.state"]))
+    np.testing.assert_array_equal(batch["state"][i, :STATE_DIM], sample["observation.state"])
+    assert not batch["state"][i, STATE_DIM:].any()
