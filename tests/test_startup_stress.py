@@ -11,6 +11,7 @@ at the race window in real processes, and run the start-up tests 50 times beside
 import contextlib
 import io
 import multiprocessing
+import os
 import signal
 import statistics
 import subprocess
@@ -77,8 +78,11 @@ def _burn(seconds):
 
 
 @contextlib.contextmanager
-def _cpu_heavy(processes=1, seconds=7200):
-  """CPU-bound work beside the test (`processes` busy processes)."""
+def _cpu_heavy(processes=None, seconds=7200):
+  """CPU-bound work beside the test: EJAX_STRESS_BURNERS busy processes (default 1; 0 when the
+  machine is loaded already)."""
+  if processes is None:
+    processes = int(os.environ.get("EJAX_STRESS_BURNERS", "1"))
   burners = [multiprocessing.Process(target=_burn, args=(seconds,), daemon=True) for _ in range(processes)]
   for burner in burners:
     burner.start()
@@ -122,6 +126,7 @@ def test_a_signal_as_xla_returns_at_the_grace_limit_ends_in_one_line():
 def test_the_start_up_tests_pass_50_times_in_a_row_under_load(tmp_path):
   with _cpu_heavy():
     for attempt in range(50):
+      print(f"attempt {attempt}: {time.strftime('%H:%M:%S')}", flush=True)
       for signals, code, line in ((1, 130, INTERRUPTED), (2, 130, "train: second signal (SIGINT): exited at once "
                                                                   "without saving; the newest checkpoint is step 4")):
         test_startup.test_the_watcher_ends_a_start_up_stuck_in_native_code(signals, code, line)

@@ -34,7 +34,7 @@ MODELS: dict[str, str] = {
     "tiny_flow": "ejax.models.tiny:SPEC",
     "groot": "ejax.models.groot:SPEC",
     "pi05": "ejax.models.pi05:SPEC",
-    "dreamzero": "ejax.models.dreamzero.model:SPEC",
+    "dreamzero": "ejax.models.dreamzero.spec:SPEC",
 }
 
 

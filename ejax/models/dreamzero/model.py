@@ -24,7 +24,6 @@ from ejax.models.dreamzero.image_encoder import ClipVisionConfig, ClipVisionTowe
 from ejax.models.dreamzero.text_encoder import UMT5Config, UMT5Encoder
 from ejax.models.dreamzero.vae import WanVAE, WanVAEConfig
 from ejax.models.dreamzero.wan_dit import WanDiT, WanDiTConfig
-from ejax.models.registry import ModelSpec
 
 COMPONENTS = {
     "per_embodiment": ("dit/state_encoder", "dit/action_encoder", "dit/action_decoder"),
@@ -331,12 +330,3 @@ def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.
       "action_mask": np.ones((batch_size, lay.num_actions, model_config.action_dim), np.float32),
       "embodiment_id": np.zeros((batch_size,), np.int32),
   }
-
-
-def make_collate(model_config, data_config=None):
-  from ejax.models.dreamzero import inputs
-  return inputs.make_collate(model_config, data_config)
-
-
-SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,
-                 make_collate=make_collate)
