@@ -40,6 +40,9 @@ issue 33). Measured 2026-11-27 on the 2 shared, heavily loaded cores (load ~14):
 in 17 min 50 s (compile 67 s, 45-70 samples/s; demos cached), flow loss 0.35 at the end (heatmap
 cross-entropy 3.7); the eval command above: 20 % [13.3, 28.9] over 100 episodes (lifts 35 / 20 %,
 drawers 25 / 20 %, the pick-and-place 0 %), against 1.3 % without perception. Not yet the 50 % asked.
+With three samples a row (now the default, below) the same 1500 steps took 7 min 35 s (compile 26 s,
+~115 samples/s, load ~8); with --config.model.perception_tokens=True that run measured 16 % [10.1, 24.4]
+(900 steps: 17 % [10.9, 25.5]), so the slots on the action tokens are left off.
 """
 
 from configs import common
@@ -103,6 +106,9 @@ def _sim_keypoint_estimate(config) -> None:
   config.data.image_size = (64, 64)
   config.model.vision.update(image_size=64, patch_size=16)
   config.model.packing.max_images_per_sample = config.model.num_cameras
+  # Three samples a row of 216: 32 image tokens and a 34-38-token prompt each (11 state bins); two a
+  # row of 192 left 27 % padding, three leave 8 % (45-70 -> 110-125 samples/s on the loaded 2 cores).
+  config.model.packing.update(row_length=216, samples_per_row=3)
   config.model.perception = perception.default_config()   # image_size 64, 1 free + 2 chosen points, 7-d estimate
   config.model.perception.estimate.dim = ENVIRONMENT_STATE_SIZE
   # ejax.sim's 11-d state, then the module's slots (the 7-d estimate, 2 points x 2 cameras x (x, y)): 26
