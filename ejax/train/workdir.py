@@ -6,6 +6,7 @@ Nothing here deletes anything: an old run's outputs are refused, or moved aside 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import jax
@@ -25,7 +26,9 @@ def prepare_workdir(workdir: str) -> str:
   workdir = os.path.abspath(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_probe_{jax.process_index()}")
+    # One probe per process and host: two runs started together on one workdir (the lock then turns
+    # one away) must not remove each other's probe.
+    probe = os.path.join(workdir, f".write_probe_{socket.gethostname()}_{os.getpid()}")
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
