@@ -55,13 +55,16 @@ def test_the_upgraded_checkpoint_acts_and_learns_as_before(saved):
   batch = {k[len("batch/"):]: jnp.asarray(v) for k, v in saved.items() if k.startswith("batch/")}
   unlabelled = {k: v for k, v in batch.items() if k not in ("aux_state", "aux_mask", "aux_pixels")}
   unlabelled.update(aux_state=jnp.zeros_like(batch["aux_state"]), aux_mask=jnp.zeros_like(batch["aux_mask"]))
-  actions = model.sample_actions(unlabelled, jax.random.key(2), noise=jnp.asarray(saved["noise"]))
+  # Jitted: op by op, GR00T's sampling and loss took ~150 s of CI on 2 cores.
+  actions = nnx.jit(lambda m, b, noise: m.sample_actions(b, jax.random.key(2), noise=noise))(
+      model, unlabelled, jnp.asarray(saved["noise"]))
   np.testing.assert_allclose(actions, saved["actions"], rtol=1e-5, atol=1e-5)
   # training has no statistics for the geometry (the head is teacher-forced): as the fixture's loss
   model.perception.config = perception.read(dict(model.config, perception=dict(
       model.config.perception, geometry=dict(model.config.perception.geometry, norm={}))))
-  loss, metrics = model.compute_loss(batch, jax.random.key(1), time=jnp.asarray(saved["time"]),
-                                     noise=jnp.asarray(saved["noise"]), train=False)
+  loss, metrics = nnx.jit(lambda m, b, time, noise: m.compute_loss(b, jax.random.key(1), time=time, noise=noise,
+                                                                    train=False))(
+      model, batch, jnp.asarray(saved["time"]), jnp.asarray(saved["noise"]))
   for name in ("loss", "aux_state_loss", "aux_heatmap_loss"):
     value = loss if name == "loss" else metrics[name]
     np.testing.assert_allclose(value, saved[name], rtol=1e-5)
