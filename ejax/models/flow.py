@@ -57,6 +57,16 @@ def interpolate(noise: jax.Array, actions: jax.Array, t: jax.Array, *, conventio
   return t * noise + (1.0 - t) * actions, noise - actions
 
 
+def masked_loss(velocity: jax.Array, target: jax.Array, mask: jax.Array) -> tuple[jax.Array, dict]:
+  """The flow-matching loss over the real action entries (mask [n, H, A]): the mean over every real
+  entry of the batch (GR00T's and openpi's), with per-sample means and the flow loss as metrics."""
+  mask = mask.astype(jnp.float32)
+  squared = jnp.square(velocity - target) * mask
+  real = jnp.sum(mask, axis=(1, 2))
+  loss = jnp.sum(squared) / jnp.maximum(jnp.sum(real), 1.0)
+  return loss, {"per_sample_loss": jnp.sum(squared, axis=(1, 2)) / jnp.maximum(real, 1.0), "flow_loss": loss}
+
+
 def groot_timestep_buckets(t: jax.Array, num_buckets: int = GROOT_TIMESTEP_BUCKETS) -> jax.Array:
   """GR00T feeds its timestep encoders floor(t * 1000) (an integer-valued float here)."""
   return jnp.floor(t * num_buckets)

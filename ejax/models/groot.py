@@ -271,17 +271,9 @@ class Groot(nnx.Module):
     buckets = flow.groot_timestep_buckets(t, self.config.num_timestep_buckets)
     pred = self.action_head.velocity(noisy, buckets, state_tokens, vl, batch,
                                      rng=None if dropout_rng is None else jax.random.fold_in(dropout_rng, 1))
-    mask = batch["action_mask"].astype(jnp.float32)
-    squared = jnp.square(pred - target) * mask
-    per_sample_mask = jnp.sum(mask, axis=(1, 2))
-    per_sample_loss = jnp.sum(squared, axis=(1, 2)) / jnp.maximum(per_sample_mask, 1.0)
-    # Like GR00T: the mean over every real action entry of the batch.
-    loss = jnp.sum(squared) / jnp.maximum(jnp.sum(per_sample_mask), 1.0)
-    metrics = {"per_sample_loss": per_sample_loss, "flow_loss": loss}
+    loss, metrics = flow.masked_loss(pred, target, batch["action_mask"])  # GR00T: mean over every real entry
     if seen is not None:
-      for name, (weight, value) in self.perception.losses(seen, batch, batch["images"]).items():
-        metrics[name] = value
-        loss = loss + weight * value
+      loss = self.perception.add_losses(loss, metrics, seen, batch)
     return loss, metrics
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):

@@ -266,16 +266,9 @@ class Pi05(nnx.Module):
     suffix = self.embed_suffix(batch, noisy, t, seen)
     (_, suffix_out), _ = self._run([prefix, suffix])
     velocity = self._velocity_from_suffix(batch, suffix_out)
-    mask = batch["action_mask"].astype(jnp.float32)
-    squared = jnp.square(velocity - target) * mask
-    real = jnp.sum(mask, axis=(1, 2))
-    per_sample_loss = jnp.sum(squared, axis=(1, 2)) / jnp.maximum(real, 1.0)
-    loss = jnp.sum(squared) / jnp.maximum(jnp.sum(real), 1.0)
-    metrics = {"per_sample_loss": per_sample_loss, "flow_loss": loss}
+    loss, metrics = flow.masked_loss(velocity, target, batch["action_mask"])
     if seen is not None:
-      for name, (weight, value) in self.perception.losses(seen, batch, batch["images"]).items():
-        metrics[name] = value
-        loss = loss + weight * value
+      loss = self.perception.add_losses(loss, metrics, seen, batch)
     return loss, metrics
 
   def velocity_fn(self, batch):

@@ -208,6 +208,13 @@ class Perception(nnx.Module):
       written = written.at[:, layout.estimate].add(estimate.astype(state.dtype))
     return Seen(logits=logits, keypoints=keypoints, readout=readout, estimate=estimate, state=written)
 
+  def add_losses(self, loss: jax.Array, metrics: dict, seen: Seen, batch) -> jax.Array:
+    """The host's loss plus this module's weighted losses; each also goes into `metrics`."""
+    for name, (weight, value) in self.losses(seen, batch, batch["images"]).items():
+      metrics[name] = value
+      loss = loss + weight * value
+    return loss
+
   def losses(self, seen: Seen, batch, images: jax.Array) -> dict[str, tuple[float, jax.Array]]:
     """{metric name: (weight, loss)} over the samples with a target (batch["aux_mask"])."""
     mask = batch["aux_mask"].astype(jnp.float32)
