@@ -8,6 +8,7 @@ downloaded. Prompts are returned unpadded: packing (ejax/data/packing.py) remove
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -60,20 +61,27 @@ def build_tokenizer(path: str, tasks: list[str], *, vocab_size: int = 400, state
   return path
 
 
-SIM_TOKENIZER_VERSION = 1  # bump when build_tokenizer's settings or the suites' instructions change
+LOCAL_TOKENIZER_VERSION = 1  # bump when build_tokenizer's settings change
 
 
-def sim_suites_tokenizer() -> str:
-  """A local tokenizer for ejax.sim's suites (every task instruction), built once into
-  $EJAX_CACHE_DIR (default ~/.cache/ejax)/tokenizers/ and reused: what a pi0.5 run on the recorded
-  simulator demonstrations tokenises with when no tokenizer_path is given. -> its path."""
-  from ejax.sim import registry
-  instructions = [registry.get_spec(name).instruction for name in registry.list_tasks()]
+def local_tokenizer(instructions: list[str], name: str) -> str:
+  """A local tokenizer of pi0.5 prompts of `instructions`, built once into $EJAX_CACHE_DIR (default
+  ~/.cache/ejax)/tokenizers/<name>-v<version>-<digest of the instructions>.model and reused: what a
+  pi0.5 run on ejax.sim's recorded demonstrations tokenises with when no tokenizer_path is given (the
+  instructions from the data layer, ejax.data.tasks). -> its path."""
+  digest = hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:12]
   cache = os.path.expanduser(os.environ.get("EJAX_CACHE_DIR", "~/.cache/ejax"))
-  path = os.path.join(cache, "tokenizers", f"sim_suites-v{SIM_TOKENIZER_VERSION}-{len(instructions)}tasks.model")
+  path = os.path.join(cache, "tokenizers", f"{name}-v{LOCAL_TOKENIZER_VERSION}-{digest}.model")
   if not os.path.exists(path):
     build_tokenizer(path, instructions, state_dim=16)
   return path
+
+
+def sim_suites_tokenizer() -> str:
+  """local_tokenizer of every ejax.sim task's instruction (the recorded demonstrations' vocabulary, as
+  the data layer gives it: ejax.data.tasks; a model never imports the simulator). -> its path."""
+  from ejax.data.tasks import simulator_instructions
+  return local_tokenizer(simulator_instructions(), "sim_suites")
 
 
 class PaligemmaTokenizer:

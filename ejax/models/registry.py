@@ -27,6 +27,16 @@ class ModelSpec:
   # (model_config, samples_per_batch=None) -> model_config with a packing.row_length of 0 ("auto")
   # chosen from the example batch's lengths (ejax.data.row_plan); None: the model has no packed rows.
   example_config: Callable[..., Any] | None = None
+  # What a checkpoint needs to act as a policy. get_model_spec fills these for every model from
+  # model.perception, the optional module any model may host (ejax/models/perception/), so that the
+  # generic trainer and policy (ejax/train/) import no model and no simulator:
+  # (saved config, norm_stats, geometry=None) -> the saved config (model and data) read in today's layout,
+  # with what inference needs from the checkpoint's statistics.
+  policy_config: Callable[..., Any] | None = None
+  # (saved model_config) -> {old parameter path prefix: today's}; {} for a checkpoint in today's layout.
+  param_renames: Callable[..., dict] | None = None
+  # (model_config) -> whether the model acts on an estimate given in the batch (eval.true_estimate).
+  acts_on_given_estimate: Callable[..., bool] | None = None
 
 
 # name -> "module:attribute" of a ModelSpec; imported only when the model is chosen.
@@ -40,10 +50,29 @@ MODELS: dict[str, str] = {
 
 def get_model_spec(name: str) -> ModelSpec:
   """The registered spec, its create and trainable_filter extended by config.model.lora (LoRA
-  adapters on the modules it names: ejax.models.lora)."""
+  adapters on the modules it names: ejax.models.lora), its policy hooks model.perception's where it
+  sets none."""
   spec = load_entry(MODELS, name, "model", "config.model.name")
   return dataclasses.replace(spec, create=_lora_create(spec.create),
-                             trainable_filter=_lora_filter(spec.trainable_filter))
+                             trainable_filter=_lora_filter(spec.trainable_filter),
+                             policy_config=spec.policy_config or _perception_policy_config,
+                             param_renames=spec.param_renames or _perception_param_renames,
+                             acts_on_given_estimate=spec.acts_on_given_estimate or _perception_acts_on_given_estimate)
+
+
+def _perception_policy_config(config, norm_stats, geometry=None):
+  from ejax.models import perception
+  return perception.with_statistics(config, norm_stats, geometry)
+
+
+def _perception_param_renames(model_config) -> dict:
+  from ejax.models.perception import upgrade
+  return dict(upgrade.PARAM_RENAMES) if upgrade.is_old(model_config) else {}
+
+
+def _perception_acts_on_given_estimate(model_config) -> bool:
+  from ejax.models import perception
+  return perception.acts_on_a_given_estimate(model_config)
 
 
 def _lora_create(create):

@@ -3,15 +3,14 @@
   train     a train job's <workdir>/checkpoints (numbered steps holding state/, data/, meta/): the
             model, its data config and normalisation statistics travel inside it.
   rl        an RL job's <workdir>/rl_checkpoints (numbered versions holding state/, metadata/) of a
-            GR00T actor (rl.policy.kind="groot"): served as the GR00T policy it is, exactly like its
+            GR00T or pi0.5 actor (rl.policy.kind "groot" / "pi05"): served as the model policy it is, like its
             SFT train checkpoint (same observation spec and metadata), with the version's weights.
             The state-based actors (mlp_flow, tiny_flow) are refused: they read the simulator's
             privileged object state and a task index, which no robot or openpi client has; the
             eval job judges them (--config.eval.policy=rl).
   imported  released weights imported by the convert job (--config.convert.direction=import: one
             orbax tree of the model's parameters): built from the job's own config.model and
-            config.data, with the statistics at config.data.stats_path (ejax.train.policy.
-            load_imported_policy).
+            config.data, with the statistics at config.data.stats_path (load_imported_policy).
 A workdir holding one of the first two (checkpoints/ or rl_checkpoints/) stands for it; a numbered
 step / version directory inside one picks that step (as serve.version does). All three load through
 the eval job's loaders (ejax.train.policy.load_policy, ejax.rl.build.load_rl_policy) into the
@@ -29,9 +28,10 @@ from ml_collections import ConfigDict
 from ejax.checkpoint import Checkpointer, CheckpointError
 from ejax.checkpoint.kinds import IMPORTED, RL, TRAIN, checkpoint_kind, numbered
 
-ACCEPTED = ("a train job's <workdir>/checkpoints, an rl job's <workdir>/rl_checkpoints (GR00T actor), or weights "
+ACCEPTED = ("a train job's <workdir>/checkpoints, an rl job's <workdir>/rl_checkpoints (GR00T or pi0.5 actor), or weights "
             "imported by the convert job (--config.convert.direction=import)")
 STATE_BASED_KINDS = ("mlp_flow", "tiny_flow")
+VLA_KINDS = ("groot", "pi05")  # RL actors that are a train checkpoint's model (ejax.rl.vla, ejax.rl.vla_pi05)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +74,8 @@ def find_source(path: str, version: int = -1) -> Source:
 
 
 def load_rl_groot_policy(directory: str, version: int | None = None):
-  """An RL version of a GR00T actor as the CheckpointPolicy of its SFT checkpoint with the version's
-  GR00T weights: the same observations, prompt and normalisation as the train checkpoint it started
+  """An RL version of a GR00T or pi0.5 actor as the CheckpointPolicy of its SFT checkpoint with the
+  version's model weights: the same observations, prompt and normalisation as the train checkpoint it started
   from, sampled with the RL policy's Euler steps (the eval job's policy=rl acts the same)."""
   from ejax.rl.checkpoint import RLCheckpointer
   from ejax.rl.build import load_rl_policy
@@ -88,11 +88,11 @@ def load_rl_groot_policy(directory: str, version: int | None = None):
   finally:
     checkpointer.close()
   kind = policy_config.get("kind")
-  if kind != "groot":
+  if kind not in VLA_KINDS:
     why = (" reads the simulator's privileged object state and a task index, which no robot or openpi client "
-           "sends") if kind in STATE_BASED_KINDS else " is not a GR00T actor"
+           "sends") if kind in STATE_BASED_KINDS else " is not a GR00T or pi0.5 actor"
     raise CheckpointError(f"RL version {chosen} in {directory} is an rl.policy.kind={kind!r} actor, which{why}: job "
-                          "serve serves GR00T actors (actor=groot); judge this one with --config.eval.policy=rl")
+                          "serve serves GR00T and pi0.5 actors (actor=groot|pi05); judge this one with --config.eval.policy=rl")
   rl_policy = load_rl_policy(directory, chosen)
   step = int(policy_config.get("step", -1))
   sft = Checkpointer(policy_config.checkpoint)
@@ -102,15 +102,44 @@ def load_rl_groot_policy(directory: str, version: int | None = None):
     sft.close()
   config = ConfigDict(meta["config"])
   config.model.num_inference_steps = int(rl_policy.policy.num_steps)
-  model = nnx.merge(model_parts(config.model).graphdef, rl_policy.params["actor"]["groot"])
+  model = nnx.merge(model_parts(config.model).graphdef, rl_policy.params["actor"][kind])
   return CheckpointPolicy(model, config, meta.get("norm_stats"))
+
+
+def load_imported_policy(weights_dir: str, config: ConfigDict) -> CheckpointPolicy:
+  """Released weights imported by the convert job (--config.convert.direction=import writes the
+  model's parameters alone: no config, no statistics) as a policy. What a train checkpoint carries
+  comes from `config` instead, as the train job would use it: the model from config.model; cameras,
+  state key, image size and normalisation mode from config.data; the statistics from the stats.json
+  at config.data.stats_path (the stats job writes one; LeRobot datasets ship meta/stats.json)."""
+  from ejax.data.stats import load_stats
+  from ejax.models.io.convert import restore_params
+  from ejax.models.registry import get_model_spec
+  from ejax.train.policy import CheckpointPolicy
+  mode, stats_path = config.data.get("normalization", "none"), config.data.get("stats_path")
+  norm_stats = None
+  if mode != "none":
+    if not stats_path or not os.path.isfile(stats_path):
+      missing = f"data.stats_path={stats_path} does not exist" if stats_path else "no data.stats_path is set"
+      raise CheckpointError(f"imported weights {weights_dir} carry no normalisation statistics and {missing}: pass "
+                            "--config.data.stats_path=<stats.json> (the stats job writes one; a LeRobot dataset has "
+                            "meta/stats.json), or data.normalization=none")
+    norm_stats = load_stats(stats_path)
+  config = get_model_spec(config.model.name).policy_config(config, norm_stats)
+  try:
+    model = restore_params(config.model, weights_dir)
+  except (ValueError, KeyError, TypeError) as error:
+    reason = " ".join(str(error).split()).split(". ")[0][:200]  # orbax goes on to list every key
+    raise CheckpointError(f"weights in {weights_dir} do not fit config.model ({config.model.name}): {reason}; serve "
+                          "them with the model config they were imported with", kind="layout") from None
+  return CheckpointPolicy(model, config, norm_stats)
 
 
 def load_served_policy(config: ConfigDict, workdir: str):
   """(the policy job `serve` serves, its Source): serve.checkpoint ("" : the workdir) through the
   loader of its kind, its weights optionally turned into block-FP8 values (serve.weights)."""
   from ejax.rl.inference import inference_weights
-  from ejax.train.policy import load_imported_policy, load_policy
+  from ejax.train.policy import load_policy
   serve = config.serve
   source = find_source(serve.checkpoint or workdir, int(serve.get("version", -1)))
   if source.kind == TRAIN:

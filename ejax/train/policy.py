@@ -21,7 +21,7 @@ from ml_collections import ConfigDict
 
 from ejax.checkpoint import Checkpointer, CheckpointError, abstract_target
 from ejax.data import transforms
-from ejax.models import perception
+from ejax.data.tasks import trained_tasks
 from ejax.models.registry import get_model_spec
 from ejax.parallel import make_mesh
 from ejax.train.optim import make_optimizer
@@ -46,7 +46,7 @@ class CheckpointPolicy:
     self.true_estimate = None   # use_true_estimate(): the normaliser of the simulator's true object state
     if self.action_dim is None and "action" in self.normalizer.params:
       self.action_dim = int(self.normalizer.params["action"][0].shape[0])
-    spec = get_model_spec(model_config.name)
+    spec = self.spec = get_model_spec(model_config.name)
     self.collate = spec.make_collate(model_config, self.data) if spec.make_collate else _stack
     graphdef, state = nnx.split(model)
 
@@ -61,20 +61,7 @@ class CheckpointPolicy:
     """The ejax.sim tasks this checkpoint was trained on, from its saved data config (recorded
     simulator demonstrations, or a LeRobot dataset whose instructions are ejax.sim's); None when the
     data were something else. The eval job evaluates these by default."""
-    from ejax.sim import registry
-    if self.data.get("name") == "sim_demos":
-      from ejax.sim.demos import resolve_tasks
-      return resolve_tasks(self.data.sim_demos.tasks)
-    path = self.data.get("path")
-    if self.data.get("name") != "lerobot" or not path or not os.path.isdir(path):
-      return None
-    from ejax.data.lerobot_meta import read_meta
-    try:
-      instructions = set(read_meta(path).tasks.values())
-    except Exception:  # a dataset moved or changed since training: fall back to the caller's default
-      return None
-    names = [name for name in registry.list_tasks() if registry.get_spec(name).instruction in instructions]
-    return names or None
+    return trained_tasks(self.data)
 
   @property
   def camera_size(self) -> tuple[int, int] | None:
@@ -95,7 +82,7 @@ class CheckpointPolicy:
     as in training) where the model would act on its own estimate of it: an eval ablation that says
     how much the policy's perception costs. Needs a model trained with model.perception.teacher.forcing."""
     key = self.data.get("aux_state_key", None)
-    if not (key and perception.acts_on_a_given_estimate(self.config.model)):
+    if not (key and self.spec.acts_on_given_estimate(self.config.model)):
       raise ValueError("eval.true_estimate needs a checkpoint trained with a teacher-forced estimate "
                        "(model.perception.estimate.to_state, .teacher.forcing and data.aux_state_key): this one "
                        "has none")
@@ -203,9 +190,10 @@ def _renamed(tree, renames: dict[str, str]):
 def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool = True,
                 geometry: bool | dict | None = None, num_inference_steps: int = 0) -> CheckpointPolicy:
   """Restores a training checkpoint (the EMA weights when the run kept them) as a policy; `geometry`
-  see perception.with_statistics; num_inference_steps > 0: the flow's Euler steps per chunk instead of
-  the saved model config's. A checkpoint written before model.perception existed is read in today's
-  layout (ejax.models.perception.upgrade)."""
+  see the model spec's policy_config (ejax.models.perception.with_statistics); num_inference_steps > 0:
+  the flow's Euler steps per chunk instead of the saved model config's. A checkpoint written in an
+  older layout (before model.perception existed) is read in today's (the spec's policy_config and
+  param_renames: ejax.models.perception.upgrade)."""
   if not os.path.isdir(checkpoint_dir):
     raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist: point "
                           f"--config.eval.checkpoint at a training run's <workdir>/checkpoints")
@@ -215,8 +203,9 @@ def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool =
     if not meta.get("config"):
       raise CheckpointError(f"checkpoint {checkpoint_dir} carries no config: it was not written by ejax's trainer")
     saved = ConfigDict(meta["config"])
+    spec = get_model_spec(saved.model.name)
     try:
-      config = perception.with_statistics(saved, meta.get("norm_stats"), geometry)
+      config = spec.policy_config(saved, meta.get("norm_stats"), geometry)
     except ValueError as error:
       raise CheckpointError(str(error)) from None
     if num_inference_steps:
@@ -226,8 +215,8 @@ def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool =
     rules = [tuple(rule) for rule in config.sharding_rules]
     abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
     target = abstract_target(abstract, shardings)
-    if perception.upgrade.is_old(saved.model):
-      renames = perception.upgrade.PARAM_RENAMES
+    renames = spec.param_renames(saved.model)
+    if renames:
       back = {new: old for old, new in renames.items()}
       state, _, _ = checkpointer.restore(step, _renamed(target, back))
       state = _renamed(state, renames)
@@ -239,29 +228,3 @@ def load_policy(checkpoint_dir: str, *, step: int | None = None, use_ema: bool =
   model = nnx.merge(model_parts(config.model).graphdef, params, state.frozen, state.rest)
   return CheckpointPolicy(model, config, meta.get("norm_stats"))
 
-
-def load_imported_policy(weights_dir: str, config: ConfigDict) -> CheckpointPolicy:
-  """Released weights imported by the convert job (--config.convert.direction=import writes the
-  model's parameters alone: no config, no statistics) as a policy. What a train checkpoint carries
-  comes from `config` instead, as the train job would use it: the model from config.model; cameras,
-  state key, image size and normalisation mode from config.data; the statistics from the stats.json
-  at config.data.stats_path (the stats job writes one; LeRobot datasets ship meta/stats.json)."""
-  from ejax.data.stats import load_stats
-  from ejax.models.io.convert import restore_params
-  mode, stats_path = config.data.get("normalization", "none"), config.data.get("stats_path")
-  norm_stats = None
-  if mode != "none":
-    if not stats_path or not os.path.isfile(stats_path):
-      missing = f"data.stats_path={stats_path} does not exist" if stats_path else "no data.stats_path is set"
-      raise CheckpointError(f"imported weights {weights_dir} carry no normalisation statistics and {missing}: pass "
-                            "--config.data.stats_path=<stats.json> (the stats job writes one; a LeRobot dataset has "
-                            "meta/stats.json), or data.normalization=none")
-    norm_stats = load_stats(stats_path)
-  config = perception.with_statistics(config, norm_stats)
-  try:
-    model = restore_params(config.model, weights_dir)
-  except (ValueError, KeyError, TypeError) as error:
-    reason = " ".join(str(error).split()).split(". ")[0][:200]  # orbax goes on to list every key
-    raise CheckpointError(f"weights in {weights_dir} do not fit config.model ({config.model.name}): {reason}; serve "
-                          "them with the model config they were imported with", kind="layout") from None
-  return CheckpointPolicy(model, config, norm_stats)
