@@ -3,7 +3,13 @@ action chunks together, trained by ejax's one trainer.
 
 Variants (the arg string): `5b` (default: Wan2.2-TI2V-5B, Wan2.2 VAE, 160x320 three-camera grid,
 1,000 tokens a sample), `14b` (Wan2.1-I2V-14B, Wan2.1 VAE, 880 tokens a latent frame), `runlocal`
-(the same architecture CPU-sized, on ejax/data/synthetic.py); also `steps=N`, `batch=N`.
+(the same architecture CPU-sized, on ejax.sim's recorded quickstart demonstrations like
+configs/groot.py:runlocal); also `dataset=PATH` (a LeRobot dataset), `dataset=sim` (runlocal's
+default), `dataset=synthetic` (runlocal on the camera-less ejax/data/synthetic.py), `steps=N`, `batch=N`.
+Data (ejax/data/dreamzero_samples.py): a sample starts at any step: 1 + 4 x chunks x latent frames a
+chunk video frames (the 5B: 33, 3 steps apart), every chunk's actions (4 x 24), the state before each
+chunk, the cameras as a 2 x 2 grid (black where fewer than four); data.relative_action_dims=N makes the
+first N action dims relative to the same state dims. The frozen VAE encodes the grid in the train step.
 See the sizes and per-device memory without allocating anything:
   python -m ejax.main --config=configs/dreamzero.py:5b --config.job=summary
 Expect (measured with nnx.eval_shape, 2026-11-27): 5B DiT 5.57B + action/state encoders and decoder
@@ -14,22 +20,23 @@ Import released weights first (the convert job; ejax/models/io/dreamzero.py):
       --config.convert.source=/ckpt/dreamzero --config.convert.destination=/ckpt/dreamzero_ejax
 CPU smoke test of the training path (synthetic data has no cameras: its "video latents" are a fixed
 function of the state and the chunks' actions, ejax/models/dreamzero/inputs.py):
-  python -m ejax.main --config=configs/dreamzero.py:runlocal
+  python -m ejax.main --config=configs/dreamzero.py:runlocal,dataset=synthetic
 Expect (2026-11-27, 2 cores shared with other jobs): state ready in 1 s, the step compiled in 25-40 s,
 then ~150 samples/s; 20 steps take the loss from 5.9 to 1.6 (video 3.0 -> 1.2, action 3.0 -> 0.4).
 Sampling (ejax/models/dreamzero/model.py, unipc.py): the official 16-step UniPC with guidance on the
 video, chunk by chunk over a KV cache of the clean context (tested equal to teacher forcing).
-Not yet here (issue 32): LeRobot video samples (deliverable 3), the eval / serve jobs (4), the
-closed loop (5).
+Not yet here (issue 32): the eval / serve jobs (4), the closed loop (5), frozen-encoder outputs
+cached ahead (3).
 """
 
 from configs import common
 from ejax.config.validate import ConfigError
+from ejax.models.dreamzero import inputs
 from ejax.models.dreamzero import model as dreamzero
 
 
 def get_config(arg: str | None = None):
-  args = common.parse_arg(arg, runlocal=False, **{"5b": False, "14b": False}, steps=0, batch=0)
+  args = common.parse_arg(arg, runlocal=False, **{"5b": False, "14b": False}, steps=0, batch=0, dataset="")
   if sum(bool(args[name]) for name in ("runlocal", "5b", "14b")) > 1:
     raise ConfigError("configs/dreamzero.py takes one of runlocal, 5b, 14b, e.g. configs/dreamzero.py:14b")
   variant = "runlocal" if args.runlocal else "14b" if args["14b"] else "5b"
@@ -50,4 +57,24 @@ def get_config(arg: str | None = None):
                         remat="none")
     config.checkpoint.every_steps = 50
     config.metrics.log_every_steps = 10
+  if args.dataset == "synthetic":
+    if not args.runlocal:
+      raise ConfigError("dreamzero dataset=synthetic is the CPU-sized smoke-test data: use it as runlocal,dataset=synthetic")
+  elif args.dataset in ("", "sim") and args.runlocal:
+    # ejax.sim's scripted-expert demonstrations of the quickstart's five tasks (recorded once into
+    # ~/.cache/ejax/sim_demos; two 64x64 cameras, 11-d state, 4-d actions; configs/demos.py).
+    common.quickstart_demos(config)
+  elif args.dataset:
+    if args.dataset == "sim":
+      raise ConfigError("dreamzero dataset=sim is the CPU quickstart's demonstrations: use it as runlocal,dataset=sim")
+    config.data.update(name="lerobot", path=args.dataset)
+  elif not args.runlocal:
+    config.data.update(name="lerobot", normalization="quantile")   # the official q01 / q99 (set data.path)
+  if config.data.name != "synthetic":
+    # A sample: 1 + 4 * chunks * frames_per_chunk frames a step apart as the layout says, every chunk's
+    # actions, the state before each chunk, each camera resized to a cell of the 2 x 2 grid
+    # (ejax/data/dreamzero_samples.py).
+    config.data.update(inputs.data_settings(config.model))
+    config.data.relative_action_dims = 0   # > 0: the first N action dims relative to the same state dims
   return common.apply_run_args(config, args)
+

@@ -22,7 +22,7 @@ def test_synthetic_batches_have_the_example_batch_layout():
 
 
 def test_runlocal_trains_on_synthetic_data(tmp_path):
-  config = load_config("configs/dreamzero.py", "runlocal,steps=16")
+  config = load_config("configs/dreamzero.py", "runlocal,dataset=synthetic,steps=16")
   config.metrics.update(tensorboard=False, progress_bar=False, log_every_steps=1)
   config.checkpoint.update(async_save=False, every_steps=16)
   config.compilation_cache_dir = ""  # keep the test session's cache (tests/conftest.py)

@@ -10,6 +10,8 @@ denoises future video latents and action chunks together.
   model.py         the whole model: config, flow-matching loss, chunk-by-chunk KV-cache policy step,
                    registry entry
   unipc.py         the UniPC sampler of the official policy
-  inputs.py        batches from the input pipeline's samples (synthetic so far)
+  inputs.py        batches from the input pipeline's samples: LeRobot (ejax/data/dreamzero_samples.py:
+                   frames, chunks, states, the camera grid) and synthetic
+  tokenizer.py     the instruction as umT5 token ids (bytes at CPU size)
 Weights: ejax/models/io/dreamzero.py. Config: configs/dreamzero.py (:5b, :14b, :runlocal).
 """

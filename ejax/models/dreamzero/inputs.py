@@ -1,12 +1,22 @@
 """DreamZero's batches from the input pipeline's samples (the role groot_inputs.py plays for GR00T).
 
 A DreamZero batch (model.example_batch has the same keys and shapes):
-  latents [n, 1 + chunks * frames_per_chunk, h, w, z]   VAE latents computed ahead (or "video", which the
-                                                        model encodes with its frozen VAE)
+  latents [n, 1 + chunks * frames_per_chunk, h, w, z]   VAE latents computed ahead, or
+  video uint8 [n, 1 + 4 * chunks * frames_per_chunk, H, W, 3]  the camera grid, which the model encodes
+                                                        with its frozen VAE in the train step (LeRobot
+                                                        samples; at inference one frame, [n, 1, H, W, 3])
   text_ids, text_mask [n, text_length]                  umT5 token ids of the instruction, padded
   first_frame [n, S, S, 3] in [-1, 1]                   CLIP's view of the first frame
   state [n, chunks * states_per_chunk, max_state_dim]   one state per chunk, zero-padded
   actions, action_mask [n, chunks * actions_per_chunk, action_dim], embodiment_id [n]
+  action_reference [n, chunks * actions_per_chunk, action_dim]   with data.relative_action_dims > 0: what
+                                                        was taken off the actions (the chunk's state), which
+                                                        sampling adds back
+
+LeRobot samples (data.name lerobot / sim_demos; ejax/data/dreamzero_samples.py says which frames,
+actions and states a sample reads and lays the cameras out as a 2 x 2 grid): `lerobot_collate`. The
+same collate takes the eval / serve policy's one-frame observations (ejax.train.policy): the grid of
+the current frame, the state repeated for every chunk, the prompt; the model samples chunk 0 from it.
 
 ejax/data/synthetic.py has no cameras and one state a sample, so its batches are synthetic in the
 video too: the latent frames are a fixed function of the state, the task and the chunk's actions
@@ -19,11 +29,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ejax.data import dreamzero_samples as samples_lib
+from ejax.errors import BatchError
 from ejax.models.dreamzero import model as dz
 from ejax.models.dreamzero.image_encoder import ClipVisionConfig
 from ejax.models.dreamzero.text_encoder import UMT5Config
 
 _WORLD_SEED = 20261127
+IMAGE_PREFIX = "observation.images."
 
 
 def _world(model_config, state_dim: int, action_dim: int):
@@ -89,9 +102,96 @@ def synthetic_collate(model_config):
   return collate
 
 
+def sample_plan(model_config) -> samples_lib.SamplePlan:
+  """ejax/data/dreamzero_samples.py's plan of the model's layout (its VAE's time stride is 4)."""
+  lay = dz.layout(model_config)
+  return samples_lib.SamplePlan.for_latents(lay.num_chunks, lay.frames_per_chunk, lay.actions_per_chunk,
+                                            lay.states_per_chunk)
+
+
+def data_settings(model_config) -> dict:
+  """config.data's frame offsets, horizon and camera size for the model's samples (configs/dreamzero.py)."""
+  return samples_lib.data_settings(sample_plan(model_config), model_config.image_size)
+
+
+def _pad_dims(x: np.ndarray, size: int, what: str) -> np.ndarray:
+  if x.shape[-1] > size:
+    raise BatchError(f"the data's {what} has {x.shape[-1]} dims > the model's {size}: raise config.model."
+                     f"{'max_state_dim' if what == 'state' else 'action_dim'}")
+  return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def lerobot_collate(model_config, data_config):
+  """collate(list of LeRobot samples, or the policy's one-frame observations) -> a DreamZero batch."""
+  from ejax.models.dreamzero import tokenizer as tokenizer_lib
+  from ejax.data.transforms import resize
+  plan, lay = sample_plan(model_config), dz.layout(model_config)
+  samples_lib.check_data_settings(plan, model_config.image_size, data_config)
+  state_key = data_config.get("state_key", "observation.state")
+  cameras = [c if c.startswith(IMAGE_PREFIX) else IMAGE_PREFIX + c for c in data_config.get("cameras", None) or []]
+  relative_dims = int(data_config.get("relative_action_dims", 0) or 0)
+  tokenizer = tokenizer_lib.load_tokenizer(model_config.get("tokenizer_path", ""),
+                                           UMT5Config(**model_config.text).vocab_size)
+  clip_size = ClipVisionConfig(**model_config.image).image_size
+  image_size = tuple(model_config.image_size)
+
+  def collate(samples: list[dict]) -> dict[str, np.ndarray]:
+    keys = cameras or sorted(k for k in samples[0] if k.startswith(IMAGE_PREFIX) and not k.endswith("_is_pad"))
+    if not keys:
+      raise BatchError("DreamZero samples carry no camera ('observation.images.*'): the model predicts video")
+    videos, states, actions, masks, references, prompts = [], [], [], [], [], []
+    for sample in samples:
+      video = samples_lib.camera_grid([sample[k] for k in keys], image_size)
+      state = np.asarray(sample[state_key], np.float32)
+      action = np.asarray(sample["action"], np.float32)
+      real = ~np.asarray(sample.get("action_is_pad", np.zeros(action.shape[0], bool)), bool)
+      if video.ndim == 3:                       # the policy's observation: the current frame alone
+        video, state = video[None], np.repeat(state[None], lay.num_states, 0)
+        if action.shape[0] != lay.actions_per_chunk:
+          raise BatchError(f"a DreamZero observation acts one chunk of {lay.actions_per_chunk} actions, the policy "
+                           f"asks for {action.shape[0]}")
+        action = np.concatenate([action, np.zeros((lay.num_actions - action.shape[0], action.shape[1]), np.float32)])
+        real = np.zeros(lay.num_actions, bool)
+      else:
+        if video.shape[0] != plan.num_frames or action.shape[0] != plan.num_actions:
+          raise BatchError(f"a DreamZero sample holds {plan.num_frames} frames and {plan.num_actions} actions, this one "
+                           f"{video.shape[0]} and {action.shape[0]}: set data from dreamzero inputs.data_settings")
+        state = state[plan.state_frames]
+      relative = samples_lib.relative_actions(action, state, relative_dims, lay.actions_per_chunk // lay.states_per_chunk)
+      references.append(_pad_dims(action - relative, model_config.action_dim, "action"))
+      videos.append(video)
+      states.append(_pad_dims(state, model_config.max_state_dim, "state"))
+      actions.append(_pad_dims(relative, model_config.action_dim, "action"))
+      mask = np.zeros((lay.num_actions, model_config.action_dim), np.float32)
+      mask[:, :action.shape[1]] = real[:, None]
+      masks.append(mask)
+      prompts.append(str(sample["task"]) if "task" in sample else f"task {int(sample.get('task_index', 0))}")
+    ids, text_mask = tokenizer_lib.tokenize(tokenizer, prompts, model_config.text_length)
+    video = np.stack(videos)
+    first = np.stack([resize(v[0], (clip_size, clip_size)) for v in video]).astype(np.float32) / 127.5 - 1.0
+    batch = {
+        "video": video,
+        "text_ids": ids,
+        "text_mask": text_mask,
+        "first_frame": first,
+        "state": np.stack(states).astype(np.float32),
+        "actions": np.stack(actions).astype(np.float32),
+        "action_mask": np.stack(masks),
+        "embodiment_id": np.asarray([int(s.get("embodiment_id", 0)) for s in samples], np.int32),
+    }
+    if relative_dims:
+      batch["action_reference"] = np.stack(references).astype(np.float32)
+    return batch
+
+  return collate
+
+
 def make_collate(model_config, data_config=None):
-  name = (data_config or {}).get("name", "synthetic") if data_config is not None else "synthetic"
-  if name != "synthetic":
-    raise ValueError(f"error: DreamZero reads data.name='synthetic' so far (issue 32, deliverable 3 brings "
-                     f"LeRobot video samples), got {name!r}: use configs/dreamzero.py:runlocal")
-  return synthetic_collate(model_config)
+  """The collate of data.name: synthetic (the smoke-test world above) or a LeRobot dataset (lerobot,
+  sim_demos, or the policy's observations of a checkpoint trained on one)."""
+  name = data_config.get("name", "synthetic") if data_config is not None else "synthetic"
+  if name == "synthetic":
+    return synthetic_collate(model_config)
+  if name in ("lerobot", "sim_demos"):
+    return lerobot_collate(model_config, data_config)
+  raise ValueError(f"error: DreamZero reads data.name synthetic, lerobot or sim_demos, got {name!r}")

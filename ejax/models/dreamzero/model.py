@@ -78,12 +78,14 @@ def model_config(variant: str = "5b") -> ml_collections.ConfigDict:
     c.image = dict(image_size=28, patch_size=14, dim=32, mlp_dim=64, num_heads=2, num_layers=2, use_layers=1)
     c.vae = dict(version="2.1", dim=8, z_dim=4, dim_mult=(1, 2, 2, 2))
     c.layout = dict(num_chunks=2, frames_per_chunk=1, actions_per_chunk=4, states_per_chunk=1)
-    c.text_length = 16
+    c.text_length = 32               # the quickstart's instructions in UTF-8 bytes (up to 30) and </s>
     c.image_size = (32, 32)          # 4 x 4 latents a frame at 8x, 2 x 2 patches
-    c.max_state_dim = 8
+    c.max_state_dim = 16             # ejax.sim's 11-d state
     c.action_dim = 4
     c.num_inference_steps = 4
   c.horizon = c.layout.num_chunks * c.layout.actions_per_chunk  # every chunk's actions in one sample
+  c.action_horizon = c.layout.actions_per_chunk                  # what the policy acts: one chunk
+  c.tokenizer_path = ""              # umT5's tokenizer.json; "": UTF-8 bytes (CPU size, tokenizer.py)
   return c
 
 
@@ -151,8 +153,20 @@ class DreamZero(nnx.Module):
     """(text [b, 512, dim], image [b, 257, dim], latents [b, F, h, w, C]) with no gradient."""
     text = self.text_encoder(batch["text_ids"], batch["text_mask"])
     image = self.image_encoder(batch["first_frame"])
-    latents = batch["latents"] if "latents" in batch else self.vae.encode(batch["video"])
+    latents = batch["latents"] if "latents" in batch else self.encode_video(batch["video"])
     return jax.lax.stop_gradient(text), jax.lax.stop_gradient(image), jax.lax.stop_gradient(latents)
+
+  def encode_video(self, video):
+    """The camera grid (uint8 [b, T, H, W, 3], or floats in [-1, 1]) -> latents [b, latent_frames, h, w, z].
+    A shorter clip (the policy's one observed frame) is padded with zero latents after its own: the
+    causal VAE's first latent frame depends on the first frame alone, and sampling chunk 0 reads no other."""
+    if video.dtype == jnp.uint8:
+      video = video.astype(jnp.float32) / 127.5 - 1.0
+    latents = self.vae.encode(video)
+    missing = self.layout.latent_frames - latents.shape[1]
+    if missing > 0:
+      latents = jnp.concatenate([latents, jnp.zeros((latents.shape[0], missing, *latents.shape[2:]), latents.dtype)], 1)
+    return latents
 
   def _condition(self, latents):
     """The 14B's I2V input channels beside the noisy latents: a 4-channel first-frame mask and the
@@ -296,8 +310,12 @@ class DreamZero(nnx.Module):
     return chunk_actions, chunk_video
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
-    """The first chunk's actions from the first observed frame (the registry's policy entry point)."""
-    return self.sample_chunk(batch, rng, chunk=0, noise=noise, num_steps=num_steps)[0]
+    """The first chunk's actions from the first observed frame (the registry's policy entry point); with
+    relative actions (batch["action_reference"], inputs.lerobot_collate) the reference is added back."""
+    actions = self.sample_chunk(batch, rng, chunk=0, noise=noise, num_steps=num_steps)[0]
+    if "action_reference" in batch:
+      actions = actions + batch["action_reference"][:, :actions.shape[1]].astype(actions.dtype)
+    return actions
 
 
 def create(config, rngs: nnx.Rngs) -> DreamZero:
