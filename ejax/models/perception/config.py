@@ -21,7 +21,7 @@
                    state's tool centre point (hand cameras); radius: cells of a soft-argmax local to the
                    peak (0: global); tolerance: metres within which a hand camera's point replaces the
                    world camera's; norm: the statistics that map the estimate and the state to metres
-                   (the policy fills them from the checkpoint's, with_statistics)
+                   (the policy lays the checkpoint's on the declared slots: inference.slot_statistics)
 
 The state vector's last slots are the module's (StateLayout): the estimate, then the keypoints; the
 data's own state must leave them zero (the collate checks). Experiments on these aids that were not

@@ -8,7 +8,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from ejax.data import transforms
-from ejax.models.perception.config import Geometry, read
+from ejax.models.perception.config import Geometry, PerceptionConfig, read
 from ejax.models.perception.upgrade import upgrade_config
 
 
@@ -44,15 +44,31 @@ def with_statistics(config: ConfigDict, norm_stats: dict | None, geometry: bool 
       del placement[key]   # a saved setting may have another type (one tolerance for all points)
       placement[key] = value
   if placement.cameras:
-    keys = [config.data.get("state_key", "observation.state"), config.data.get("aux_state_key")]
-    mode = config.data.get("normalization", "none") if norm_stats else "none"
-    params = transforms.Normalizer(norm_stats or {}, mode, keys).params
-    norm = {}
-    for name, key, size in zip(("state", "estimate"), keys, (settings.max_state_dim, settings.estimate.dim)):
-      # without statistics (data.normalization none) the values are metres already
-      centre, scale = params.get(key, (np.zeros(size), np.ones(size)))
-      norm[name] = [np.asarray(centre).tolist(), np.asarray(scale).tolist()]
-    placement.norm = norm
+    placement.norm = slot_statistics(settings, config.data, norm_stats)
   return config
+
+
+def slot_statistics(settings: PerceptionConfig, data_config, norm_stats: dict | None) -> dict[str, list]:
+  """{"state": [centre, scale] of the data's own state slots, "estimate": [centre, scale] of the
+  estimate's}: the checkpoint's statistics (data.state_key, data.aux_state_key; what the stats job
+  writes) laid on the slots the StateLayout declares, the state's padded to its data_dims entries.
+  Statistics that do not fit the declared slots are an error that names them."""
+  keys = {"state": data_config.get("state_key", "observation.state"), "estimate": data_config.get("aux_state_key")}
+  sizes = {"state": settings.layout.data_dims, "estimate": settings.estimate.dim}
+  mode = data_config.get("normalization", "none") if norm_stats else "none"
+  params = transforms.Normalizer(norm_stats or {}, mode, list(keys.values())).params
+  norm = {}
+  for name, key in keys.items():
+    size = sizes[name]
+    # without statistics (data.normalization none) the values are metres already
+    centre, scale = (np.asarray(v, np.float64).reshape(-1) for v in params.get(key, (np.zeros(size), np.ones(size))))
+    if centre.shape[0] > size or (name == "estimate" and centre.shape[0] != size):
+      declared = (f"data_dims={size} (max_state_dim={settings.max_state_dim} less the module's {settings.layout.reserved} "
+                  "slots)" if name == "state" else f"estimate.dim={size}")
+      raise ValueError(f"the statistics of {key!r} have {centre.shape[0]} entries but model.perception's state layout "
+                       f"declares {declared}: recompute them (the stats job) for this data or fix the model config")
+    pad = size - centre.shape[0]
+    norm[name] = [np.pad(centre, (0, pad)).tolist(), np.pad(scale, (0, pad), constant_values=1.0).tolist()]
+  return norm
 
 
