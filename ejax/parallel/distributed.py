@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
+import subprocess
+import sys
 from typing import Any, Callable
 
 import jax
@@ -51,9 +54,63 @@ def initialize(distributed_config) -> None:
   if cfg.get("local_device_ids") is not None:
     kwargs["local_device_ids"] = list(cfg.local_device_ids)
   logging.info("jax.distributed.initialize(%s)", kwargs)
-  jax.distributed.initialize(**kwargs)
+  with _service_in_own_process():
+    jax.distributed.initialize(**kwargs)
   logging.info("process %d of %d, %d local / %d global devices", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+@contextlib.contextmanager
+def _service_in_own_process():
+  """Inside, process 0 of jax.distributed.initialize() starts the coordination service in a child
+  process (ejax/parallel/coordinator.py) instead of in itself, so that the other processes outlive
+  a kill -9 of process 0 long enough for the watchdog's one line. Where that cannot work (no
+  /proc to tell when the clients are gone, or a jax whose internals differ) nothing changes."""
+  from jax._src import distributed as jax_distributed
+  jaxlib = getattr(jax_distributed, "_jax", None)
+  if not (hasattr(jaxlib, "get_distributed_runtime_service") and os.path.exists("/proc/self/net/tcp")):
+    yield
+    return
+
+  class JaxlibStartingAChild:  # jaxlib as jax.distributed calls it, but for where the service runs
+    def __getattr__(self, name):
+      return getattr(jaxlib, name)
+
+    @staticmethod
+    def get_distributed_runtime_service(address: str, num_nodes: int, **options) -> "ServiceProcess":
+      return ServiceProcess(address, num_nodes, options)
+
+  jax_distributed._jax = JaxlibStartingAChild()
+  try:
+    yield
+  finally:
+    jax_distributed._jax = jaxlib
+
+
+class ServiceProcess:
+  """The coordination service running in a child process; shutdown() (jax.distributed.shutdown)
+  ends it. If this process ends without it, the child ends once every client has disconnected."""
+
+  def __init__(self, address: str, num_nodes: int, options: dict):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "coordinator.py")
+    options = {k: v for k, v in options.items() if v is not None}
+    self._child = subprocess.Popen([sys.executable, "-P", script, address, str(num_nodes), json.dumps(options)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    said = self._child.stdout.readline().strip()
+    if said != "ready":
+      self._child.wait()
+      raise RuntimeError(said or f"the coordination service on {address} exited {self._child.returncode} at start")
+    logging.info("coordination service on %s in process %d", address, self._child.pid)
+
+  def shutdown(self) -> None:
+    if self._child.poll() is None:
+      with contextlib.suppress(OSError):
+        self._child.stdin.write("shutdown\n")
+        self._child.stdin.flush()
+      try:
+        self._child.wait(60)
+      except subprocess.TimeoutExpired:
+        self._child.kill()
 
 
 def _env_int(name: str) -> int | None:

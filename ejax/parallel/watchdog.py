@@ -4,7 +4,7 @@ when a step, a save or an exchange stalls, or when a peer is lost.
 Every process publishes a heartbeat (what it is doing, and at which step) to jax.distributed's
 coordination service every HEARTBEAT_S and reads its peers'. It ends the run when
 - a peer's heartbeat has not moved for LOST_AFTER_S (the process died: kill -9, a lost host), or the
-  coordination service itself stopped answering (process 0 died with it);
+  coordination service itself stopped answering (process 0's host is gone);
 - this process has spent longer than the timeout in one phase (a train step, a checkpoint save, an
   RL update exchange): it names the peer that is behind (it stopped stepping) or, with none behind,
   every process (a collective that never completes);
@@ -13,9 +13,11 @@ The line ends `run the same command to resume from step M` (the newest complete 
 in flight is never renamed into place, so the last good one stays intact) and the process exits at
 once (EXIT_CODE), without the interpreter's teardown, which would wait on the dead peer.
 
-jax.distributed's own heartbeat check aborts the process with a C++ stack trace (its Python
-callback is unusable: jaxlib 0.9.2 terminates with std::bad_cast calling it), so
-ejax.parallel.distributed sets its timeout well above LOST_AFTER_S: this thread always ends first.
+jax.distributed's own checks abort the process with a C++ stack trace (its Python callback is
+unusable: jaxlib 0.9.2 terminates with std::bad_cast calling it): at once when the connection to the
+coordination service drops, and when a peer has missed heartbeats for its timeout. So
+ejax.parallel.distributed runs the service in a child process of process 0 that outlives it
+(ejax/parallel/coordinator.py) and sets jaxlib's timeout well above LOST_AFTER_S: this thread ends first.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Watchdog:
     self._step_seconds: collections.deque[float] = collections.deque(maxlen=1000)  # the recent warmed-up steps
     self._seq = 0
     self._seen: dict[int, tuple[int, float]] = {}  # peer -> (its heartbeat count, when it last moved here)
+    self._done: set[int] = set()  # peers that said they are done
     self._unreachable_since: float | None = None
     self._closed = threading.Event()
     self._thread = None
@@ -113,13 +116,20 @@ class Watchdog:
     return max(MIN_TIMEOUT_S, MEDIAN_FACTOR * statistics.median(warmed)) if warmed else MIN_TIMEOUT_S
 
   def wait_for_verdict(self, error: BaseException) -> None:
-    """A collective failed in the main thread (a peer's connection dropped): the watchdog names
-    the lost peer within LOST_AFTER_S and ends the process; if it does not, the error stands."""
+    """A collective or a save failed in the main thread (a peer's connection dropped?): if a peer
+    is gone, the watchdog names it within LOST_AFTER_S and ends the process; once every peer has
+    sent two heartbeats since (or said it is done), none is lost and this returns: the error stands."""
     if self._thread is None:
       return
     logging.warning("%s failed (%s): asking which process stopped answering", self.name,
                     " ".join(str(error).split())[:200])
-    self._thread.join(self._lost_after_s + 4 * self._heartbeat_s + 10)
+    before = {q: seq for q, (seq, _) in dict(self._seen).items()}
+    deadline = time.monotonic() + self._lost_after_s + 4 * self._heartbeat_s + 10
+    while self._thread.is_alive() and time.monotonic() < deadline:
+      seen, done = dict(self._seen), set(self._done)
+      if len(seen) == self.count - 1 and all(q in done or seen[q][0] >= before.get(q, 0) + 2 for q in seen):
+        return
+      time.sleep(0.1)
 
   def close(self) -> None:
     """This process is done (finished or stopping on its own): peers stop expecting heartbeats."""
@@ -196,11 +206,13 @@ class Watchdog:
       if q not in self._seen or self._seen[q][0] != state["seq"]:
         self._seen[q] = (state["seq"], now)
       peers[q] = state
+    self._done = {q for q, state in peers.items() if state["done"]}
     return peers
 
   def _linger(self) -> None:
-    """Process 0 holds the coordination service, and jaxlib aborts every peer (a C++ stack trace)
-    the moment it goes: it stays until the live peers have read the line (a few heartbeats at most)."""
+    """Process 0 may hold the coordination service (where it cannot run in a process of its own), and
+    jaxlib aborts every peer (a C++ stack trace) the moment it goes: it stays until the live peers have
+    read the line (a few heartbeats at most)."""
     deadline = time.monotonic() + 3 * self._heartbeat_s + 2
     while time.monotonic() < deadline:
       now = time.monotonic()

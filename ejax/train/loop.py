@@ -19,7 +19,7 @@ import numpy as np
 from absl import logging
 from ml_collections import ConfigDict
 
-from ejax.checkpoint import Checkpointer, abstract_target
+from ejax.checkpoint import CheckpointError, Checkpointer, abstract_target
 from ejax.config.runtime import enable_compilation_cache
 from ejax.parallel import barrier, global_batch, initialize_distributed, make_mesh, process_batch_size
 from ejax.parallel.data import process_batch_shards
@@ -234,8 +234,8 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
       if step == end_step and checkpointer.latest_step() != step:
         checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=True)
       checkpointer.wait()  # a save that fails in the background fails the run here, not silently
-  except jax.errors.JaxRuntimeError as error:  # a collective whose peer is gone: name it, in one line
-    watchdog.wait_for_verdict(error)
+  except (jax.errors.JaxRuntimeError, CheckpointError) as error:  # a collective or save whose peer is gone:
+    watchdog.wait_for_verdict(error)  # name it, in one line
     raise
   watchdog.close()
   if stopped_by is None and step < train_cfg.steps:
