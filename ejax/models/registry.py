@@ -30,8 +30,8 @@ class ModelSpec:
   # What a checkpoint needs to act as a policy. get_model_spec fills these for every model from
   # model.perception, the optional module any model may host (ejax/models/perception/), so that the
   # generic trainer and policy (ejax/train/) import no model and no simulator:
-  # (saved config, norm_stats, geometry=None) -> the saved config (model and data) read in today's layout,
-  # with what inference needs from the checkpoint's statistics.
+  # (saved config, norm_stats, geometry=None) -> the saved config (model and data) read in today's layout
+  # (ejax.models.config_upgrade), with what inference needs from the checkpoint's statistics.
   policy_config: Callable[..., Any] | None = None
   # (saved model_config) -> {old parameter path prefix: today's}; {} for a checkpoint in today's layout.
   param_renames: Callable[..., dict] | None = None
@@ -61,7 +61,12 @@ def get_model_spec(name: str) -> ModelSpec:
 
 
 def _perception_policy_config(config, norm_stats, geometry=None):
+  """The saved config, its model config read in today's layout (the one upgrade step:
+  ejax.models.config_upgrade), with what model.perception needs at inference from the statistics."""
   from ejax.models import perception
+  from ejax.models.config_upgrade import upgrade_model_config
+  config = config.copy_and_resolve_references()
+  config.model = upgrade_model_config(config.model)
   return perception.with_statistics(config, norm_stats, geometry)
 
 

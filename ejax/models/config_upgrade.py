@@ -1,0 +1,36 @@
+"""A model config saved before one of today's keys existed, read in today's layout: the one upgrade
+step a checkpoint's config goes through when it is read back (the registry's policy_config hook, so
+load_policy and the serve job's imported weights alike), after which every key the model reads is there.
+
+    ADDED_KEYS[model name][key] = the value that reproduces a checkpoint written before the key existed
+
+A key added to a model's model_config() that changes what an older checkpoint would compute gets its
+entry here (the tests check each entry names a key today's config has). The perception aids' keys,
+which moved rather than appeared, have their own step (ejax.models.perception.upgrade), run first.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from ejax.models.perception.upgrade import upgrade_config as upgrade_perception
+
+ADDED_KEYS: dict[str, dict] = {
+    "groot": {"attention_impl": "auto", "fp8_impl": True, "text_first": False, "perception": {}},
+    "pi05": {"attention_impl": "auto", "perception": {}, "perception_tokens": False},
+}
+
+
+def upgrade_model_config(model_config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """model_config in today's layout: a copy with the keys it lacks added (ADDED_KEYS), the perception
+  aids moved under model.perception; unchanged (the same object) when it is today's already."""
+  upgraded = upgrade_perception(model_config)
+  missing = {key: value for key, value in ADDED_KEYS.get(upgraded.get("name", ""), {}).items()
+             if key not in upgraded}
+  if not missing:
+    return upgraded
+  upgraded = upgraded.copy_and_resolve_references()
+  with upgraded.unlocked():
+    for key, value in missing.items():
+      upgraded[key] = value
+  return upgraded
