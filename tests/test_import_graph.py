@@ -138,3 +138,31 @@ def test_train_imports_no_model_and_no_simulator_and_models_no_simulator():
   graph = import_graph()
   assert "ejax.models.registry" in graph["ejax.train.policy"]
   assert layer_violations(graph) == []
+
+
+# The data layer's entries to the simulator: its recorded demonstrations as a dataset, and their tasks
+# and instructions (the tasks a policy trained on, a local tokenizer's vocabulary).
+SIM_ENTRIES = ("ejax.data.sources", "ejax.data.tasks")
+
+
+def test_models_and_train_reach_the_simulator_only_through_the_data_layers_entries():
+  """Following imports from any module of ejax/models/ or ejax/train/, the first module that imports
+  ejax.sim is one of SIM_ENTRIES (models: ejax.data.tasks alone)."""
+  graph = import_graph()
+
+  def sim_importers_reached(start):
+    seen, stack = {start}, [start]
+    while stack:
+      for other in graph[stack.pop()]:
+        if other not in seen and not other.startswith("ejax.sim"):
+          seen.add(other)
+          stack.append(other)
+    return {name for name in seen if any(other.startswith("ejax.sim") for other in graph[name])}
+
+  reached = {layer: set() for layer in ("models", "train")}
+  for name in graph:
+    layer = name.split(".")[1] if name.count(".") else ""
+    if layer in reached:
+      reached[layer] |= sim_importers_reached(name)
+  assert reached["models"] == {"ejax.data.tasks"}
+  assert reached["train"] <= set(SIM_ENTRIES) and "ejax.data.sources" in reached["train"]
