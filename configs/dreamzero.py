@@ -25,8 +25,14 @@ Expect (2026-11-27, 2 cores shared with other jobs): state ready in 1 s, the ste
 then ~150 samples/s; 20 steps take the loss from 5.9 to 1.6 (video 3.0 -> 1.2, action 3.0 -> 0.4).
 Sampling (ejax/models/dreamzero/model.py, unipc.py): the official 16-step UniPC with guidance on the
 video, chunk by chunk over a KV cache of the clean context (tested equal to teacher forcing).
-Not yet here (issue 32): the eval / serve jobs (4), the closed loop (5), frozen-encoder outputs
-cached ahead (3).
+Act (the eval and serve jobs, as for GR00T; ejax.train.policy): each observation becomes the grid of the
+current frame, the state and the prompt; the model samples chunk 0 (actions_per_chunk actions) over the
+KV cache of that frame with UniPC and guidance, and the eval job replans every eval.replan_every steps:
+  python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/dreamzero_runlocal/checkpoints \
+      --config.eval.replan_every=4
+  python -m ejax.main --config=configs/dreamzero.py:runlocal --config.job=serve --config.serve.checkpoint=runs/dreamzero_runlocal
+Not yet here (issue 32): a policy that keeps the episode's frames as later chunks' context (it acts
+from the current frame alone), frozen-encoder outputs cached ahead (3).
 """
 
 from configs import common

@@ -1,8 +1,7 @@
 """DreamZero samples from LeRobot datasets (issue 32, deliverable 3): frames at step granularity, chunks of
-actions, one state a chunk, the 2 x 2 camera grid, relative actions; and configs/dreamzero.py:runlocal
-training on such a dataset through the train job."""
-
-import os
+actions, one state a chunk, the 2 x 2 camera grid, relative actions. The dataset written here (ejax.sim's
+cameras, state and action sizes and two of its instructions) also trains the checkpoint that
+tests/models/test_dreamzero_policy.py evaluates and serves."""
 
 import numpy as np
 import pytest
@@ -30,7 +29,7 @@ def write_dataset(root: str) -> str:
   features = {
       "observation.images.agentview": {"dtype": "video", "shape": [CAMERA, CAMERA, 3]},
       "observation.images.wrist": {"dtype": "video", "shape": [CAMERA, CAMERA, 3]},
-      "observation.state": {"dtype": "float32", "shape": [6], "names": None},
+      "observation.state": {"dtype": "float32", "shape": [11], "names": None},   # ejax.sim's size
       "action": {"dtype": "float32", "shape": [4], "names": None},
   }
   writer = LeRobotV3Writer(root, fps=10, features=features, robot_type="test_arm")
@@ -40,7 +39,7 @@ def write_dataset(root: str) -> str:
         "observation.images.agentview": _frames(length, episode, 0),
         "observation.images.wrist": _frames(length, episode, 1),
         # state and action say (episode, step): state[0] = step, action[0] = 100 + step
-        "observation.state": np.stack([steps, np.full(length, episode), *np.zeros((4, length))], 1).astype(np.float32),
+        "observation.state": np.stack([steps, np.full(length, episode), *np.zeros((9, length))], 1).astype(np.float32),
         "action": np.stack([100 + steps, np.full(length, episode), np.ones(length), -steps], 1).astype(np.float32),
     }, task=task)
   writer.finalize()
@@ -148,14 +147,3 @@ def test_mismatched_data_settings_are_one_line_errors(dataset):
   with pytest.raises(ValueError, match=r"data.horizon=16 .* reads 8 actions"):
     inputs.make_collate(config.model, config.data)
 
-
-def test_runlocal_trains_on_a_lerobot_dataset(dataset, tmp_path):
-  from ejax.train.loop import train
-  config = load_config("configs/dreamzero.py", f"runlocal,dataset={dataset},steps=6,batch=8")
-  config.metrics.update(tensorboard=False, progress_bar=False, log_every_steps=1)
-  config.checkpoint.update(async_save=False, every_steps=6)
-  config.compilation_cache_dir = ""
-  result = train(config, str(tmp_path))
-  assert result["final_step"] == 6
-  assert all(np.isfinite(entry["loss"]) for entry in result["history"])
-  assert os.path.isdir(os.path.join(tmp_path, "checkpoints", "6"))
