@@ -21,7 +21,7 @@ The default variant is the same recipe at GPU scale (16 shards x 64 envs, 200 up
 Synchronous baseline of either: --config.rl.mode=sync.
 Arg string: `runlocal`, `updates=N`, `mode=sync|async`, `task=NAME` (another ejax.sim task, or
 `point_reach`: ejax.rl's 2-D reaching toy, a one-minute run for trying pipeline settings),
-`actor=mlp|groot`, `sft=PATH` and `size=PX` (actor=groot, below).
+`actor=mlp|groot|pi05`, `sft=PATH` and `size=PX` (actor=groot / pi05, below).
 
 By default the policy is state-based (proprioception + the task's object state,
 "observation.environment_state"), an MLP flow-matching actor with a value head
@@ -56,6 +56,18 @@ run from the same start (the slow test, machine otherwise idle): 0.23 -> 0.55 [0
 minutes, 221 env steps/s. Before
 (lr 2e-5, no KL stop, replanning every 2): 0.30 -> 0.41 in the same time at 89 env steps/s; lr 1e-4
 without the KL stop lost half the success.
+
+actor=pi05 fine-tunes a pi0.5 checkpoint of the train job (ejax.rl.vla_pi05) with the same recipe: the
+prefix (both cameras, the instruction and the state's bins, through the PaliGemma LLM) runs once per
+sample on the inference server, and its KV cache, with what the perception module saw, is stored as
+the sample's context, so the learner's Flow-SDE log-probs run the action expert alone; RL trains the
+expert and its action / time projections (lr 1e-4, PPO's KL stop at 0.02). CPU-sized, from
+configs/pi05.py's simulator recipe stopped early (a weak start on purpose):
+  python -m ejax.main --config=configs/pi05.py:runlocal,dataset=sim --config.train.stop_at=1000 \
+      --workdir=runs/pi05_weak
+  python -m ejax.main --config=configs/rl_vla3.py:runlocal,actor=pi05,sft=runs/pi05_weak/checkpoints \
+      --workdir=runs/rl_pi05
+(Measured figures: BENCHMARKS.md, "RL-VLA3 with the pi0.5 actor".)
 """
 
 import os
@@ -71,11 +83,12 @@ DEFAULT_TASK = "goal_lift_green_block"
 
 def get_config(arg: str | None = None):
   args = common.parse_arg(arg, runlocal=False, updates=0, mode="", task=DEFAULT_TASK, actor="mlp", sft="", size=64)
-  if args.actor not in ("mlp", "groot"):
-    raise ConfigError(f"rl_vla3 actor={args.actor!r}: use 'mlp' or 'groot'")
-  if args.actor == "groot" and (not args.sft or args.task == "point_reach"):
-    raise ConfigError("rl_vla3 actor=groot needs sft=<a GR00T train job's checkpoints dir> and an ejax.sim task "
-                      "(see this file's docstring for the demos -> SFT -> RL commands)")
+  if args.actor not in ("mlp", "groot", "pi05"):
+    raise ConfigError(f"rl_vla3 actor={args.actor!r}: use 'mlp', 'groot' or 'pi05'")
+  if args.actor in ("groot", "pi05") and (not args.sft or args.task == "point_reach"):
+    title = {"groot": "GR00T", "pi05": "pi0.5"}[args.actor]
+    raise ConfigError(f"rl_vla3 actor={args.actor} needs sft=<a {title} train job's checkpoints dir> and an ejax.sim "
+                      "task (see this file's docstring for the demos -> SFT -> RL commands)")
   config = common.base_config()
   config.job = "rl"
   rl = pipeline_config()
@@ -128,6 +141,8 @@ def get_config(arg: str | None = None):
       rl.judge.episodes = 128
   if args.actor == "groot":
     groot_actor(rl, sft=args.sft, image_size=args.size, runlocal=args.runlocal)
+  elif args.actor == "pi05":
+    pi05_actor(rl, sft=args.sft, image_size=args.size, runlocal=args.runlocal)
   if args.updates:
     rl.num_updates = args.updates
   if args.mode:
@@ -167,3 +182,14 @@ def groot_actor(rl: ConfigDict, *, sft: str, image_size: int, runlocal: bool) ->
     rl.update(num_shards=4, envs_per_shard=16, segments_per_update=8, num_updates=60, num_minibatches=4,
               actions_per_step=4, queue_size=8, checkpoint_every_updates=10)
     rl.judge.episodes = 100
+
+
+def pi05_actor(rl: ConfigDict, *, sft: str, image_size: int, runlocal: bool) -> None:
+  """rl settings for fine-tuning a pi0.5 SFT checkpoint (ejax.rl.vla_pi05): GR00T's recipe, the
+  context being the prefix's KV cache (images + instruction + state tokens through the LLM) and what
+  the perception module saw, stored with each sample; RL trains the action expert and its projections."""
+  groot_actor(rl, sft=sft, image_size=image_size, runlocal=runlocal)
+  rl.policy.kind = "pi05"
+  # The expert moved ~0.003 approx KL per update at GR00T's 4e-5 (4 -> 4 % in 12 updates from a
+  # step-500 start); at 1e-4 it moves 0.005-0.03, still under the KL stop.
+  rl.learning_rate = 1e-4

@@ -271,17 +271,24 @@ class Pi05(nnx.Module):
       loss = self.perception.add_losses(loss, metrics, seen, batch)
     return loss, metrics
 
+  def prefix_cache(self, batch):
+    """(the prefix's KV cache, what the perception module saw (None without one)): everything the
+    action expert reads besides its own tokens, once per batch (ejax.rl.vla_pi05 stores it per sample)."""
+    prefix = self.embed_prefix(batch)
+    _, cache = self._run([prefix, None], return_kv_cache=True)
+    return cache, self.perceive(batch)
+
+  def expert_velocity(self, batch, cache, seen, noisy_actions: jax.Array, t: jax.Array) -> jax.Array:
+    """The action expert alone against a prefix_cache: velocity [n, H, A]; `batch` needs only the
+    suffix layout (suffix_*, sample_row_offset, sample_slot, the prefix rows' count)."""
+    (_, suffix_out), _ = self._run([None, self.embed_suffix(batch, noisy_actions, t, seen)], kv_cache=cache)
+    return self._velocity_from_suffix(batch, suffix_out)
+
   def velocity_fn(self, batch):
     """velocity_fn(x [n, H, A], t [n]) for ejax.models.flow; the prefix KV cache is filled here,
     once, and every call runs only the action expert against it."""
-    prefix = self.embed_prefix(batch)
-    _, cache = self._run([prefix, None], return_kv_cache=True)
-    seen = self.perceive(batch)   # once, like the prefix's cache
-
-    def fn(x, t):
-      (_, suffix_out), _ = self._run([None, self.embed_suffix(batch, x, t, seen)], kv_cache=cache)
-      return self._velocity_from_suffix(batch, suffix_out)
-    return fn
+    cache, seen = self.prefix_cache(batch)
+    return lambda x, t: self.expert_velocity(batch, cache, seen, x, t)
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
     n = batch["sample_row_offset"].shape[0]

@@ -46,16 +46,25 @@ def make_policy(policy_config: ConfigDict, seed: int):
     model_config.update(dict(policy_config.get("model", {})))
     return policies.tiny_flow_policy(model_config, rngs=rngs, value_hidden=policy_config.hidden,
                                      noise_level=policy_config.noise_level)
-  if policy_config.kind == "groot":
+  if policy_config.kind in ("groot", "pi05"):
     # The SFT checkpoint (a train job's checkpoints dir) is the actor; its weights are version 0.
-    from ejax.rl.vla import groot_flow_policy
-    return groot_flow_policy(policy_config, rngs=rngs)
-  raise ValueError(f"rl.policy.kind {policy_config.kind!r}: use 'mlp_flow', 'tiny_flow' or 'groot'")
+    from ejax.rl.vla import vla_flow_policy
+    return vla_flow_policy(vla_kind(policy_config.kind), policy_config, rngs=rngs)
+  raise ValueError(f"rl.policy.kind {policy_config.kind!r}: use 'mlp_flow', 'tiny_flow', 'groot' or 'pi05'")
+
+
+def vla_kind(name: str):
+  """The VlaKind of rl.policy.kind "groot" (ejax.rl.vla) or "pi05" (ejax.rl.vla_pi05)."""
+  if name == "pi05":
+    from ejax.rl.vla_pi05 import PI05
+    return PI05
+  from ejax.rl.vla import GROOT
+  return GROOT
 
 
 def load_rl_policy(checkpoint_dir: str, version: int = -1) -> "warm_start.EvalPolicy":
   """A saved RL policy version (-1: the newest) behind ejax.eval's policy interface. The policy is
-  rebuilt from the config saved with it (a GR00T actor: from the SFT checkpoint it names, which
+  rebuilt from the config saved with it (a GR00T or pi0.5 actor: from the SFT checkpoint it names, which
   gives the architecture, tokenizer and normalisation), then takes the version's parameters."""
   if not os.path.isdir(checkpoint_dir):
     raise CheckpointError(f"RL checkpoint directory {checkpoint_dir} does not exist: point "

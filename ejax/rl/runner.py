@@ -3,8 +3,8 @@
     python -m ejax.main --config=configs/rl_vla3.py:runlocal
 
 1. Build the env (config.rl.env) and the flow policy (config.rl.policy): a state-based flow actor,
-   or GR00T from a train job's checkpoint (kind "groot", ejax.rl.vla; the env then renders the
-   cameras the checkpoint was trained on).
+   or GR00T / pi0.5 from a train job's checkpoint (kinds "groot", ejax.rl.vla, and "pi05",
+   ejax.rl.vla_pi05; the env then renders the cameras the checkpoint was trained on).
 2. Warm start: resume an interrupted RL run from workdir/rl_checkpoints if there is one; otherwise
    start from SFT: the GR00T checkpoint's weights, or behaviour cloning on the env's scripted
    expert (config.rl.warm_start; an ejax.sim task uses its privileged-state expert).
@@ -67,7 +67,7 @@ def judge_config(rl: ConfigDict) -> ConfigDict:
                          videos_per_task=judge.get("videos", 2), seed=judge.seed, checkpoint=""))
 
 
-POLICY_KINDS = ("mlp_flow", "tiny_flow", "groot")
+POLICY_KINDS = ("mlp_flow", "tiny_flow", "groot", "pi05")
 
 
 def check_config(config: ConfigDict) -> None:
@@ -79,14 +79,15 @@ def check_config(config: ConfigDict) -> None:
   require_one_of("rl.env.name", rl.env.name, ("point_reach", *registry.list_tasks()))
   require_one_of("rl.env.backend", rl.env.get("backend", "mjx"), ("mjx", "native"))
   require_one_of("rl.policy.kind", rl.policy.kind, POLICY_KINDS)
-  if rl.policy.kind == "groot":
+  if rl.policy.kind in ("groot", "pi05"):
     _check_sft_checkpoint(rl.policy)
 
 
 def _check_sft_checkpoint(policy: ConfigDict) -> None:
-  """rl.policy.checkpoint (the arg string's sft=) holds a train job's GR00T checkpoints."""
+  """rl.policy.checkpoint (the arg string's sft=) holds a train job's checkpoints of rl.policy.kind's model."""
   from ejax.checkpoint.kinds import RL, TRAIN, checkpoint_kind, saved_config
-  what = "a GR00T train job's <workdir>/checkpoints (configs/rl_vla3.py:...,actor=groot,sft=PATH)"
+  title = {"groot": "GR00T", "pi05": "pi0.5"}[policy.kind]
+  what = (f"a {title} train job's <workdir>/checkpoints (configs/rl_vla3.py:...,actor={policy.kind},sft=PATH)")
   path = require_path("rl.policy.checkpoint", policy.checkpoint, what)
   kind = checkpoint_kind(path)
   if kind != TRAIN:
@@ -97,9 +98,9 @@ def _check_sft_checkpoint(policy: ConfigDict) -> None:
     raise ConfigError(f"rl.policy.checkpoint={policy.checkpoint!r} holds {held}: point sft= at {what}")
   step = int(policy.get("step", -1))
   model = (saved_config(path, None if step < 0 else step).get("model") or {}).get("name")
-  if model not in ("groot", None):  # None: unreadable, which the loader reports
-    raise ConfigError(f"rl.policy.checkpoint={policy.checkpoint!r} holds a {model!r} model; actor=groot fine-tunes a "
-                      "GR00T checkpoint (configs/groot.py's train job): point sft= at one")
+  if model not in (policy.kind, None):  # None: unreadable, which the loader reports
+    raise ConfigError(f"rl.policy.checkpoint={policy.checkpoint!r} holds a {model!r} model; actor={policy.kind} "
+                      f"fine-tunes a {title} checkpoint (configs/{policy.kind}.py's train job): point sft= at one")
 
 
 def log_updates_to_wandb(learner) -> None:

@@ -22,8 +22,9 @@ be deterministic functions of the parameters, and the learner's ratio compares t
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,63 +45,42 @@ def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
 
-class GrootObservations:
-  """observation dict -> GR00T model batch, in jnp only (callable inside jit).
+class VlaObservations:
+  """What every VLA actor's in-jit observation mapping shares (GR00T here, pi0.5 in ejax.rl.vla_pi05):
+  the cameras in the train collate's order, images resized as the training pipeline did, the state
+  normalised with the checkpoint's statistics and zero-padded, and the chain's end back to env actions.
 
-  One sample per VL row, as `groot_inputs.assemble(..., pack=False)` lays it out: row r holds
-  sample r alone (segment 1, positions from 0, image slots counted from the sample's first image
-  token), so sample_row_offset = 0 and sample_segment = 1 for every sample, and the per-task rows
-  are constants gathered by task index. Rows are as long as the longest task prompt (rounded up
-  to 8), not the training row length: padding beyond a sample's segment is masked everywhere, and
-  shorter rows make every backbone call cheaper.
+  state_center / state_scale, action_center / action_scale: the checkpoint's normaliser (None:
+  identity). data_image_size: the pipeline's [height, width] resize before the collate's own resize to
+  the model's image_size (config.data.image_size; None: none), replayed here in the same order.
+  cameras: the image keys the model was trained on (None: every "observation.images.*" key of the
+  observation, sorted, as the train collate orders them); num_cameras of them are expected.
   """
 
-  def __init__(self, model_config: ConfigDict, *, instructions: Sequence[str], state_key: str,
-               state_center: np.ndarray | None, state_scale: np.ndarray | None, clip_state: bool,
-               action_dim: int, action_center: np.ndarray | None, action_scale: np.ndarray | None,
-               embodiment_id: int = 0, cameras: Sequence[str] | None = None,
-               data_image_size: Sequence[int] | None = None, tokenizer=None):
-    """instructions[i] is the instruction of task_index i. cameras: the image keys the model was
-    trained on (None: every "observation.images.*" key of the observation, sorted, as the train
-    collate orders them). *_center / *_scale: the checkpoint's normaliser (None: identity).
-    data_image_size: the pipeline's [height, width] resize before the collate's own resize to the
-    model's image size (config.data.image_size; None: none), replayed here in the same order."""
-    c = model_config
-    self.config = c
-    if action_dim > c.max_action_dim:
-      raise ValueError(f"env action_dim {action_dim} > the model's max_action_dim {c.max_action_dim}")
-    self.state_key, self.clip_state = state_key, clip_state
-    self.action_dim, self.embodiment_id = action_dim, embodiment_id
+  def __init__(self, *, state_key: str, state_center, state_scale, clip_state: bool, max_state_dim: int,
+               action_dim: int, model_action_dim: int, horizon: int, action_center, action_scale,
+               image_size: int, num_cameras: int, cameras: Sequence[str] | None = None,
+               data_image_size: Sequence[int] | None = None):
+    if action_dim > model_action_dim:
+      raise ValueError(f"env action_dim {action_dim} > the model's action width {model_action_dim}")
+    self.state_key, self.clip_state, self.max_state_dim = state_key, clip_state, max_state_dim
+    self.action_dim, self.num_cameras, self.image_size = action_dim, num_cameras, image_size
     self.cameras = None if cameras is None else sorted(k if k.startswith(IMAGE_PREFIX) else IMAGE_PREFIX + k
                                                        for k in cameras)
-    self.image_size = groot_inputs.batch_image_size(c)
-    self.resizes = ([tuple(int(x) for x in data_image_size)] if data_image_size else []) + [(self.image_size,) * 2]
+    self.resizes = ([tuple(int(x) for x in data_image_size)] if data_image_size else []) + [(image_size,) * 2]
     as_array = lambda x: None if x is None else np.asarray(x, np.float32).reshape(-1)
     self.state_center, self.state_scale = as_array(state_center), as_array(state_scale)
     self.action_center, self.action_scale = as_array(action_center), as_array(action_scale)
-    tokenizer = tokenizer or load_tokenizer(c.tokenizer_path, c.llm.vocab_size)
-    prompts = [groot_inputs.prompt_ids(c, tokenizer, text, c.num_cameras) for text in instructions]
-    self.row_length = _round_up(max(len(p) for p in prompts), 8)
-    # The same function the train collate packs with, one sample per row: its tables are ours.
-    table_config = ConfigDict(c.to_dict())
-    table_config.packing.row_length = self.row_length
-    num_tasks, size = len(prompts), self.image_size
-    table = groot_inputs.assemble(
-        table_config, prompts, np.zeros((num_tasks * c.num_cameras, size, size, 3), np.uint8),
-        np.zeros((num_tasks, c.max_state_dim)), np.zeros((num_tasks, c.action_horizon, c.max_action_dim)),
-        np.zeros((num_tasks, c.action_horizon, c.max_action_dim)), np.zeros((num_tasks,)), pack=False)
-    self.tables = {key: table[key] for key in ("vl_tokens", "vl_segment_ids", "vl_positions", "vl_image_slot")}
-    self.num_tasks = num_tasks
-    # Real action entries of the chain: the first action_dim of max_action_dim, every step.
-    self.action_mask = np.zeros((c.action_horizon, c.max_action_dim), np.float32)
+    # Real action entries of the chain: the first action_dim of the model's width, every step.
+    self.action_mask = np.zeros((horizon, model_action_dim), np.float32)
     self.action_mask[:, :action_dim] = 1.0
 
   def camera_keys(self, observation: dict) -> list[str]:
     keys = self.cameras if self.cameras is not None else sorted(k for k in observation if k.startswith(IMAGE_PREFIX))
     missing = [k for k in keys if k not in observation]
-    if missing or len(keys) != self.config.num_cameras:
+    if missing or len(keys) != self.num_cameras:
       present = sorted(k for k in observation if k.startswith(IMAGE_PREFIX))
-      raise ValueError(f"GR00T was trained on {self.config.num_cameras} cameras ({keys}) but the observation has "
+      raise ValueError(f"the model was trained on {self.num_cameras} cameras ({keys}) but the observation has "
                        f"{present}: make the env with cameras=True")
     return keys
 
@@ -125,14 +105,56 @@ class GrootObservations:
   def state(self, observation: dict) -> jax.Array:
     """[n, max_state_dim] float32: normalised like the training samples, zero-padded."""
     state = jnp.asarray(observation[self.state_key]).astype(jnp.float32)
-    if state.shape[-1] > self.config.max_state_dim:
+    if state.shape[-1] > self.max_state_dim:
       raise ValueError(f"{self.state_key} has {state.shape[-1]} dims > the model's max_state_dim "
-                       f"{self.config.max_state_dim}")
+                       f"{self.max_state_dim}")
     if self.state_center is not None:
       state = (state - self.state_center) / self.state_scale
       if self.clip_state:
         state = jnp.clip(state, -1.0, 1.0)
-    return jnp.pad(state, ((0, 0), (0, self.config.max_state_dim - state.shape[-1])))
+    return jnp.pad(state, ((0, 0), (0, self.max_state_dim - state.shape[-1])))
+
+  def env_actions(self, actions: jax.Array) -> jax.Array:
+    """[n, h, model action width] normalised -> [n, h, action_dim] in env units."""
+    actions = actions[..., :self.action_dim]
+    if self.action_center is None:
+      return actions
+    return actions * self.action_scale + self.action_center
+
+
+class GrootObservations(VlaObservations):
+  """observation dict -> GR00T model batch, in jnp only (callable inside jit).
+
+  One sample per VL row, as `groot_inputs.assemble(..., pack=False)` lays it out: row r holds
+  sample r alone (segment 1, positions from 0, image slots counted from the sample's first image
+  token), so sample_row_offset = 0 and sample_segment = 1 for every sample, and the per-task rows
+  are constants gathered by task index. Rows are as long as the longest task prompt (rounded up
+  to 8), not the training row length: padding beyond a sample's segment is masked everywhere, and
+  shorter rows make every backbone call cheaper.
+  """
+
+  def __init__(self, model_config: ConfigDict, *, instructions: Sequence[str], embodiment_id: int = 0,
+               tokenizer=None, **shared):
+    """instructions[i] is the instruction of task_index i; `shared`: VlaObservations' settings but the
+    model's (max_state_dim, action width, horizon, image size, cameras), which come from model_config."""
+    c = model_config
+    self.config = c
+    super().__init__(max_state_dim=c.max_state_dim, model_action_dim=c.max_action_dim, horizon=c.action_horizon,
+                     image_size=groot_inputs.batch_image_size(c), num_cameras=c.num_cameras, **shared)
+    self.embodiment_id = embodiment_id
+    tokenizer = tokenizer or load_tokenizer(c.tokenizer_path, c.llm.vocab_size)
+    prompts = [groot_inputs.prompt_ids(c, tokenizer, text, c.num_cameras) for text in instructions]
+    self.row_length = _round_up(max(len(p) for p in prompts), 8)
+    # The same function the train collate packs with, one sample per row: its tables are ours.
+    table_config = ConfigDict(c.to_dict())
+    table_config.packing.row_length = self.row_length
+    num_tasks, size = len(prompts), self.image_size
+    table = groot_inputs.assemble(
+        table_config, prompts, np.zeros((num_tasks * c.num_cameras, size, size, 3), np.uint8),
+        np.zeros((num_tasks, c.max_state_dim)), np.zeros((num_tasks, c.action_horizon, c.max_action_dim)),
+        np.zeros((num_tasks, c.action_horizon, c.max_action_dim)), np.zeros((num_tasks,)), pack=False)
+    self.tables = {key: table[key] for key in ("vl_tokens", "vl_segment_ids", "vl_positions", "vl_image_slot")}
+    self.num_tasks = num_tasks
 
   def __call__(self, observation: dict) -> dict[str, jax.Array]:
     task = jnp.asarray(task_index(observation)).astype(jnp.int32)  # rows of the prompt tables
@@ -142,13 +164,6 @@ class GrootObservations:
                  sample_row_offset=jnp.zeros((n,), jnp.int32), sample_segment=jnp.ones((n,), jnp.int32),
                  embodiment_id=jnp.full((n,), self.embodiment_id, jnp.int32))
     return batch
-
-  def env_actions(self, actions: jax.Array) -> jax.Array:
-    """[n, h, max_action_dim] normalised -> [n, h, action_dim] in env units."""
-    actions = actions[..., :self.action_dim]
-    if self.action_center is None:
-      return actions
-    return actions * self.action_scale + self.action_center
 
 
 # What RL trains when the context is cached (GrootActor(cache_context=True)): the flow part of the
@@ -194,8 +209,24 @@ class GrootActor(nnx.Module):
     return self.groot.velocity_fn(batch, vl=vl, state_tokens=state_tokens)(noisy_actions, t)
 
 
-def load_sft(checkpoint_dir: str, step: int | None = None):
-  """(Groot model, CheckpointPolicy) of a train-job checkpoint: the SFT policy RL starts from.
+@dataclasses.dataclass(frozen=True)
+class VlaKind:
+  """What makes one model family an RL actor; the rest (loading the SFT checkpoint, the critic, which
+  parameters train, the FlowPolicy) is `vla_flow_policy`'s, the same for each. GR00T's is GROOT below,
+  pi0.5's ejax.rl.vla_pi05.PI05."""
+  name: str                 # rl.policy.kind, and the SFT checkpoint's config.model.name
+  title: str                # in messages
+  observations: Callable    # (CheckpointPolicy, instructions, **shared_settings(...)) -> VlaObservations
+  actor: Callable           # (model, cache_context) -> an actor for FlowPolicy (prepare / velocity; context /
+                            # velocity_from_context)
+  flow_parts: tuple         # parameter path names downstream of the cached context (what RL trains with it)
+  freeze_context: Callable  # model config -> None: sets the flags that freeze what the context is made from
+  trainable_filter: Callable  # model config -> the train job's nnx filter
+  convention: str           # the flow's time convention (ejax.models.flow)
+
+
+def load_sft(checkpoint_dir: str, step: int | None = None, kind: str = "groot"):
+  """(model, CheckpointPolicy) of a train-job checkpoint: the SFT policy RL starts from.
 
   The CheckpointPolicy carries the config, the normaliser and the action dim exactly as the eval
   job uses them; the model is rebuilt from its restored state.
@@ -203,9 +234,9 @@ def load_sft(checkpoint_dir: str, step: int | None = None):
   from ejax.train.policy import load_policy
   from ejax.train.state import model_parts
   policy = load_policy(os.path.abspath(checkpoint_dir), step=step)
-  if policy.config.model.name != "groot":
-    raise ValueError(f"{checkpoint_dir} holds a {policy.config.model.name!r} model; rl.policy.kind='groot' "
-                     f"needs a GR00T checkpoint (configs/groot.py)")
+  if policy.config.model.name != kind:
+    raise ValueError(f"{checkpoint_dir} holds a {policy.config.model.name!r} model; rl.policy.kind={kind!r} "
+                     f"needs a {kind!r} checkpoint (configs/{kind}.py)")
   # The restore lays the state out over a mesh of every device (the trainer's); the RL pipeline
   # places parameters itself (rl.placement), so they start as plain default-device arrays, like a
   # freshly built policy's. Left on the mesh (or device_put to one of its devices, which keeps the
@@ -216,26 +247,42 @@ def load_sft(checkpoint_dir: str, step: int | None = None):
   return model, policy
 
 
-def observations_for(sft_policy, instructions: Sequence[str]) -> GrootObservations:
-  """The in-jit observation mapping matching CheckpointPolicy.act's host-side one."""
+def shared_settings(sft_policy) -> dict:
+  """VlaObservations' checkpoint settings (state key, normaliser, action dim, cameras, pipeline resize),
+  read from the CheckpointPolicy as its act() uses them. The state is not clipped: the train pipeline's
+  Normalizer clips in no mode (ejax.data.transforms)."""
   config, normalizer = sft_policy.config, sft_policy.normalizer
   state_params = normalizer.params.get(sft_policy.state_key, (None, None))
   action_params = normalizer.params.get("action", (None, None))
-  embodiment = config.data.get("embodiment_id", 0)
-  return GrootObservations(
-      config.model, instructions=instructions, state_key=sft_policy.state_key, state_center=state_params[0],
-      state_scale=state_params[1], clip_state=normalizer.mode == "quantile",
-      action_dim=int(sft_policy.action_dim or config.model.max_action_dim), action_center=action_params[0],
-      action_scale=action_params[1], embodiment_id=embodiment if isinstance(embodiment, int) else 0,
-      cameras=config.data.get("cameras"), data_image_size=config.data.get("image_size"))
+  return dict(state_key=sft_policy.state_key, state_center=state_params[0], state_scale=state_params[1],
+              clip_state=False, action_dim=int(sft_policy.action_dim or sft_policy.noise_shape[1]),
+              action_center=action_params[0], action_scale=action_params[1], cameras=config.data.get("cameras"),
+              data_image_size=config.data.get("image_size"))
 
 
-def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolicy:
-  """FlowPolicy(GrootActor from the SFT checkpoint, ValueHead critic) for rl.policy.kind="groot".
+def observations_for(sft_policy, instructions: Sequence[str]) -> GrootObservations:
+  """The in-jit observation mapping matching CheckpointPolicy.act's host-side one (GR00T)."""
+  embodiment = sft_policy.config.data.get("embodiment_id", 0)
+  return GrootObservations(sft_policy.config.model, instructions=instructions,
+                           embodiment_id=embodiment if isinstance(embodiment, int) else 0,
+                           **shared_settings(sft_policy))
+
+
+def _freeze_groot(c: ConfigDict) -> None:
+  c.tune_llm, c.tune_visual = False, False
+
+
+GROOT = VlaKind(name="groot", title="GR00T", observations=lambda sft, instructions: observations_for(sft, instructions),
+                actor=GrootActor, flow_parts=FLOW_PARTS, freeze_context=_freeze_groot,
+                trainable_filter=groot_lib.trainable_filter, convention="groot")
+
+
+def vla_flow_policy(kind: VlaKind, policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolicy:
+  """FlowPolicy(kind's actor from the SFT checkpoint, ValueHead critic) for rl.policy.kind=kind.name.
 
   policy_config: checkpoint (the train job's checkpoints dir), step (-1: newest), instructions
-  (task_index -> instruction), state_dim / num_tasks / hidden (the critic), noise_level, num_steps
-  (0: the model's num_inference_steps).
+  (task_index -> instruction), state_dim / num_tasks / hidden (the critic), noise_level, noisy_steps,
+  num_steps (0: the model's num_inference_steps), cache_context, train_backbone.
 
   The critic is asymmetric: a ValueHead on proprioception + the env's object state + task
   (ejax.rl.policy.policy_state), privileged information the actor never sees. Values only shape
@@ -246,30 +293,36 @@ def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolic
   if not os.path.isdir(policy_config.checkpoint):
     from ejax.checkpoint import CheckpointError
     raise CheckpointError(
-        f"rl.policy.checkpoint {policy_config.checkpoint} does not exist: a GR00T RL policy starts from, and is "
-        f"rebuilt from, its SFT checkpoint (a train job's <workdir>/checkpoints); restore it or point sft= at one")
+        f"rl.policy.checkpoint {policy_config.checkpoint} does not exist: a {kind.title} RL policy starts from, and "
+        f"is rebuilt from, its SFT checkpoint (a train job's <workdir>/checkpoints); restore it or point sft= at one")
   step = int(policy_config.get("step", -1))
-  model, sft = load_sft(policy_config.checkpoint, None if step < 0 else step)
+  model, sft = load_sft(policy_config.checkpoint, None if step < 0 else step, kind.name)
   c = model.config
   cache = bool(policy_config.get("cache_context", False))
   if cache or not policy_config.get("train_backbone", True):
-    # RL moves the action head only: the vision tower and LLM (and the keypoint detectors) stay as
-    # SFT left them, and Groot.context stops their gradient, so the learner skips their backward.
-    c.tune_llm, c.tune_visual = False, False
-  observations = observations_for(sft, list(policy_config.instructions))
+    # RL moves the action part only: the vision tower and LLM (and the keypoint detectors) stay as
+    # SFT left them, and the actor stops their gradient, so the learner skips their backward.
+    kind.freeze_context(c)
+  observations = kind.observations(sft, list(policy_config.instructions))
   if observations.num_tasks != policy_config.num_tasks:
     raise ValueError(f"rl.policy.instructions has {observations.num_tasks} entries but num_tasks="
                      f"{policy_config.num_tasks}: give one instruction per task index")
   critic = ValueHead(policy_config.state_dim, policy_config.num_tasks, policy_config.hidden, rngs)
   observation_keys = tuple(dict.fromkeys(STATE_OBSERVATIONS + (sft.state_key,)))  # + the cameras (prefix)
-  trainable = groot_lib.trainable_filter(c)
+  trainable = kind.trainable_filter(c)
   if cache:  # the context is frozen: only the flow part (and the critic) can move
-    trainable = nnx.All(trainable, nnx.Any(*[nnx.PathContains(name) for name in FLOW_PARTS + ("critic",)]))
-  return FlowPolicy(ActorCritic(GrootActor(model, cache_context=cache), critic), horizon=c.action_horizon,
-                    action_dim=c.max_action_dim,
-                    num_steps=int(policy_config.get("num_steps", 0)) or c.num_inference_steps, convention="groot",
-                    noise_level=policy_config.noise_level, noisy_steps=policy_config.get("noisy_steps", 0),
+    trainable = nnx.All(trainable, nnx.Any(*[nnx.PathContains(name) for name in kind.flow_parts + ("critic",)]))
+  horizon, width = observations.action_mask.shape
+  return FlowPolicy(ActorCritic(kind.actor(model, cache_context=cache), critic), horizon=horizon, action_dim=width,
+                    num_steps=int(policy_config.get("num_steps", 0)) or c.num_inference_steps,
+                    convention=kind.convention, noise_level=policy_config.noise_level,
+                    noisy_steps=policy_config.get("noisy_steps", 0),
                     actor_inputs=lambda observation: (observations(observation),),
                     action_mask=observations.action_mask, env_actions=observations.env_actions,
                     trainable=trainable, observation_keys=observation_keys,
                     observation_prefixes=(IMAGE_PREFIX,))
+
+
+def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolicy:
+  """FlowPolicy(GrootActor from the SFT checkpoint, ValueHead critic) for rl.policy.kind="groot"."""
+  return vla_flow_policy(GROOT, policy_config, rngs=rngs)
