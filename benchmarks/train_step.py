@@ -8,6 +8,8 @@ feeds it the model's own example batch, in arms timed back to back in one proces
   best_fit     samples a row and row length chosen from the batch's lengths (ejax.data.row_plan)
   fp8_<impl>   GR00T's DiT feed-forward through each FP8 route (model.fp8, model.fp8_impl)
   attn_<impl>  the configured layout with model.attention_impl=<impl>, for each implementation
+  unscanned    the configured layout with every block unrolled (model.scan_layers=False; the
+               default scans repeated blocks, ejax.models.layers.run_blocks)
 Per arm: state-ready seconds (built and on the device), compile seconds, median step ms, samples/s,
 model TFLOP/s and MFU (ejax.train.flops: forward + backward, no recomputation; the device's dense
 bf16 peak), peak memory (XLA's buffer assignment of the step). Beside the packing arms it prints the
@@ -22,6 +24,8 @@ runlocal sizes. Last line:
 --startup compiles the full-size state and train step from shapes, allocating nothing (as
 ejax.train.compile_report does), and prints
   startup configs/groot.py: state <a> s, train step compile <b> s (<device>)
+With --unscanned it first compiles the same step with every block unrolled (model.scan_layers=False)
+and prints that compile beside the scanned one, with both steps' memory (XLA's buffer assignment).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import numpy as np  # noqa: E402
 GOAL_MFU = 40.0
 NAMES = {"groot": "GR00T-N1.5", "pi05": "pi0.5"}
 CONFIGS = {"groot": "configs/groot.py", "pi05": "configs/pi05.py"}
-ALL_ARMS = ("configured", "padded", "best_fit", "fp8", "attn")
+ALL_ARMS = ("configured", "padded", "best_fit", "fp8", "attn", "unscanned")
 
 
 def load_config(path: str, arg: str | None):
@@ -87,6 +91,9 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
               f"{layouts['configured'].samples_per_row}) is already the best fit for these samples")
         continue
       out[arm] = with_layout(arm)
+    elif arm == "unscanned" and "scan_layers" in config.model:
+      out[arm] = with_layout("configured")
+      out[arm][0].model.scan_layers = False
     elif arm.split("_")[0] == "fp8" and "fp8" in config.model:
       from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
       for impl in FP8_IMPLS if arm == "fp8" else [arm[len("fp8_"):]]:
@@ -208,7 +215,7 @@ def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, o
 # --- Startup -----------------------------------------------------------------------------------
 
 
-def startup(config_path: str, per_device_batch: int) -> str:
+def startup(config_path: str, per_device_batch: int, unscanned: bool = False) -> str:
   """Compiles the state and the step from shapes; the startup line."""
   from ejax.parallel import make_mesh
   from ejax.train.compile_report import abstract_batch
@@ -231,12 +238,24 @@ def startup(config_path: str, per_device_batch: int) -> str:
                          int(config.train.grad_accum_steps))
   abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                 plan.abstract, plan.shardings)
-  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), plan.shardings,
-                        {k: v.sharding for k, v in batch.items()}, mesh)
-  start = time.perf_counter()
-  with mesh, sharding_context(mesh, rules):
-    step.lower(abstract_state, batch).compile()
-  step_seconds = time.perf_counter() - start
+
+  def compile_step(model_config):
+    step = jit_train_step(make_train_step(model_parts(model_config), tx, schedule, config.train), plan.shardings,
+                          {k: v.sharding for k, v in batch.items()}, mesh)
+    start = time.perf_counter()
+    with mesh, sharding_context(mesh, rules):
+      compiled = step.lower(abstract_state, batch).compile()
+    memory = compiled.memory_analysis()
+    return time.perf_counter() - start, int(getattr(memory, "temp_size_in_bytes", 0) or 0) / 2**30
+
+  if unscanned and "scan_layers" in config.model:
+    unrolled = config.model.copy_and_resolve_references()
+    unrolled.scan_layers = False
+    unscanned_seconds, unscanned_temp = compile_step(unrolled)
+  step_seconds, temp = compile_step(config.model)
+  if unscanned and "scan_layers" in config.model:
+    print(f"  train step compile: scanned {step_seconds:.1f} s, unrolled {unscanned_seconds:.1f} s "
+          f"({unscanned_seconds / step_seconds:.1f}x); temporaries {temp:.1f} / {unscanned_temp:.1f} GiB a device")
   print(f"  state: model built from shapes {planned:.1f} s; {state_report['host_initialised']} parameters drawn on "
         f"the host (no program), {state_report['device_initialised']} in {state_report['device_groups']} device "
         f"init groups; {state_report['programs']} programs lowered {state_report['lower_seconds']:.1f} s, "
@@ -257,6 +276,8 @@ def main(argv=None) -> None:
   parser.add_argument("--json", default="", help="write every figure here (rewritten after each arm)")
   parser.add_argument("--startup", action="store_true", help="compile the state and step from shapes only")
   parser.add_argument("--config", default="configs/groot.py", help="--startup: the config (':arg' allowed)")
+  parser.add_argument("--unscanned", action="store_true",
+                      help="--startup: also compile the step with every block unrolled, side by side")
   parser.add_argument("--cache", action="store_true",
                       help="use the persistent compilation cache (off: every figure is a cold compile)")
   args = parser.parse_args(argv)
@@ -264,7 +285,7 @@ def main(argv=None) -> None:
     from ejax.config.runtime import enable_compilation_cache
     enable_compilation_cache("~/.cache/ejax/xla")
   if args.startup:
-    line = startup(args.config, args.per_device_batch or 32)
+    line = startup(args.config, args.per_device_batch or 32, args.unscanned)
     if args.json:
       with open(args.json, "w") as f:
         json.dump({"line": line}, f)

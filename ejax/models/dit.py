@@ -144,9 +144,10 @@ class DiT(nnx.Module):
   """tokens [n, T, width] + timestep buckets [n] + packed VL tokens -> [n, T, output_dim]."""
 
   def __init__(self, config: DiTConfig, *, fp8: bool = False, dtype=jnp.float32, param_dtype=jnp.float32,
-               remat: str = "none", attention_impl: str = "auto", rngs: nnx.Rngs):
+               remat: str = "none", attention_impl: str = "auto", scan_layers: bool = True, rngs: nnx.Rngs):
     self.remat = remat
     self.attention_impl = attention_impl
+    self.scan_layers = scan_layers
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     width = config.width
     self.timestep_encoder = TimestepEncoder(config.timestep_channels, width, **common)
@@ -163,10 +164,10 @@ class DiT(nnx.Module):
                sample_row: jax.Array, sample_segment: jax.Array, rng: jax.Array | None = None) -> jax.Array:
     temb = self.timestep_encoder(timesteps)
     x = constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
-    for i, block in enumerate(self.blocks):
-      block_rng = None if rng is None else jax.random.fold_in(rng, i)
-      x = layers.run_block(block, x, temb=temb, vl_tokens=vl_tokens, vl_segment_ids=vl_segment_ids,
-                           sample_row=sample_row, sample_segment=sample_segment, rng=block_rng, remat=self.remat)
+    # Even blocks cross-attend to the VL tokens, odd ones self-attend: scanned in pairs.
+    x = layers.run_blocks(self.blocks, x, temb=temb, vl_tokens=vl_tokens, vl_segment_ids=vl_segment_ids,
+                          sample_row=sample_row, sample_segment=sample_segment, rng=rng, remat=self.remat,
+                          scan=self.scan_layers, period=2)
     shift, scale = jnp.split(self.proj_out_1(jax.nn.silu(temb)), 2, axis=-1)
     x = self.norm_out(x) * (1.0 + scale[:, None]) + shift[:, None]
     return self.proj_out_2(x)
@@ -176,9 +177,10 @@ class VLSelfAttentionTransformer(nnx.Module):
   """Bidirectional transformer over packed VL rows [rows, L, width], within each segment."""
 
   def __init__(self, config: VLTransformerConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-               remat: str = "none", attention_impl: str = "auto", rngs: nnx.Rngs):
+               remat: str = "none", attention_impl: str = "auto", scan_layers: bool = True, rngs: nnx.Rngs):
     self.remat = remat
     self.attention_impl = attention_impl
+    self.scan_layers = scan_layers
     self.blocks = nnx.List([
         TransformerBlock(config.width, config.num_heads, config.head_dim, dropout=config.dropout, ada_norm=False,
                          cross_attention_dim=None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -186,7 +188,5 @@ class VLSelfAttentionTransformer(nnx.Module):
 
   @with_attention_impl
   def __call__(self, x: jax.Array, segment_ids: jax.Array, rng: jax.Array | None = None) -> jax.Array:
-    for i, block in enumerate(self.blocks):
-      x = layers.run_block(block, x, segment_ids=segment_ids, rng=None if rng is None else jax.random.fold_in(rng, i),
-                           remat=self.remat)
-    return x
+    return layers.run_blocks(self.blocks, x, segment_ids=segment_ids, rng=rng, remat=self.remat,
+                             scan=self.scan_layers)

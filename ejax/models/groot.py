@@ -65,6 +65,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   #                                    the DiT and LLM GEMMs) | xla_rowwise (1.12x) | blockwise (Pallas, 0.33x)
   c.remat = "full"                   # per-block rematerialisation (ejax.parallel.remat)
   c.attention_impl = "auto"          # every attention call: ejax.kernels.attention IMPLS ("auto": per backend)
+  c.scan_layers = True               # repeated blocks as one lax.scan (one block compiled per kind)
   c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224)
   c.connector = dict(num_layers=1, use_pixel_shuffle=False)   # released: mlp1.0 = Linear(1152, 2048)
   c.llm = dict(vocab_size=151680, width=2048, mlp_dim=6144, num_heads=16, num_kv_heads=8, head_dim=128,
@@ -128,10 +129,12 @@ class GrootBackbone(nnx.Module):
   def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     attention_impl = config.get("attention_impl", "auto")
+    scan = config.get("scan_layers", True)
     self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), remat=config.remat,
-                                          attention_impl=attention_impl, **common)
+                                          attention_impl=attention_impl, scan_layers=scan, **common)
     self.connector = MLPConnector(config.vision.width, config.llm.width, **config.connector, **common)
-    self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, attention_impl=attention_impl, **common)
+    self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, attention_impl=attention_impl, scan_layers=scan,
+                     **common)
     self.image_token_id = config.image_token_id
     self.vision_image_size = int(config.vision.image_size)
 
@@ -168,10 +171,13 @@ class GrootActionHead(nnx.Module):
     self.config = config
     self.vlln = layers.LayerNorm(vl_width, eps=1e-5, **common)
     attention_impl = config.get("attention_impl", "auto")
+    scan = config.get("scan_layers", True)
     self.vl_self_attention = VLSelfAttentionTransformer(VLTransformerConfig(**config.vl_transformer),
-                                                        remat=config.remat, attention_impl=attention_impl, **common)
+                                                        remat=config.remat, attention_impl=attention_impl,
+                                                        scan_layers=scan, **common)
     fp8 = config.fp8 and config.get("fp8_impl", True)
-    self.dit = DiT(dit_config, fp8=fp8, remat=config.remat, attention_impl=attention_impl, **common)
+    self.dit = DiT(dit_config, fp8=fp8, remat=config.remat, attention_impl=attention_impl, scan_layers=scan,
+                   **common)
     self.state_encoder = CategorySpecificMLP(config.max_num_embodiments, config.max_state_dim, config.hidden_size,
                                              width, **common)
     self.action_encoder = MultiEmbodimentActionEncoder(config.max_num_embodiments, config.max_action_dim, width,

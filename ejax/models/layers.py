@@ -380,3 +380,41 @@ def run_block(block: nnx.Module, *args, remat: str = "none", **kwargs):
     return block(*args, **kwargs)
   from ejax.parallel import remat_policy
   return jax.checkpoint(lambda *a: block(*a, **kwargs), policy=remat_policy(remat))(*args)
+
+
+def run_blocks(blocks: Sequence[nnx.Module], x: jax.Array, *args, remat: str = "none", scan: bool = True,
+               period: int = 1, rng: jax.Array | None = None, **kwargs) -> jax.Array:
+  """x through every block in order, each as run_block(block, x, *args, **kwargs, rng=...).
+
+  With `scan`, blocks that repeat (block i and i + period share one structure: `period=2` for
+  the DiT's alternating cross- and self-attention blocks) run as one lax.scan over their weights
+  stacked on a leading axis, so the train step traces and compiles one block per kind instead of
+  every block; the parameters keep their per-layer layout (checkpoints and weight import are
+  unchanged) and the stacking is a copy XLA makes once per step. Block i's dropout key is
+  fold_in(rng, i) either way, so both paths compute the same numbers.
+  """
+  n = len(blocks)
+
+  def call(block, h, index):
+    block_rng = None if rng is None else jax.random.fold_in(rng, index)
+    extra = {} if rng is None else {"rng": block_rng}
+    return run_block(block, h, *args, remat=remat, **kwargs, **extra)
+
+  if not scan or n < 2 * period or n % period:
+    for i, block in enumerate(blocks):
+      x = call(block, x, i)
+    return x
+  graphdefs, stacks = [], []
+  for j in range(period):
+    split = [nnx.split(blocks[i]) for i in range(j, n, period)]
+    graphdefs.append(split[0][0])
+    stacks.append(jax.tree.map(lambda *leaves: jnp.stack(leaves), *[state for _, state in split]))
+
+  def body(h, xs):
+    states, step = xs
+    for j in range(period):
+      h = call(nnx.merge(graphdefs[j], states[j]), h, step * period + j)
+    return h, None
+
+  x, _ = jax.lax.scan(body, x, (stacks, jnp.arange(n // period)))
+  return x

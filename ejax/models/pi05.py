@@ -82,6 +82,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.packing = dict(row_length=0, samples_per_row=0, max_images_per_sample=3, max_row_length=4096, probe_samples=512)
   c.remat = "full"
   c.attention_impl = "auto"
+  c.scan_layers = True              # SigLIP's blocks as one lax.scan (the decoders always scan)
   c.perception = {}                 # simulator-trained perception aids (ejax/models/perception/); {}: as released
   c.perception_tokens = False       # with model.perception: its state slots also join each action token (zero-init)
   # openpi fine-tunes every parameter by default (pi05 configs have no freeze filter).
@@ -134,7 +135,9 @@ class Pi05(nnx.Module):
     # Rematerialised per block like the decoders: the trained tower otherwise keeps every block's
     # activations of 3 images a sample. Full size, 32 samples a device: 101 -> 43 GiB of temporaries
     # per device (XLA:CPU's estimate, ejax.train.compile_report).
-    self.vision = SiglipVisionTransformer(vision_config, remat=config.remat, **common)
+    self.vision = SiglipVisionTransformer(vision_config, remat=config.remat,
+                                          attention_impl=config.get("attention_impl", "auto"),
+                                          scan_layers=config.get("scan_layers", True), **common)
     # openpi "img/head": SigLIP width -> PaliGemma width (PaliGemma's multi-modal projector).
     self.vision_projection = layers.Dense(vision_config.width, llm_config.width, axes=(ax.IN_FEATURES, ax.EMBED),
                                           **common)

@@ -55,9 +55,10 @@ class Qwen3(nnx.Module):
   """Token embedding + the first `num_layers` decoder blocks + final RMSNorm."""
 
   def __init__(self, config: Qwen3Config, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-               attention_impl: str = "auto", rngs: nnx.Rngs):
+               attention_impl: str = "auto", scan_layers: bool = True, rngs: nnx.Rngs):
     self.config = config
     self.remat = remat
+    self.scan_layers = scan_layers
     self.attention_impl = attention_impl
     self.dtype = dtype
     self.embed_tokens = layers.make_param(rngs, nnx.initializers.normal(0.02), (config.vocab_size, config.width),
@@ -74,6 +75,5 @@ class Qwen3(nnx.Module):
   def __call__(self, embeddings: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
     """embeddings [b, l, width] (text and image tokens), segment_ids/positions [b, l] -> features."""
     x = constrain(embeddings.astype(self.dtype), (ACT_BATCH, ACT_LEN, ACT_EMBED))
-    for block in self.blocks:
-      x = layers.run_block(block, x, segment_ids, positions, remat=self.remat)
+    x = layers.run_blocks(self.blocks, x, segment_ids, positions, remat=self.remat, scan=self.scan_layers)
     return self.norm(x)

@@ -70,9 +70,10 @@ class SiglipVisionTransformer(nnx.Module):
   """images [n, H, W, 3] in [-1, 1] -> patch tokens [n, num_patches, width]."""
 
   def __init__(self, config: SiglipConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-               attention_impl: str = "auto", rngs: nnx.Rngs):
+               attention_impl: str = "auto", scan_layers: bool = True, rngs: nnx.Rngs):
     self.config = config
     self.remat = remat
+    self.scan_layers = scan_layers
     self.attention_impl = attention_impl
     self.dtype = dtype
     patch_dim = config.patch_size * config.patch_size * 3
@@ -93,6 +94,5 @@ class SiglipVisionTransformer(nnx.Module):
                        f"got {images.shape[1]}x{images.shape[2]}")
     x = self.patch_embedding(patches) + self.position_embedding[...].astype(self.dtype)
     x = constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
-    for block in self.blocks:
-      x = layers.run_block(block, x, remat=self.remat)
+    x = layers.run_blocks(self.blocks, x, remat=self.remat, scan=self.scan_layers)
     return self.post_layernorm(x)
