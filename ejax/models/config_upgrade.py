@@ -16,8 +16,10 @@ import ml_collections
 from ejax.models.perception.upgrade import upgrade_config as upgrade_perception
 
 ADDED_KEYS: dict[str, dict] = {
-    "groot": {"attention_impl": "auto", "fp8_impl": True, "text_first": False, "perception": {}},
-    "pi05": {"attention_impl": "auto", "perception": {}, "perception_tokens": False},
+    # scan_layers: scanning the repeated blocks keeps every parameter's layout, so an older checkpoint
+    # computes the same under today's default
+    "groot": {"attention_impl": "auto", "fp8_impl": True, "text_first": False, "perception": {}, "scan_layers": True},
+    "pi05": {"attention_impl": "auto", "perception": {}, "perception_tokens": False, "scan_layers": True},
 }
 
 

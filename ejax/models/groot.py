@@ -23,13 +23,15 @@ import ml_collections
 from flax import nnx
 
 from ejax.models import flow, groot_inputs, layers, perception
+from ejax.models.config_upgrade import upgrade_model_config
 from ejax.models.connector import MLPConnector
-from ejax.models.dit import DiT, DiTConfig, VLSelfAttentionTransformer, VLTransformerConfig
+from ejax.models.dit import DiT, VLSelfAttentionTransformer
 from ejax.models.embodiment import CategorySpecificMLP, MultiEmbodimentActionEncoder
 from ejax.models.groot_inputs import image_token_indices, sample_rows, tokens_per_image  # noqa: F401
-from ejax.models.qwen3 import Qwen3, Qwen3Config
+from ejax.models.groot_config import GrootConfig, read
+from ejax.models.qwen3 import Qwen3
 from ejax.models.registry import ModelSpec
-from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
+from ejax.models.siglip import SiglipVisionTransformer, normalize_images
 from ejax.parallel.axes import EMBED, IN_FEATURES, MLP
 from ejax.parallel.shard_local import take_rows
 
@@ -126,17 +128,15 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
 class GrootBackbone(nnx.Module):
   """Eagle 2.5: vision tower + connector + truncated Qwen3 -> VL features on packed rows."""
 
-  def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, config: GrootConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    attention_impl = config.get("attention_impl", "auto")
-    scan = config.get("scan_layers", True)
-    self.vision = SiglipVisionTransformer(SiglipConfig(**config.vision), remat=config.remat,
-                                          attention_impl=attention_impl, scan_layers=scan, **common)
-    self.connector = MLPConnector(config.vision.width, config.llm.width, **config.connector, **common)
-    self.llm = Qwen3(Qwen3Config(**config.llm), remat=config.remat, attention_impl=attention_impl, scan_layers=scan,
-                     **common)
+    blocks = dict(remat=config.remat, attention_impl=config.attention_impl, scan_layers=config.scan_layers)
+    self.vision = SiglipVisionTransformer(config.vision, **blocks, **common)
+    self.connector = MLPConnector(config.vision.width, config.llm.width, num_layers=config.connector.num_layers,
+                                  use_pixel_shuffle=config.connector.use_pixel_shuffle, **common)
+    self.llm = Qwen3(config.llm, **blocks, **common)
     self.image_token_id = config.image_token_id
-    self.vision_image_size = int(config.vision.image_size)
+    self.vision_image_size = config.vision.image_size
 
   def encode_images(self, batch) -> jax.Array | None:
     """The connector's image tokens [num_images, tokens_per_image, llm width]; None without cameras."""
@@ -163,21 +163,13 @@ class GrootBackbone(nnx.Module):
 
 class GrootActionHead(nnx.Module):
 
-  def __init__(self, config, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, config: GrootConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    vl_width = config.llm.width
-    dit_config = DiTConfig(cross_attention_dim=vl_width, **config.dit)
-    width = dit_config.width                                             # input_embedding_dim (1536)
-    self.config = config
-    self.vlln = layers.LayerNorm(vl_width, eps=1e-5, **common)
-    attention_impl = config.get("attention_impl", "auto")
-    scan = config.get("scan_layers", True)
-    self.vl_self_attention = VLSelfAttentionTransformer(VLTransformerConfig(**config.vl_transformer),
-                                                        remat=config.remat, attention_impl=attention_impl,
-                                                        scan_layers=scan, **common)
-    fp8 = config.fp8 and config.get("fp8_impl", True)
-    self.dit = DiT(dit_config, fp8=fp8, remat=config.remat, attention_impl=attention_impl, scan_layers=scan,
-                   **common)
+    blocks = dict(remat=config.remat, attention_impl=config.attention_impl, scan_layers=config.scan_layers)
+    width = config.dit.width                                             # input_embedding_dim (1536)
+    self.vlln = layers.LayerNorm(config.llm.width, eps=1e-5, **common)
+    self.vl_self_attention = VLSelfAttentionTransformer(config.vl_transformer, **blocks, **common)
+    self.dit = DiT(config.dit, fp8=config.fp8 and config.fp8_impl, **blocks, **common)
     self.state_encoder = CategorySpecificMLP(config.max_num_embodiments, config.max_state_dim, config.hidden_size,
                                              width, **common)
     self.action_encoder = MultiEmbodimentActionEncoder(config.max_num_embodiments, config.max_action_dim, width,
@@ -211,20 +203,22 @@ class Groot(nnx.Module):
   """GR00T-N1.5 with the registry interface: compute_loss and sample_actions."""
 
   def __init__(self, config, rngs: nnx.Rngs):
-    dtype, param_dtype = DTYPES[config.dtype], DTYPES[config.param_dtype]
-    self.config = config
-    self.backbone = GrootBackbone(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.action_head = GrootActionHead(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    # The boundary: the config as saved, in today's layout (the io converters, LoRA and RL read it), and
+    # read once into typed settings, which is all the modules below see.
+    self.config = upgrade_model_config(config)
+    self.settings = settings = read(self.config)
+    dtype, param_dtype = DTYPES[settings.dtype], DTYPES[settings.param_dtype]
+    self.backbone = GrootBackbone(settings, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.action_head = GrootActionHead(settings, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     # The hook: model.perception's module, or None for the released model.
-    settings = perception.read(config)
-    self.perception = nnx.data(None if settings is None else perception.Perception(
-        settings, config.llm.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+    self.perception = nnx.data(None if settings.perception is None else perception.Perception(
+        settings.perception, settings.llm.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
 
   def _context(self, batch, rng=None):
     """(VL tokens after the VL transformer, the state vector the state encoder reads, what the
     perception module saw or None): everything upstream of the flow."""
     features = self.backbone(batch)
-    if not (self.config.tune_llm or self.config.tune_visual):
+    if not (self.settings.tune_llm or self.settings.tune_visual):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
     vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
     state, seen = jnp.asarray(batch["state"]), None
@@ -257,7 +251,7 @@ class Groot(nnx.Module):
     """velocity_fn(x [n, horizon, dim], t [n]) in the GR00T convention, for ejax.models.flow."""
     if vl is None:
       vl, state_tokens = self.context(batch)
-    buckets = self.config.num_timestep_buckets
+    buckets = self.settings.num_timestep_buckets
 
     def fn(x, t):
       return self.action_head.velocity(x, flow.groot_timestep_buckets(t, buckets), state_tokens, vl, batch)
@@ -274,7 +268,7 @@ class Groot(nnx.Module):
     vl, state, seen = self._context(batch, None if dropout_rng is None else jax.random.fold_in(dropout_rng, 0))
     state_tokens = self.action_head.state_encoder(state[:, None, :], batch["embodiment_id"])
     noisy, target = flow.interpolate(noise, actions, t, convention="groot")
-    buckets = flow.groot_timestep_buckets(t, self.config.num_timestep_buckets)
+    buckets = flow.groot_timestep_buckets(t, self.settings.num_timestep_buckets)
     pred = self.action_head.velocity(noisy, buckets, state_tokens, vl, batch,
                                      rng=None if dropout_rng is None else jax.random.fold_in(dropout_rng, 1))
     loss, metrics = flow.masked_loss(pred, target, batch["action_mask"])  # GR00T: mean over every real entry
@@ -284,10 +278,10 @@ class Groot(nnx.Module):
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
     n = batch["state"].shape[0]
-    shape = (n, self.config.action_horizon, self.config.max_action_dim)
+    shape = (n, self.settings.action_horizon, self.settings.max_action_dim)
     if noise is None:
       noise = jax.random.normal(rng, shape, jnp.float32)
-    num_steps = num_steps or self.config.num_inference_steps
+    num_steps = num_steps or self.settings.num_inference_steps
     return flow.euler_sample(self.velocity_fn(batch), noise, num_steps, convention="groot")
 
 

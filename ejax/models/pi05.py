@@ -37,8 +37,10 @@ import ml_collections
 from flax import nnx
 
 from ejax.models import flow, gemma, layers, perception, pi05_inputs
+from ejax.models.config_upgrade import upgrade_model_config
+from ejax.models.pi05_config import Pi05Config, read
 from ejax.models.registry import ModelSpec
-from ejax.models.siglip import SiglipConfig, SiglipVisionTransformer, normalize_images
+from ejax.models.siglip import SiglipVisionTransformer, normalize_images
 from ejax.parallel import axes as ax
 from ejax.parallel.shard_local import set_rows, take_rows
 
@@ -107,11 +109,10 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
 
 
 def gemma_configs(config) -> tuple[gemma.GemmaConfig, gemma.GemmaConfig]:
-  """(PaliGemma LLM, action expert) configs; the expert's norms are adaRMS on its own width."""
-  llm = gemma.GemmaConfig(**dict(config.paligemma))
-  expert_fields = dict(config.action_expert)
-  expert = gemma.GemmaConfig(**expert_fields, adarms_cond_dim=expert_fields["width"])
-  return llm, expert
+  """(PaliGemma LLM, action expert) configs of a model config or its Pi05Config; the expert's norms are
+  adaRMS on its own width."""
+  settings = config if isinstance(config, Pi05Config) else read(config)
+  return settings.paligemma, settings.action_expert
 
 
 def time_embedding(t: jax.Array, width: int) -> jax.Array:
@@ -126,18 +127,19 @@ class Pi05(nnx.Module):
   """pi0.5 with the registry interface: compute_loss and sample_actions on packed batches."""
 
   def __init__(self, config, rngs: nnx.Rngs):
-    self.config = config
+    # The boundary: the config as saved, in today's layout (the io converters, LoRA and RL read it), and
+    # read once into typed settings, which is all the model below sees.
+    self.config = upgrade_model_config(config)
+    self.settings = config = read(self.config)
     self.dtype = DTYPES[config.dtype]
     param_dtype = DTYPES[config.param_dtype]
-    llm_config, expert_config = gemma_configs(config)
-    vision_config = SiglipConfig(**dict(config.vision))
+    llm_config, expert_config, vision_config = config.paligemma, config.action_expert, config.vision
     common = dict(dtype=self.dtype, param_dtype=param_dtype, rngs=rngs)
     # Rematerialised per block like the decoders: the trained tower otherwise keeps every block's
     # activations of 3 images a sample. Full size, 32 samples a device: 101 -> 43 GiB of temporaries
     # per device (XLA:CPU's estimate, ejax.train.compile_report).
-    self.vision = SiglipVisionTransformer(vision_config, remat=config.remat,
-                                          attention_impl=config.get("attention_impl", "auto"),
-                                          scan_layers=config.get("scan_layers", True), **common)
+    self.vision = SiglipVisionTransformer(vision_config, remat=config.remat, attention_impl=config.attention_impl,
+                                          scan_layers=config.scan_layers, **common)
     # openpi "img/head": SigLIP width -> PaliGemma width (PaliGemma's multi-modal projector).
     self.vision_projection = layers.Dense(vision_config.width, llm_config.width, axes=(ax.IN_FEATURES, ax.EMBED),
                                           **common)
@@ -151,7 +153,7 @@ class Pi05(nnx.Module):
     # The hook: model.perception's module (None: the released model). pi0.5 reads the state as prompt
     # tokens, so what the module writes into the state's slots reaches the action expert through the
     # adaRMS conditioning instead, by a projection that starts at zero (the released behaviour).
-    settings = perception.read(config)
+    settings = config.perception
     self.perception = self.perception_cond = self.perception_tokens = nnx.data(None)
     if settings is not None:
       if settings.image_size not in (0, vision_config.image_size):
@@ -162,7 +164,7 @@ class Pi05(nnx.Module):
                                             kernel_init=nnx.initializers.zeros, **common)
         # perception_tokens: the slots also join every action token's input (as GR00T's state token is
         # one the action head attends to), by a second projection that starts at zero.
-        if config.get("perception_tokens", False):
+        if config.perception_tokens:
           self.perception_tokens = layers.Dense(settings.layout.reserved, width, axes=(ax.IN_FEATURES, ax.EMBED),
                                                 kernel_init=nnx.initializers.zeros, **common)
 
@@ -172,7 +174,7 @@ class Pi05(nnx.Module):
     """Image and prompt tokens laid out in packed rows: x [rows, row_length, llm width]."""
     dtype = self.dtype
     image_tokens = self.vision_projection(self.vision(normalize_images(batch["images"], dtype)))
-    if not self.config.train_vision:
+    if not self.settings.train_vision:
       image_tokens = jax.lax.stop_gradient(image_tokens)  # frozen tower: skip its backward pass
     patches = image_tokens.shape[1]
     image_tokens = image_tokens.reshape(-1, image_tokens.shape[-1])  # [num_images * patches, width]
@@ -190,7 +192,7 @@ class Pi05(nnx.Module):
 
   def _suffix_layout(self, batch) -> tuple[int, int, int]:
     rows, suffix_len = batch["suffix_segment_ids"].shape
-    horizon = self.config.action_horizon
+    horizon = self.settings.action_horizon
     if suffix_len % horizon:
       raise ValueError(f"suffix length {suffix_len} is not a multiple of action_horizon {horizon}")
     return rows, suffix_len // horizon, horizon
@@ -235,7 +237,7 @@ class Pi05(nnx.Module):
     mean of its prompt's text-token embeddings as the instruction, the state vector."""
     if self.perception is None:
       return None
-    n, cameras = batch["sample_row_offset"].shape[0], self.config.num_cameras
+    n, cameras = batch["sample_row_offset"].shape[0], self.settings.num_cameras
     if batch["images"].shape[0] != n * cameras:
       raise ValueError(f"model.perception reads {cameras} cameras a sample; the batch has {batch['images'].shape[0]} "
                        f"images for {n} samples: set packing.max_images_per_sample={cameras} and give every camera")
@@ -248,8 +250,8 @@ class Pi05(nnx.Module):
     return self.perception(images, instruction, jnp.asarray(batch["state"]), targets=batch, rng=rng)
 
   def _run(self, streams, **kwargs):
-    return gemma.run_mixture([self.llm, self.expert], streams, dtype=self.dtype, remat=self.config.remat,
-                             attention_impl=self.config.attention_impl, **kwargs)
+    return gemma.run_mixture([self.llm, self.expert], streams, dtype=self.dtype, remat=self.settings.remat,
+                             attention_impl=self.settings.attention_impl, **kwargs)
 
   def compute_loss(self, batch, rng, *, time=None, noise=None, train: bool = True):
     """Flow-matching loss (openpi convention), one joint pass over prefix and suffix.
@@ -295,10 +297,10 @@ class Pi05(nnx.Module):
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
     n = batch["sample_row_offset"].shape[0]
-    shape = (n, self.config.action_horizon, self.config.action_dim)
+    shape = (n, self.settings.action_horizon, self.settings.action_dim)
     if noise is None:
       noise = jax.random.normal(rng, shape, jnp.float32)
-    num_steps = num_steps or self.config.num_inference_steps
+    num_steps = num_steps or self.settings.num_inference_steps
     return flow.euler_sample(self.velocity_fn(batch), noise, num_steps, convention="openpi")
 
 
