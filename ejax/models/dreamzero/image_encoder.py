@@ -60,8 +60,10 @@ class ClipBlock(nnx.Module):
 class ClipVisionTower(nnx.Module):
   """images [b, H, W, 3] in [-1, 1] at image_size -> [b, 257, dim] (the 31st block's output)."""
 
-  def __init__(self, config: ClipVisionConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, config: ClipVisionConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+               scan_layers: bool = True, rngs: nnx.Rngs):
     self.config = config
+    self.scan_layers = scan_layers    # the blocks used as one lax.scan (layers.run_blocks)
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     dim = config.dim
     self.patch_embedding = layers.Dense(3 * config.patch_size**2, dim, axes=(IN_FEATURES, EMBED), use_bias=False,
@@ -89,6 +91,4 @@ class ClipVisionTower(nnx.Module):
     cls = jnp.broadcast_to(self.cls_embedding[...].astype(x.dtype), (b, 1, c.dim))
     x = jnp.concatenate([cls, x], axis=1) + self.pos_embedding[...].astype(x.dtype)
     x = self.pre_norm(x)
-    for block in list(self.blocks)[:c.use_layers]:
-      x = block(x)
-    return x
+    return layers.run_blocks(list(self.blocks)[:c.use_layers], x, scan=self.scan_layers)

@@ -48,6 +48,7 @@ def model_config(variant: str = "5b") -> ml_collections.ConfigDict:
   c.param_dtype = "float32"
   c.remat = "full"
   c.attention_impl = "auto"
+  c.scan_layers = True               # the DiT's (teacher forcing) and the encoders' blocks as one lax.scan
   c.text = dict()                    # UMT5Config fields (umT5-XXL by default)
   c.image = dict()                   # ClipVisionConfig fields (ViT-H/14 by default)
   # A sample: 1 + 4 x 2 latent frames (33 video frames), 4 chunks of 24 actions, 1 state a chunk.
@@ -142,9 +143,11 @@ class DreamZero(nnx.Module):
   def __init__(self, config, rngs: nnx.Rngs):
     self.config = config
     common = dict(dtype=DTYPES[config.dtype], param_dtype=DTYPES[config.param_dtype], rngs=rngs)
-    self.dit = WanDiT(dit_config(config), remat=config.remat, attention_impl=config.attention_impl, **common)
-    self.text_encoder = UMT5Encoder(UMT5Config(**config.text), **common)
-    self.image_encoder = ClipVisionTower(ClipVisionConfig(**config.image), **common)
+    scan = config.get("scan_layers", True)   # scanning keeps the parameter layout: older configs scan too
+    self.dit = WanDiT(dit_config(config), remat=config.remat, attention_impl=config.attention_impl, scan_layers=scan,
+                      **common)
+    self.text_encoder = UMT5Encoder(UMT5Config(**config.text), scan_layers=scan, **common)
+    self.image_encoder = ClipVisionTower(ClipVisionConfig(**config.image), scan_layers=scan, **common)
     self.vae = WanVAE(vae_config(config), **common)
     self.layout = layout(config)
 

@@ -76,8 +76,10 @@ class T5Block(nnx.Module):
 class UMT5Encoder(nnx.Module):
   """token ids [b, L] + mask [b, L] -> [b, L, dim] (zeros at padded positions)."""
 
-  def __init__(self, config: UMT5Config, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(self, config: UMT5Config, *, dtype=jnp.float32, param_dtype=jnp.float32, scan_layers: bool = True,
+               rngs: nnx.Rngs):
     self.config = config
+    self.scan_layers = scan_layers    # the blocks as one lax.scan (layers.run_blocks)
     self.token_embedding = layers.make_param(rngs, nnx.initializers.normal(1.0), (config.vocab_size, config.dim),
                                              (VOCAB, EMBED), param_dtype)
     self.blocks = nnx.List([T5Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -89,7 +91,6 @@ class UMT5Encoder(nnx.Module):
     mask = mask.astype(bool)
     x = jnp.take(self.token_embedding[...], token_ids, axis=0).astype(self.dtype)
     buckets = relative_buckets(token_ids.shape[1], self.config.num_buckets, self.config.max_distance)
-    for block in self.blocks:
-      x = block(x, buckets, mask)
+    x = layers.run_blocks(self.blocks, x, buckets, mask, scan=self.scan_layers)
     return jnp.where(mask[..., None], self.norm(x), 0).astype(self.dtype)
 

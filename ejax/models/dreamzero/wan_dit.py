@@ -155,10 +155,11 @@ class WanBlock(nnx.Module):
     self.modulation = layers.make_param(rngs, nnx.initializers.normal(config.dim**-0.5), (6, config.dim),
                                         (None, NORM), common["param_dtype"])
 
-  def __call__(self, x, e, *, token_slots, angles, mask_keys, mask_groups, text, image, prefix=None):
+  def __call__(self, x, e, *, token_slots, angles, mask_keys, mask_groups, text, image, prefix=None, with_kv=True):
     """x [b, L, dim]; e [b, slots, 6, dim] fp32 modulation per timestep slot and token_slots [L] each
     token's slot (per-token AdaLN without a [b, L, 6, dim] tensor kept across the blocks); text / image
-    [b, *, dim]; prefix: the layer's KV cache of earlier tokens. Returns x and its tokens' (k, v)."""
+    [b, *, dim]; prefix: the layer's KV cache of earlier tokens. Returns x and its tokens' (k, v), or
+    without with_kv x alone (a block of layers.run_blocks)."""
     e = jnp.take(e, token_slots, axis=1) + self.modulation[...].astype(jnp.float32)
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (e[:, :, i] for i in range(6))
     modulate = lambda h, shift, scale: (h.astype(jnp.float32) * (1 + scale) + shift).astype(x.dtype)
@@ -167,7 +168,8 @@ class WanBlock(nnx.Module):
     x = x + self.cross_attn(self.norm3(x), text, image)
     y = self.ffn(modulate(self.norm2(x), shift_mlp, scale_mlp))
     x = (x + y * gate_mlp).astype(x.dtype)
-    return constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED)), kv
+    x = constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
+    return (x, kv) if with_kv else x
 
 
 class Sequential2(nnx.Module):
@@ -200,9 +202,10 @@ class WanDiT(nnx.Module):
   """Patchified latents + action / state tokens -> video velocity tokens and action velocities."""
 
   def __init__(self, config: WanDiTConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: str = "none",
-               attention_impl: str = "auto", rngs: nnx.Rngs):
+               attention_impl: str = "auto", scan_layers: bool = True, rngs: nnx.Rngs):
     self.config = config
     self.remat = remat
+    self.scan_layers = scan_layers    # teacher forcing's blocks as one lax.scan (layers.run_blocks)
     self.attention_impl = attention_impl
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     dim = config.dim
@@ -240,13 +243,19 @@ class WanDiT(nnx.Module):
 
   def _blocks(self, x, e, *, caches=None, **kwargs):
     """All blocks; caches: per layer (k, v) of a prefix plus its keys / groups. Returns x and the
-    per-layer (k, v) of x's tokens."""
+    per-layer (k, v) of x's tokens. These are the KV-cache paths (each layer reads or writes its own
+    cache), so they run block by block; teacher forcing goes through _scanned_blocks."""
     kvs = []
     for i, block in enumerate(self.blocks):
       prefix = None if caches is None else (*caches["kv"][i], caches["keys"], caches["groups"])
       x, kv = layers.run_block(block, x, e, prefix=prefix, remat=self.remat, **kwargs)
       kvs.append(kv)
     return x, kvs
+
+  def _scanned_blocks(self, x, e, **kwargs):
+    """All blocks for x alone (no cache in or out): one lax.scan over the stacked block weights unless
+    scan_layers is off, so the train step compiles one block instead of num_layers."""
+    return layers.run_blocks(self.blocks, x, e, remat=self.remat, scan=self.scan_layers, with_kv=False, **kwargs)
 
   @staticmethod
   def _slots(video_tokens: int, num_frames: int, num_actions: int, num_states: int) -> np.ndarray:
@@ -282,8 +291,8 @@ class WanDiT(nnx.Module):
     x = self._tokens(video_tokens, actions, action_timesteps, states, embodiment_ids)
     temb, e = self._modulation(jnp.concatenate([video_timesteps, action_timesteps, state_timesteps], axis=1))
     slots = self._slots(video_tokens.shape[1], video_timesteps.shape[1], actions.shape[1], states.shape[1])
-    x, _ = self._blocks(x, e, token_slots=slots, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups,
-                        text=text, image=image)
+    x = self._scanned_blocks(x, e, token_slots=slots, angles=angles, mask_keys=mask_keys, mask_groups=mask_groups,
+                             text=text, image=image)
     video_len = video_tokens.shape[1] // 2
     return self._outputs(x, temb, slots, slice(video_len, 2 * video_len), actions.shape[1], embodiment_ids)
 
