@@ -151,6 +151,18 @@ def test_vae_strides_and_the_error_for_a_clip_it_cannot_take():
     vae.encode(jnp.zeros((1, 8, 16, 24, 3)))
 
 
+@pytest.mark.parametrize("shape, kernel, stride", [((2, 9, 10, 12, 5), (3, 3, 3, 5, 7), (1, 1, 1)),
+                                                    ((2, 7, 6, 6, 4), (3, 1, 1, 4, 8), (2, 1, 1)),
+                                                    ((1, 5, 8, 8, 3), (3, 3, 3, 3, 4), (1, 2, 2))])
+def test_time_folded_conv_is_the_3d_conv(shape, kernel, stride):
+  """The VAE's CPU path (time taps folded into a 2D conv's channels) computes XLA's Conv3d."""
+  from ejax.models.dreamzero.vae import _time_folded_conv
+  rng = np.random.default_rng(0)
+  x, k = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (shape, kernel))
+  expected = jax.lax.conv_general_dilated(x, k, stride, "VALID", dimension_numbers=("NDHWC", "DHWIO", "NDHWC"))
+  np.testing.assert_allclose(_time_folded_conv(x, k, stride), expected, atol=1e-4)
+
+
 def test_chunk_by_chunk_kv_cache_matches_teacher_forcing(runlocal, teacher_forced):
   """Inference's chunk step (the clean frames before the chunk as a KV cache, then the chunk's noisy
   video, actions and states alone) gives the teacher-forced pass's outputs for that chunk."""
