@@ -16,7 +16,8 @@ from flax import nnx
 
 from ejax.kernels.attention import attention
 from ejax.models import layers
-from ejax.parallel.axes import EMBED, IN_FEATURES, MLP
+from ejax.parallel import constrain
+from ejax.parallel.axes import ACT_BATCH, ACT_EMBED, ACT_LEN, EMBED, IN_FEATURES, MLP
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -54,7 +55,8 @@ class ClipBlock(nnx.Module):
     q, k, v = jnp.split(self.to_qkv(self.norm1(x)), 3, axis=-1)
     heads = lambda t: t.reshape(*t.shape[:2], self.num_heads, -1)
     x = x + self.proj(attention(heads(q), heads(k), heads(v)).reshape(x.shape))
-    return x + self.fc2(jax.nn.gelu(self.fc1(self.norm2(x)), approximate=False))
+    x = x + self.fc2(jax.nn.gelu(self.fc1(self.norm2(x)), approximate=False))
+    return constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
 
 
 class ClipVisionTower(nnx.Module):
@@ -90,5 +92,5 @@ class ClipVisionTower(nnx.Module):
     x = self.patch_embedding(patches)
     cls = jnp.broadcast_to(self.cls_embedding[...].astype(x.dtype), (b, 1, c.dim))
     x = jnp.concatenate([cls, x], axis=1) + self.pos_embedding[...].astype(x.dtype)
-    x = self.pre_norm(x)
+    x = constrain(self.pre_norm(x), (ACT_BATCH, ACT_LEN, ACT_EMBED))
     return layers.run_blocks(list(self.blocks)[:c.use_layers], x, scan=self.scan_layers)

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ejax.models import layers
-from ejax.parallel.axes import EMBED, HEADS, MLP, VOCAB
+from ejax.parallel import constrain
+from ejax.parallel.axes import ACT_BATCH, ACT_EMBED, ACT_LEN, EMBED, HEADS, MLP, VOCAB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,8 @@ class T5Block(nnx.Module):
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(x.shape)
     x = x + self.o(out)
     h = self.norm2(x)
-    return x + self.fc2(self.fc1(h) * jax.nn.gelu(self.gate(h), approximate=True))
+    return constrain(x + self.fc2(self.fc1(h) * jax.nn.gelu(self.gate(h), approximate=True)),
+                     (ACT_BATCH, ACT_LEN, ACT_EMBED))
 
 
 class UMT5Encoder(nnx.Module):
@@ -89,7 +91,10 @@ class UMT5Encoder(nnx.Module):
 
   def __call__(self, token_ids: jax.Array, mask: jax.Array) -> jax.Array:
     mask = mask.astype(bool)
-    x = jnp.take(self.token_embedding[...], token_ids, axis=0).astype(self.dtype)
+    # batch-sharded from here: the embedding's rows are FSDP-sharded on their width, and without the
+    # constraint XLA kept that layout, running umT5 on the whole global batch on every device
+    x = constrain(jnp.take(self.token_embedding[...], token_ids, axis=0).astype(self.dtype),
+                  (ACT_BATCH, ACT_LEN, ACT_EMBED))
     buckets = relative_buckets(token_ids.shape[1], self.config.num_buckets, self.config.max_distance)
     x = layers.run_blocks(self.blocks, x, buckets, mask, scan=self.scan_layers)
     return jnp.where(mask[..., None], self.norm(x), 0).astype(self.dtype)

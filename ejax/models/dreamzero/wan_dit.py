@@ -227,10 +227,11 @@ class WanDiT(nnx.Module):
                                               layer1_axes=(EMBED, MLP), layer2_axes=(MLP, IN_FEATURES), **common)
 
   def embed_text(self, text_states: jax.Array) -> jax.Array:
-    return self.text_embedding(text_states)
+    """Batch-sharded like x: every block's cross-attention reads it (and its gradient sums there)."""
+    return constrain(self.text_embedding(text_states), (ACT_BATCH, ACT_LEN, ACT_EMBED))
 
   def embed_image(self, clip_tokens: jax.Array) -> jax.Array:
-    return self.img_emb(clip_tokens)
+    return constrain(self.img_emb(clip_tokens), (ACT_BATCH, ACT_LEN, ACT_EMBED))
 
   def time_embed(self, timesteps: jax.Array) -> jax.Array:
     """[..., dim] fp32 time embedding of timesteps on the 0..1000 grid."""
