@@ -12,8 +12,10 @@ alone. It prints `ready` once the service listens (or `error: ...`), then ends
 - on `shutdown` from process 0 on stdin (jax.distributed.shutdown()): the service shuts down;
 - when process 0 is gone (stdin closes: it ended or was killed) and no process is connected any
   more, or MAX_LINGER_S after that (a stopped process keeps its connection open).
-It ignores SIGINT and SIGTERM: a Ctrl-C or a scheduler's SIGTERM reaches the whole process group,
-and the trainers still need the service while they save their last checkpoint.
+Its stderr (jaxlib's log lines) goes to /dev/null: holding process 0's would keep a reader of
+that (a pipe, `| tee`) waiting after process 0 ended. It ignores SIGINT and SIGTERM: a Ctrl-C or a
+scheduler's SIGTERM reaches the whole process group, and the trainers still need the service while
+they save their last checkpoint.
 """
 
 import json

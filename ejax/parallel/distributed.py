@@ -94,8 +94,9 @@ class ServiceProcess:
   def __init__(self, address: str, num_nodes: int, options: dict):
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "coordinator.py")
     options = {k: v for k, v in options.items() if v is not None}
+    # Not this process's stderr: a reader of it (a pipe, `| tee`) would wait for the child to end too.
     self._child = subprocess.Popen([sys.executable, "-P", script, address, str(num_nodes), json.dumps(options)],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     said = self._child.stdout.readline().strip()
     if said != "ready":
       self._child.wait()

@@ -77,7 +77,6 @@ class Watchdog:
     self._step_seconds: collections.deque[float] = collections.deque(maxlen=1000)  # the recent warmed-up steps
     self._seq = 0
     self._seen: dict[int, tuple[int, float]] = {}  # peer -> (its heartbeat count, when it last moved here)
-    self._done: set[int] = set()  # peers that said they are done
     self._unreachable_since: float | None = None
     self._closed = threading.Event()
     self._thread = None
@@ -118,18 +117,24 @@ class Watchdog:
   def wait_for_verdict(self, error: BaseException) -> None:
     """A collective or a save failed in the main thread (a peer's connection dropped?): if a peer
     is gone, the watchdog names it within LOST_AFTER_S and ends the process; once every peer has
-    sent two heartbeats since (or said it is done), none is lost and this returns: the error stands."""
+    sent two heartbeats since the error (or said it is done), none is lost and this returns: the
+    error stands (a dead peer's last heartbeat is already in the service when this reads it)."""
     if self._thread is None:
       return
     logging.warning("%s failed (%s): asking which process stopped answering", self.name,
                     " ".join(str(error).split())[:200])
-    before = {q: seq for q, (seq, _) in dict(self._seen).items()}
+    before = {q: state["seq"] for q, state in self._read_peers().items() if state}  # read after the error
     deadline = time.monotonic() + self._lost_after_s + 4 * self._heartbeat_s + 10
     while self._thread.is_alive() and time.monotonic() < deadline:
-      seen, done = dict(self._seen), set(self._done)
-      if len(seen) == self.count - 1 and all(q in done or seen[q][0] >= before.get(q, 0) + 2 for q in seen):
+      time.sleep(self._heartbeat_s / 4)
+      states = self._read_peers()
+      if all(state and (state["done"] or state["seq"] >= before.get(q, 0) + 2) for q, state in states.items()):
         return
-      time.sleep(0.1)
+
+  def _read_peers(self) -> dict[int, dict | None]:
+    """Every peer's last heartbeat as it is in the coordination service now (None: none, or no answer)."""
+    raw = {q: distributed.kv_try_get(f"{self._prefix}/{q}") for q in range(self.count) if q != self.index}
+    return {q: json.loads(value) if value else None for q, value in raw.items()}
 
   def close(self) -> None:
     """This process is done (finished or stopping on its own): peers stop expecting heartbeats."""
@@ -198,15 +203,11 @@ class Watchdog:
 
   def _peers(self, now: float) -> dict[int, dict]:
     peers = {}
-    for q in range(self.count):
-      if q == self.index:
-        continue
-      raw = distributed.kv_try_get(f"{self._prefix}/{q}")
-      state = json.loads(raw) if raw else {"seq": 0, "step": 0, "phase": None, "done": False}
+    for q, state in self._read_peers().items():
+      state = state or {"seq": 0, "step": 0, "phase": None, "done": False}
       if q not in self._seen or self._seen[q][0] != state["seq"]:
         self._seen[q] = (state["seq"], now)
       peers[q] = state
-    self._done = {q for q, state in peers.items() if state["done"]}
     return peers
 
   def _linger(self) -> None:

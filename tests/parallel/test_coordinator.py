@@ -34,6 +34,9 @@ def _ends_within(service: ServiceProcess, seconds: float) -> float:
 def test_shutdown_ends_the_service_at_once():
   service, _ = _start()
   assert service._child.poll() is None
+  # It holds none of this process's output: a reader of that (a pipe, `| tee`) sees it end with it.
+  assert os.readlink(f"/proc/{service._child.pid}/fd/2") == "/dev/null"
+  assert os.readlink(f"/proc/{service._child.pid}/fd/1") != os.readlink("/proc/self/fd/1")
   service.shutdown()
   assert service._child.returncode == 0
 

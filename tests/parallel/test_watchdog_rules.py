@@ -1,5 +1,9 @@
 """The watchdog's automatic phase timeout and its last line (single process: no thread, no service)."""
 
+import json
+import threading
+import time
+
 from ejax.parallel import watchdog
 
 
@@ -27,3 +31,38 @@ def test_the_line_names_the_process_the_step_and_where_to_resume():
   rl.count = 2
   assert rl._line(None, 3, "x").startswith("error: every process of 2 stopped answering at update 3 (rl: x): "
                                           "run the same command to start again")
+
+
+def _waiting_dog(monkeypatch, store: dict, verdict_s: float) -> watchdog.Watchdog:
+  """A watchdog of process 0 of 2 whose thread (a stand-in) ends the process after verdict_s."""
+  monkeypatch.setattr(watchdog.distributed, "kv_try_get", store.get)
+  dog = watchdog.Watchdog("train", heartbeat_s=0.04)
+  dog.count = 2
+  dog._thread = threading.Thread(target=time.sleep, args=(verdict_s,), daemon=True)
+  dog._thread.start()
+  return dog
+
+
+def _beat(store: dict, seq: int, done: bool = False) -> None:
+  store["ejax/watchdog/train/1"] = json.dumps({"seq": seq, "step": 4, "phase": None, "done": done})
+
+
+def test_after_a_failed_step_a_dead_peer_waits_for_the_verdict_and_live_peers_let_the_error_stand(monkeypatch):
+  store = {}
+  _beat(store, 7)
+  dog = _waiting_dog(monkeypatch, store, verdict_s=1.0)
+  started = time.monotonic()
+  dog.wait_for_verdict(RuntimeError("gloo: connection reset"))  # peer 1's heartbeat never moves
+  assert time.monotonic() - started >= 1.0  # until the watchdog has named it (here: its stand-in ended)
+
+  dog = _waiting_dog(monkeypatch, store, verdict_s=30.0)
+  for seq in (8, 9):  # peer 1 is alive: two heartbeats after the error
+    threading.Timer(0.1 * (seq - 7), _beat, (store, seq)).start()
+  started = time.monotonic()
+  dog.wait_for_verdict(RuntimeError("cannot write checkpoint step 10"))
+  assert 0.2 <= time.monotonic() - started < 5  # the error stands, without the 58 s wait
+
+  threading.Timer(0.1, _beat, (store, 10, True)).start()  # or it says it is done
+  started = time.monotonic()
+  dog.wait_for_verdict(RuntimeError("x"))
+  assert time.monotonic() - started < 5
