@@ -218,7 +218,10 @@ class Groot(nnx.Module):
     """(VL tokens after the VL transformer, the state vector the state encoder reads, what the
     perception module saw or None): everything upstream of the flow."""
     features = self.backbone(batch)
-    if not (self.settings.tune_llm or self.settings.tune_visual):
+    # The one config read after construction: RL freezes the context of a loaded model by setting these
+    # flags on model.config (ejax.rl.vla, VlaKind.freeze_context), and its learner masks rather than
+    # splits the frozen parameters, so this is what skips their backward there.
+    if not (self.config.tune_llm or self.config.tune_visual):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
     vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
     state, seen = jnp.asarray(batch["state"]), None

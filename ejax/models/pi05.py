@@ -174,7 +174,7 @@ class Pi05(nnx.Module):
     """Image and prompt tokens laid out in packed rows: x [rows, row_length, llm width]."""
     dtype = self.dtype
     image_tokens = self.vision_projection(self.vision(normalize_images(batch["images"], dtype)))
-    if not self.settings.train_vision:
+    if not self.config.train_vision:  # read here, not at construction: RL sets it after loading (as GR00T's tune_*)
       image_tokens = jax.lax.stop_gradient(image_tokens)  # frozen tower: skip its backward pass
     patches = image_tokens.shape[1]
     image_tokens = image_tokens.reshape(-1, image_tokens.shape[-1])  # [num_images * patches, width]
