@@ -1,6 +1,7 @@
 """A model config saved before one of today's keys existed, read in today's layout: the one upgrade
 step a checkpoint's config goes through when it is read back (the registry's policy_config hook, so
-load_policy and the serve job's imported weights alike), after which every key the model reads is there.
+load_policy and the serve job's imported weights alike, and ejax.models.typed_config.read where GR00T and
+pi0.5 are built), after which every key the model reads is there.
 
     ADDED_KEYS[model name][key] = the value that reproduces a checkpoint written before the key existed
 
