@@ -6,7 +6,8 @@ image lacks from wheels carried beside the checkout (.whl/, made by benchmarks/d
 runs each figure's benchmark in its own process under its own time limit, most important first,
 skipping what no longer fits the total budget, and writes all.json and most figures' own JSON to --out:
 
-  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, packing and FP8 arms
+  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, packing, FP8 and unrolled
+              arms; the configured arm's profile (ms a step per kind of op, the top kernels)
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
   train_step_pi05  the same for pi0.5
@@ -38,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WHEELS = os.path.join(REPO, ".whl")
 SITE = "/tmp/ejax-site"
 # Modules ejax imports that the GPU image lacks (its jax, optax, orbax, numpy, safetensors stay).
+PROFILE = "/tmp/ejax-profile"  # traces stay on the machine; their summary goes into the figure's JSON
 NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client")
 
 
@@ -54,9 +56,12 @@ class Figure:
 
 FIGURES = (
     # Each full-size GR00T arm compiles its step in ~75 s on an H200 (2026-11-27): three arms fit.
-    Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded,best_fit,fp8_xla",
-                          "--steps", "8"),
-           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1"), 240),
+    # Its configured arm is also profiled (benchmarks/profile_summary.py: where a step's time goes);
+    # the unscanned arm (every block unrolled) comes last, as it compiles longest.
+    Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
+                          "configured,padded,best_fit,fp8_xla,unscanned", "--steps", "8", "--profile", PROFILE),
+           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
+            "--profile", PROFILE), 240),
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--sweep"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 80),
@@ -75,7 +80,7 @@ FIGURES = (
            smoke_limit=240),
     Figure("serve", ("benchmarks/serve.py", "--seconds", "3", "--rounds", "1"),
            ("benchmarks/serve.py", "--clients", "1", "2", "--seconds", "0.5", "--rounds", "1"), 35, json_flag=False,
-           own_file=False),
+           own_file=False, smoke_limit=180),  # at CPU size its compile alone took 63 s at load 9
 )
 
 

@@ -120,8 +120,9 @@ def attention_impls(model_config) -> list[str]:
 # --- One arm -----------------------------------------------------------------------------------
 
 
-def run_arm(config, example: dict, steps: int) -> dict:
-  """Builds the state, compiles the step, times `steps` steps on `example`; a dict of figures."""
+def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
+  """Builds the state, compiles the step, times `steps` steps on `example`; a dict of figures
+  (with `profile_dir`, also where three more steps spend their time: benchmarks/profile_summary.py)."""
   from ejax.parallel import global_batch, make_mesh
   from ejax.parallel.rules import sharding_context
   from ejax.train import flops as flops_lib
@@ -153,6 +154,17 @@ def run_arm(config, example: dict, steps: int) -> dict:
       if i >= 2:  # two warm-up steps
         times.append(time.perf_counter() - start)
     loss = float(metrics["loss"])
+    profile = None
+    if profile_dir:
+      from benchmarks.profile_summary import describe as describe_profile, profile_steps
+
+      def run_one():
+        nonlocal state, metrics
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics["loss"])
+
+      profile = profile_steps(run_one, 3, profile_dir)
+      print(describe_profile(profile), flush=True)
   memory = compiled.memory_analysis()
   step_bytes = sum(int(getattr(memory, f"{name}_size_in_bytes", 0) or 0) for name in ("argument", "output", "temp"))
   step_bytes -= int(getattr(memory, "alias_size_in_bytes", 0) or 0)
@@ -172,7 +184,7 @@ def run_arm(config, example: dict, steps: int) -> dict:
       model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
       model_flops_per_sample=per_sample.model, row_tokens=layout.row_tokens, loss=loss,
       packing=dict(config.model.packing), step_peak_gib=step_bytes / 2**30,
-      device_peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30)
+      device_peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, **({"profile": profile} if profile else {}))
 
 
 def describe(name: str, result: dict) -> str:
@@ -186,15 +198,17 @@ def describe(name: str, result: dict) -> str:
           f"step peak {result['step_peak_gib']:.1f} GiB")
 
 
-def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str) -> None:
+def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str,
+                profile_dir: str = "") -> None:
   config = model_config_for(name)
   samples = per_device_batch * jax.device_count()
   results = out.setdefault(name, {})
   print(f"{NAMES[name]} ({'runlocal' if on_cpu() else 'full size'}), {samples} samples a step on "
         f"{jax.device_count()} x {jax.devices()[0].device_kind}:", flush=True)
-  for arm, (arm_config, example) in arm_configs(config, arms, samples).items():
-    try:
-      results[arm] = run_arm(arm_config, example, steps)
+  for index, (arm, (arm_config, example)) in enumerate(arm_configs(config, arms, samples).items()):
+    try:  # the first arm is profiled when asked
+      results[arm] = run_arm(arm_config, example, steps,
+                             os.path.join(profile_dir, f"{name}_{arm}") if profile_dir and not index else "")
     except Exception as error:  # one arm failing (memory, a kernel the device lacks) must not stop the rest
       message = str(error).strip().splitlines()
       results[arm] = {"error": f"{type(error).__name__}: {message[0] if message else ''}"[:300]}
@@ -242,20 +256,22 @@ def startup(config_path: str, per_device_batch: int, unscanned: bool = False) ->
   def compile_step(model_config):
     step = jit_train_step(make_train_step(model_parts(model_config), tx, schedule, config.train), plan.shardings,
                           {k: v.sharding for k, v in batch.items()}, mesh)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with mesh, sharding_context(mesh, rules):
       compiled = step.lower(abstract_state, batch).compile()
     memory = compiled.memory_analysis()
-    return time.perf_counter() - start, int(getattr(memory, "temp_size_in_bytes", 0) or 0) / 2**30
+    return (time.perf_counter() - start, time.process_time() - cpu_start,
+            int(getattr(memory, "temp_size_in_bytes", 0) or 0) / 2**30)
 
   if unscanned and "scan_layers" in config.model:
     unrolled = config.model.copy_and_resolve_references()
     unrolled.scan_layers = False
-    unscanned_seconds, unscanned_temp = compile_step(unrolled)
-  step_seconds, temp = compile_step(config.model)
-  if unscanned and "scan_layers" in config.model:
-    print(f"  train step compile: scanned {step_seconds:.1f} s, unrolled {unscanned_seconds:.1f} s "
-          f"({unscanned_seconds / step_seconds:.1f}x); temporaries {temp:.1f} / {unscanned_temp:.1f} GiB a device")
+    unscanned_seconds, unscanned_cpu, unscanned_temp = compile_step(unrolled)
+  step_seconds, step_cpu, temp = compile_step(config.model)
+  if unscanned and "scan_layers" in config.model:  # CPU seconds: what a shared machine's load does not inflate
+    print(f"  train step compile: scanned {step_seconds:.1f} s ({step_cpu:.1f} CPU s), unrolled "
+          f"{unscanned_seconds:.1f} s ({unscanned_cpu:.1f} CPU s): {unscanned_cpu / step_cpu:.1f}x less CPU; "
+          f"temporaries {temp:.1f} / {unscanned_temp:.1f} GiB a device")
   print(f"  state: model built from shapes {planned:.1f} s; {state_report['host_initialised']} parameters drawn on "
         f"the host (no program), {state_report['device_initialised']} in {state_report['device_groups']} device "
         f"init groups; {state_report['programs']} programs lowered {state_report['lower_seconds']:.1f} s, "
@@ -276,6 +292,8 @@ def main(argv=None) -> None:
   parser.add_argument("--json", default="", help="write every figure here (rewritten after each arm)")
   parser.add_argument("--startup", action="store_true", help="compile the state and step from shapes only")
   parser.add_argument("--config", default="configs/groot.py", help="--startup: the config (':arg' allowed)")
+  parser.add_argument("--profile", default="",
+                      help="trace three more steps of each model's first arm here and print where the time goes")
   parser.add_argument("--unscanned", action="store_true",
                       help="--startup: also compile the step with every block unrolled, side by side")
   parser.add_argument("--cache", action="store_true",
@@ -299,7 +317,7 @@ def main(argv=None) -> None:
     raise SystemExit(f"--arms {','.join(unknown)}: not one of {','.join(ALL_ARMS)}")
   for name in [m for m in args.models.split(",") if m]:
     default_batch = 8 if on_cpu() or name == "pi05" else 32
-    bench_model(name, arms, args.per_device_batch or default_batch, args.steps, out, args.json)
+    bench_model(name, arms, args.per_device_batch or default_batch, args.steps, out, args.json, args.profile)
   headline = "groot" if "groot" in out else next((m for m in NAMES if m in out), "groot")
   best = max((r for r in out.get(headline, {}).values() if "samples_per_second" in r),
              key=lambda r: r["samples_per_second"], default=None)

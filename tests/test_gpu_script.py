@@ -35,6 +35,8 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
     assert arms[arm]["samples_per_second"] > 0 and arms[arm]["compile_seconds"] > 0, arms[arm]
     assert arms[arm]["state_seconds"] > 0 and arms[arm]["step_peak_gib"] > 0
     assert arms[arm]["model_flops_per_sample"] > 0 and arms[arm]["loss"] == arms[arm]["loss"]  # finite
+  profile = arms["configured"]["profile"]  # where the step's time goes, from a jax.profiler trace
+  assert profile["device_busy_ms"] > 0 and profile["top"] and sum(profile["by_kind"].values()) > 0
   # The padded arm computes more row tokens per sample than the packed one.
   assert arms["padded"]["row_tokens"] > arms["configured"]["row_tokens"]
   assert re.fullmatch(r"GR00T-N1\.5 train step on cpu: [0-9.]+ samples/s, MFU n/a % \(goal 40 %\)", train_step["line"])
@@ -42,3 +44,23 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   startup = summary["figures"]["startup"]
   assert re.fullmatch(r"startup configs/tiny\.py:runlocal: state [0-9.]+ s, train step compile [0-9.]+ s \(cpu\)",
                       startup["line"]), startup["line"]
+
+
+def test_profile_summary_counts_innermost_device_ops_once():
+  """A loop's span encloses the ops it runs: the summary counts the ops, per step, by kind; a GPU
+  trace's device streams are read, not the host's threads."""
+  from benchmarks.profile_summary import summarize
+  meta = [dict(ph="M", name="process_name", pid=1, args=dict(name="/host:CPU")),
+          dict(ph="M", name="process_name", pid=2, args=dict(name="/device:GPU:0")),
+          dict(ph="M", name="thread_name", pid=2, tid=7, args=dict(name="Stream #13"))]
+  ops = [dict(ph="X", pid=2, tid=7, ts=0, dur=1000, name="while.3"),
+         dict(ph="X", pid=2, tid=7, ts=0, dur=600, name="sm90_xmma_gemm_bf16", args=dict(hlo_op="dot.1")),
+         dict(ph="X", pid=2, tid=7, ts=600, dur=400, name="loop_add_fusion", args=dict(hlo_op="add_fusion.2")),
+         dict(ph="X", pid=2, tid=7, ts=2000, dur=600, name="sm90_xmma_gemm_bf16", args=dict(hlo_op="dot.1")),
+         dict(ph="X", pid=2, tid=7, ts=2600, dur=200, name="ncclAllGather", args=dict(hlo_op="all-gather.4")),
+         dict(ph="X", pid=1, tid=1, ts=0, dur=9000, name="PjitFunction(step)")]
+  summary = summarize(meta + ops, steps=2, step_seconds=[0.002, 0.002])
+  assert summary["device_busy_ms"] == (600 + 400 + 600 + 200) / 1e3 / 2
+  assert summary["by_kind"] == {"matmul": 0.6, "fusion": 0.2, "collective": 0.1}
+  assert summary["top"][0] == dict(name="sm90_xmma_gemm_bf16", hlo_op="dot.1", kind="matmul", calls=1.0,
+                                   ms_per_step=0.6)

@@ -122,7 +122,7 @@ def test_scanned_blocks_match_the_unrolled_loop_in_values_and_gradients():
   and compiles one block per kind instead of every block."""
   from ejax.models import dit
 
-  config = dit.DiTConfig(num_layers=6, num_heads=2, head_dim=8, output_dim=8, dropout=0.1, cross_attention_dim=12)
+  config = dit.DiTConfig(num_layers=8, num_heads=2, head_dim=8, output_dim=8, dropout=0.1, cross_attention_dim=12)
   model = layers.host_random_init(nnx.eval_shape(lambda: dit.DiT(config, remat="full", rngs=nnx.Rngs(0))),
                                   stddev=0.2)
   x = jax.random.normal(jax.random.key(1), (3, 5, config.width))
@@ -138,10 +138,14 @@ def test_scanned_blocks_match_the_unrolled_loop_in_values_and_gradients():
   grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
   (v_loop, (gm_loop, gx_loop)), (v_scan, (gm_scan, gx_scan)) = grad(model, x, False), grad(model, x, True)
   np.testing.assert_allclose(v_scan, v_loop, rtol=1e-5)
-  np.testing.assert_allclose(gx_scan, gx_loop, rtol=1e-4, atol=1e-6)
-  for i in (0, 3, 5):   # cross, self and the last block's weights
+  np.testing.assert_allclose(gx_scan, gx_loop, rtol=1e-4, atol=1e-5)
+  for i in (0, 3, 7):   # cross, self and the last block's weights
     np.testing.assert_allclose(gm_scan.blocks[i].attn1.q_proj.kernel[...], gm_loop.blocks[i].attn1.q_proj.kernel[...],
                                rtol=1e-4, atol=1e-5)
   model.scan_layers = True
   jaxpr = str(jax.make_jaxpr(lambda x: model(x, timesteps, **inputs))(x))
-  assert jaxpr.count("scan[") == 1 and "length=3" in jaxpr
+  assert jaxpr.count("scan[") == 1 and "length=4" in jaxpr
+  # Fewer repeats than layers.MIN_SCANNED (CPU sizes) stay a loop.
+  small = layers.host_random_init(nnx.eval_shape(lambda: dit.DiT(dit.DiTConfig(
+      num_layers=6, num_heads=2, head_dim=8, output_dim=8, cross_attention_dim=12), rngs=nnx.Rngs(0))))
+  assert "scan[" not in str(jax.make_jaxpr(lambda x: small(x, timesteps, **inputs))(x))
