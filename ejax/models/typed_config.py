@@ -3,9 +3,10 @@
     settings = read(model_config, GrootConfig, SECTIONS)   # a frozen dataclass; the modules read its fields
 
 `read` runs the one upgrade step for configs saved before a key existed (ejax.models.config_upgrade),
-refuses a key the model does not have with one error naming it and the model, turns each nested
-section into its sub-model's dataclass (SiglipConfig, Qwen3Config, ...) and model.perception into
-its settings (None: the released model). `to_config` writes the settings back in the config's layout.
+refuses a key the model does not have with one error naming it and the model (a ConfigError: one
+`error:` line from ejax.main, a ValueError to library callers), turns each nested section into its
+sub-model's dataclass (SiglipConfig, Qwen3Config, ...) and model.perception into its settings (None:
+the released model). `to_config` writes the settings back in the config's layout.
 
 A section's `derived` fields are computed from the rest of the config (DiT's cross_attention_dim is
 the LLM's width), not config keys; its `unsaved` fields are ones the config leaves at the sub-model's
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import ml_collections
 
+from ejax.config.validate import ConfigError
 from ejax.models import perception
 from ejax.models.config_upgrade import upgrade_model_config
 from ejax.models.perception.config import GROUPS
@@ -44,7 +46,7 @@ def _plain(value):
 def _unknown(given, known, where: str, name: str) -> None:
   unknown = sorted(set(given) - set(known))
   if unknown:
-    raise ValueError(f"{where}.{unknown[0]} is not a {name} setting: {where} has {', '.join(sorted(known))}")
+    raise ConfigError(f"{where}.{unknown[0]} is not a {name} setting: {where} has {', '.join(sorted(known))}")
 
 
 def read(model_config, kind: type, sections: dict[str, Section]):
@@ -56,7 +58,7 @@ def read(model_config, kind: type, sections: dict[str, Section]):
   _unknown(values, fields, "model", name)
   missing = sorted(key for key, field in fields.items() if key not in values and not _has_default(field))
   if missing:
-    raise ValueError(f"model.{missing[0]} is missing from the {name} config (a config older than the key, with no "
+    raise ConfigError(f"model.{missing[0]} is missing from the {name} config (a config older than the key, with no "
                      f"entry in ejax.models.config_upgrade.ADDED_KEYS)")
   raw = dict(values)
   for key, section in sections.items():

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from ml_collections import ConfigDict
 
+from ejax.errors import UserError
 from ejax.models import groot, groot_config, perception, pi05, pi05_config
 from ejax.models.config_upgrade import ADDED_KEYS
 from ejax.models.registry import get_model_spec
@@ -48,7 +49,7 @@ def test_an_unknown_key_is_one_error_naming_it_and_the_model(name, where):
     expected = f"model.vision.widht is not a {name} setting"
   with pytest.raises(ValueError, match=expected) as error:
     nnx.eval_shape(lambda: get_model_spec(name).create(config, nnx.Rngs(0)))
-  assert "\n" not in str(error.value)
+  assert "\n" not in str(error.value) and isinstance(error.value, UserError)   # ejax.main: one `error:` line
 
 
 def test_a_key_missing_without_an_upgrade_entry_is_one_error():
