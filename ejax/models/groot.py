@@ -204,7 +204,7 @@ class Groot(nnx.Module):
 
   def __init__(self, config, rngs: nnx.Rngs):
     # The boundary: the config as saved, in today's layout (the io converters, LoRA and RL read it), and
-    # read once into typed settings, which is all the modules below see.
+    # read once into typed settings, which is all the modules below see (but for the freezing flags RL sets later).
     self.config = upgrade_model_config(config)
     self.settings = settings = read(self.config)
     dtype, param_dtype = DTYPES[settings.dtype], DTYPES[settings.param_dtype]

@@ -128,7 +128,7 @@ class Pi05(nnx.Module):
 
   def __init__(self, config, rngs: nnx.Rngs):
     # The boundary: the config as saved, in today's layout (the io converters, LoRA and RL read it), and
-    # read once into typed settings, which is all the model below sees.
+    # read once into typed settings, which is all the model below sees (but for the freezing flags RL sets later).
     self.config = upgrade_model_config(config)
     self.settings = config = read(self.config)
     self.dtype = DTYPES[config.dtype]
