@@ -57,17 +57,13 @@ def collated_prompts(collate, model_config, texts: Sequence[str], states: np.nda
   size, h = c.vision.image_size, c.action_horizon
   cameras = [f"{IMAGE_PREFIX}camera{i}" for i in range(c.num_cameras)]
   prompts = []
-  chunk = max(1, int(c.packing.samples_per_row or 1))
-  for first in range(0, len(texts), chunk):
-    samples = [{"observation.state": np.asarray(state, np.float32), "task": text,
-                "action": np.zeros((h, c.action_dim), np.float32), "action_is_pad": np.zeros((h,), bool),
-                **{key: np.zeros((size, size, 3), np.uint8) for key in cameras}}
-               for text, state in zip(texts[first:first + chunk], states[first:first + chunk])]
-    batch = collate(samples)
-    rows = pi05_inputs.sample_rows(batch)
-    for i, row in enumerate(rows):
-      mine = (batch["prefix_segment_ids"][row] == batch["sample_slot"][i] + 1) & ~batch["prefix_is_image"][row]
-      prompts.append(np.asarray(batch["prefix_tokens"][row][mine]))
+  for text, state in zip(texts, states):  # one at a time: any prompt the model can read fits a row alone
+    batch = collate([{"observation.state": np.asarray(state, np.float32), "task": text,
+                      "action": np.zeros((h, c.action_dim), np.float32), "action_is_pad": np.zeros((h,), bool),
+                      **{key: np.zeros((size, size, 3), np.uint8) for key in cameras}}])
+    row = pi05_inputs.sample_rows(batch)[0]
+    mine = (batch["prefix_segment_ids"][row] == batch["sample_slot"][0] + 1) & ~batch["prefix_is_image"][row]
+    prompts.append(np.asarray(batch["prefix_tokens"][row][mine]))
   return prompts
 
 
