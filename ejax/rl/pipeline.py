@@ -290,10 +290,12 @@ class RLPipeline:
   # -- control -------------------------------------------------------------------------------
 
   def _saved_version(self) -> int | None:
-    try:
-      return self.checkpointer.latest_version() if getattr(self, "checkpointer", None) is not None else None
-    except Exception:  # noqa: BLE001  (read from the watchdog thread while a save may be renaming)
-      return None
+    """The newest version finished on disk (orbax's own latest may be a save still being written;
+    the lost-peer line must name one a relaunch can restore)."""
+    from ejax.train.workdir import saved_steps
+    checkpointer = getattr(self, "checkpointer", None)
+    versions = saved_steps(checkpointer.directory) if checkpointer is not None else []
+    return versions[-1] if versions else None
 
   def _fatal(self, error: BaseException) -> None:
     with self._error_lock:
