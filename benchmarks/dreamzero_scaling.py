@@ -70,18 +70,25 @@ def analytic_flops(model_config) -> dict[str, float]:
               encoders=t5 + vit, encoder_attention=t5_attention + vit_attention, tokens=tokens, pairs=pairs)
 
 
+def sample_flops(model_config) -> dict[str, float]:
+  """A training sample's model FLOPs (DiT 3 x forward + frozen encoders: MFU's numerator), hardware
+  FLOPs (+ the forward that remat "full" recomputes) and their matmul part (what the HLO count sees)."""
+  f = analytic_flops(model_config)
+  recompute = 1 if model_config.remat == "full" else 0
+  dit = f["dit_forward"] + f["dit_attention"]
+  model = 3 * dit + f["encoders"] + f["encoder_attention"]
+  return dict(f, model=model, hardware=model + recompute * dit,
+              matmuls=(3 + recompute) * f["dit_forward"] + f["encoders"])
+
+
 def report(variant: str, recompile: bool) -> None:
   from ejax.train.compile_report import load_config_file
 
   config = load_config_file(os.path.join(REPO, "configs/dreamzero.py"), variant)
   result = scaling.compiled(f"configs/dreamzero.py:{variant}", recompile)
   per_device = result["per_device_batch"]
-  f = analytic_flops(config.model)
-  recompute = 1 if config.model.remat == "full" else 0
-  dit_passes = 3 + recompute
-  model = 3 * (f["dit_forward"] + f["dit_attention"]) + f["encoders"] + f["encoder_attention"]
-  hardware = model + recompute * (f["dit_forward"] + f["dit_attention"])
-  matmuls = dit_passes * f["dit_forward"] + f["encoders"]
+  f = sample_flops(config.model)
+  model, hardware, matmuls = f["model"], f["hardware"], f["matmuls"]
   compiled = result["matmul_flops_per_device"] / per_device
   ratio = compiled / matmuls
   print(f"== DreamZero {variant} (configs/dreamzero.py:{variant}, remat {config.model.remat}): compiled for "

@@ -1,6 +1,7 @@
 """The trainer's own train step, full size, timed: samples/s, model TFLOP/s and MFU per arm.
 
-For GR00T-N1.5 and pi0.5 (configs/groot.py, configs/pi05.py) on the devices present, this builds
+For GR00T-N1.5, pi0.5 and DreamZero (configs/groot.py, configs/pi05.py, configs/dreamzero.py; DreamZero
+only with --models dreamzero) on the devices present, this builds
 what the train job builds (ejax.train.state.create_train_state, ejax.train.step.jit_train_step) and
 feeds it the model's own example batch, in arms timed back to back in one process:
   configured   the config as it is
@@ -10,6 +11,8 @@ feeds it the model's own example batch, in arms timed back to back in one proces
   attn_<impl>  the configured layout with model.attention_impl=<impl>, for each implementation
   unscanned    the configured layout with every block unrolled (model.scan_layers=False; the
                default scans repeated blocks, ejax.models.layers.run_blocks)
+DreamZero's batch has no packed rows: its arms are configured, unscanned and attn_<impl> (the 5B on
+accelerators, --dit_layers N to cut its DiT to what one GPU holds; runlocal on CPUs).
 Per arm: state-ready seconds (built and on the device), compile seconds, median step ms, samples/s,
 model TFLOP/s and MFU (ejax.train.flops: forward + backward, no recomputation; the device's dense
 bf16 peak), peak memory (XLA's buffer assignment of the step). Beside the packing arms it prints the
@@ -45,8 +48,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 GOAL_MFU = 40.0
-NAMES = {"groot": "GR00T-N1.5", "pi05": "pi0.5"}
-CONFIGS = {"groot": "configs/groot.py", "pi05": "configs/pi05.py"}
+NAMES = {"groot": "GR00T-N1.5", "pi05": "pi0.5", "dreamzero": "DreamZero"}
+CONFIGS = {"groot": "configs/groot.py", "pi05": "configs/pi05.py", "dreamzero": "configs/dreamzero.py"}
+UNPACKED = ("dreamzero",)   # models whose batch has no packed rows (no layout arms)
 ALL_ARMS = ("configured", "padded", "best_fit", "fp8", "attn", "unscanned")
 
 
@@ -59,13 +63,16 @@ def on_cpu() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def model_config_for(name: str):
-  """The config of `name` at the size this machine runs: full on accelerators, runlocal on CPUs."""
+def model_config_for(name: str, dit_layers: int = 0):
+  """The config of `name` at the size this machine runs: full on accelerators, runlocal on CPUs
+  (DreamZero's DiT cut to `dit_layers` blocks when given)."""
   # On CPUs GR00T's runlocal without the simulator's perception aids (ejax.sim's demonstrations switch
   # them on): the model as released, at CPU size.
-  arg = {"groot": "runlocal,dataset=synthetic", "pi05": "runlocal"}[name] if on_cpu() else None
-  config = load_config(CONFIGS[name], arg)
+  cpu_args = {"groot": "runlocal,dataset=synthetic", "pi05": "runlocal", "dreamzero": "runlocal,dataset=synthetic"}
+  config = load_config(CONFIGS[name], cpu_args[name] if on_cpu() else {"dreamzero": "5b"}.get(name))
   config.mesh = dict(data=1, fsdp=-1, tensor=1)
+  if name == "dreamzero" and dit_layers:
+    config.model.dit.num_layers = dit_layers
   return config
 
 
@@ -74,6 +81,8 @@ def model_config_for(name: str):
 
 def arm_configs(config, arms: list[str], samples: int) -> dict:
   """name -> (the config of that arm, its batch: numpy arrays of `samples` samples)."""
+  if config.model.name in UNPACKED:
+    return unpacked_arm_configs(config, arms, samples)
   from ejax.train.layout_arms import train_step_arms
   layouts = train_step_arms(config.model, samples, flops=False)
   out = {}
@@ -106,6 +115,37 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
   return out
 
 
+def unpacked_arm_configs(config, arms: list[str], samples: int) -> dict:
+  """DreamZero's arms: its example batch (VAE latents computed ahead, as the compile from shapes has it)
+  as configured, with every block unrolled, and through each attention implementation."""
+  from ejax.models.registry import get_model_spec
+  example = get_model_spec(config.model.name).example_batch(config.model, samples, 0)
+  out = {}
+  for arm in arms:
+    if arm == "configured":
+      out[arm] = (config.copy_and_resolve_references(), example)
+    elif arm == "unscanned":
+      out[arm] = (config.copy_and_resolve_references(), example)
+      out[arm][0].model.scan_layers = False
+    elif arm.split("_")[0] == "attn":
+      for impl in attention_impls(config.model) if arm == "attn" else [arm[len("attn_"):]]:
+        out[f"attn_{impl}"] = (config.copy_and_resolve_references(), example)
+        out[f"attn_{impl}"][0].model.attention_impl = impl
+  return out
+
+
+def sample_model_flops(model_config, arrays: dict) -> tuple[float, float]:
+  """(model FLOPs a sample, tokens a sample): ejax.train.flops for the packed models, the analytic
+  count of benchmarks/dreamzero_scaling.py for DreamZero."""
+  if model_config.name == "dreamzero":
+    from benchmarks.dreamzero_scaling import sample_flops
+    flops = sample_flops(model_config)
+    return flops["model"], flops["tokens"]
+  from ejax.train import flops as flops_lib
+  layout = flops_lib.layout_of_batch(model_config, arrays)
+  return flops_lib.train_flops_per_sample(model_config, layout).model, layout.row_tokens
+
+
 def _same_layout(a, b) -> bool:
   return (a.row_length, a.samples_per_row, a.num_rows) == (b.row_length, b.samples_per_row, b.num_rows)
 
@@ -125,7 +165,6 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
   (with `profile_dir`, also where three more steps spend their time: benchmarks/profile_summary.py)."""
   from ejax.parallel import global_batch, make_mesh
   from ejax.parallel.rules import sharding_context
-  from ejax.train import flops as flops_lib
   from ejax.train.metrics import peak_flops_per_device
   from ejax.train.optim import make_optimizer
   from ejax.train.state import create_train_state, model_parts
@@ -169,11 +208,10 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
   step_bytes = sum(int(getattr(memory, f"{name}_size_in_bytes", 0) or 0) for name in ("argument", "output", "temp"))
   step_bytes -= int(getattr(memory, "alias_size_in_bytes", 0) or 0)
   samples = int(arrays["actions"].shape[0])
-  layout = flops_lib.layout_of_batch(config.model, arrays)
-  per_sample = flops_lib.train_flops_per_sample(config.model, layout)
+  per_sample_model, row_tokens = sample_model_flops(config.model, arrays)
   median = statistics.median(times)
   samples_per_second = samples / median
-  model_flops = per_sample.model * samples_per_second
+  model_flops = per_sample_model * samples_per_second
   peak = peak_flops_per_device()
   stats = jax.devices()[0].memory_stats() or {}
   del state, compiled, step
@@ -182,8 +220,8 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
       state_seconds=state_seconds, compile_seconds=compile_seconds, step_ms=1e3 * median,
       step_ms_all=[1e3 * t for t in times], samples=samples, samples_per_second=samples_per_second,
       model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
-      model_flops_per_sample=per_sample.model, row_tokens=layout.row_tokens, loss=loss,
-      packing=dict(config.model.packing), step_peak_gib=step_bytes / 2**30,
+      model_flops_per_sample=per_sample_model, row_tokens=row_tokens, loss=loss,
+      packing=dict(config.model.get("packing", {})), step_peak_gib=step_bytes / 2**30,
       device_peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, **({"profile": profile} if profile else {}))
 
 
@@ -191,16 +229,17 @@ def describe(name: str, result: dict) -> str:
   if "error" in result:
     return f"  {name:<16} failed: {result['error']}"
   mfu = f"{result['mfu_percent']:.1f} %" if result["mfu_percent"] is not None else "n/a"
+  packing = result["packing"]
+  row = f"row {packing.get('row_length')} x {packing.get('samples_per_row')}  " if packing else ""   # DreamZero: no rows
   return (f"  {name:<16} state {result['state_seconds']:6.1f} s  compile {result['compile_seconds']:6.1f} s  "
           f"step {result['step_ms']:8.1f} ms  {result['samples_per_second']:8.1f} samples/s  "
-          f"{result['model_tflops']:7.1f} TFLOP/s  MFU {mfu:>7}  row {result['packing'].get('row_length')} x "
-          f"{result['packing'].get('samples_per_row')}  ({result['row_tokens']:.0f} tokens/sample)  "
+          f"{result['model_tflops']:7.1f} TFLOP/s  MFU {mfu:>7}  {row}({result['row_tokens']:.0f} tokens/sample)  "
           f"step peak {result['step_peak_gib']:.1f} GiB")
 
 
 def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str,
-                profile_dir: str = "") -> None:
-  config = model_config_for(name)
+                profile_dir: str = "", dit_layers: int = 0) -> None:
+  config = model_config_for(name, dit_layers)
   samples = per_device_batch * jax.device_count()
   results = out.setdefault(name, {})
   print(f"{NAMES[name]} ({'runlocal' if on_cpu() else 'full size'}), {samples} samples a step on "
@@ -296,6 +335,8 @@ def main(argv=None) -> None:
                       help="trace three more steps of each model's first arm here and print where the time goes")
   parser.add_argument("--unscanned", action="store_true",
                       help="--startup: also compile the step with every block unrolled, side by side")
+  parser.add_argument("--dit_layers", type=int, default=0,
+                      help="DreamZero on accelerators: cut the 5B's DiT to this many blocks (0: all 30)")
   parser.add_argument("--cache", action="store_true",
                       help="use the persistent compilation cache (off: every figure is a cold compile)")
   args = parser.parse_args(argv)
@@ -317,7 +358,8 @@ def main(argv=None) -> None:
     raise SystemExit(f"--arms {','.join(unknown)}: not one of {','.join(ALL_ARMS)}")
   for name in [m for m in args.models.split(",") if m]:
     default_batch = 8 if on_cpu() or name == "pi05" else 32
-    bench_model(name, arms, args.per_device_batch or default_batch, args.steps, out, args.json, args.profile)
+    bench_model(name, arms, args.per_device_batch or default_batch, args.steps, out, args.json, args.profile,
+                args.dit_layers)
   headline = "groot" if "groot" in out else next((m for m in NAMES if m in out), "groot")
   best = max((r for r in out.get(headline, {}).values() if "samples_per_second" in r),
              key=lambda r: r["samples_per_second"], default=None)
