@@ -16,7 +16,7 @@ from tests.train.helpers import load_config
 
 LENGTHS = (14, 6)                 # the second episode is shorter than a runlocal sample (8 actions, 9 frames)
 TASKS = ("lift the green block", "open the drawer")
-CAMERA = 32                       # recorded size; runlocal's 32 x 32 grid makes 16 x 16 cells
+CAMERA = 32                       # recorded size: the cells of runlocal's 64 x 64 grid on recorded cameras
 
 
 def _frames(length: int, episode: int, camera: int) -> np.ndarray:
@@ -111,16 +111,16 @@ def test_lerobot_batches_read_frames_actions_and_states_step_by_step(dataset):
   batch = _batch(config, sum(LENGTHS))      # every step in order: episode 0's, then episode 1's
   example = dz.example_batch(config.model, 1)
   assert set(batch) == set(example) - {"latents"} | {"video"}
-  assert batch["video"].shape == (20, 9, 32, 32, 3) and batch["video"].dtype == np.uint8
+  assert batch["video"].shape == (20, 9, 64, 64, 3) and batch["video"].dtype == np.uint8
   for key in set(example) - {"latents"}:
     assert batch[key].shape[1:] == example[key].shape[1:] and batch[key].dtype == example[key].dtype, key
   starts = [(0, t) for t in range(LENGTHS[0])] + [(1, t) for t in range(LENGTHS[1])]
   for i, (episode, t) in enumerate(starts):
     steps = np.minimum(t + np.arange(9), LENGTHS[episode] - 1)       # past the end: the last frame again
-    agentview, wrist = batch["video"][i, :, 2, 2, 0], batch["video"][i, :, 18, 2, 0]
+    agentview, wrist = batch["video"][i, :, 2, 2, 0], batch["video"][i, :, 34, 2, 0]
     np.testing.assert_allclose(agentview, 16 * steps + 2 * episode, atol=3)
     np.testing.assert_allclose(wrist, 16 * steps + 4 + 2 * episode, atol=3)
-    assert not batch["video"][i, :, :, 16:].any()                    # two cameras: the right column is black
+    assert not batch["video"][i, :, :, 32:].any()                    # two cameras: the right column is black
     # the state before each chunk of 4 actions: steps t and t + 4
     np.testing.assert_array_equal(batch["state"][i, :, 0], np.minimum(t + np.asarray([0, 4]), LENGTHS[episode] - 1))
     real = t + np.arange(8) < LENGTHS[episode]
