@@ -238,8 +238,11 @@ class WanDiT(nnx.Module):
     return self.time_embedding(timestep_sinusoid(timesteps, self.config.freq_dim)).astype(jnp.float32)
 
   def _modulation(self, timesteps):
-    temb = self.time_embed(timesteps)
-    e = self.time_projection(jax.nn.silu(temb)).astype(jnp.float32)
+    # per sample (batch-sharded): the loss draws the timesteps inside the step, unsharded, and XLA ran
+    # the time projection on the whole global batch with its FSDP-sharded width all-reduced (2 GiB a step)
+    timesteps = constrain(timesteps, (ACT_BATCH, None))
+    temb = constrain(self.time_embed(timesteps), (ACT_BATCH, None, None))
+    e = constrain(self.time_projection(jax.nn.silu(temb)).astype(jnp.float32), (ACT_BATCH, None, None))
     return temb, e.reshape(*e.shape[:2], 6, -1)
 
   def _blocks(self, x, e, *, caches=None, **kwargs):
