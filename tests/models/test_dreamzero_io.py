@@ -146,7 +146,7 @@ def test_convert_job_imports_and_exports_a_release(tiny, tmp_path):
   from ejax.models.io import convert
   _, model = tiny
   io.save(model, str(tmp_path / "release" / "model.safetensors"))
-  config = dreamzero_config.get_config("runlocal")
+  config = dreamzero_config.get_config("runlocal,dataset=synthetic")  # the Wan 2.1 VAE (runlocal on cameras patchifies, as 2.2)
   config.convert.update(direction="import", source=str(tmp_path / "release"), destination=str(tmp_path / "ejax"))
   convert.run_job(config, "")
   config.convert.update(direction="export", source=str(tmp_path / "ejax"), destination=str(tmp_path / "out.safetensors"))
