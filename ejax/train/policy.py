@@ -39,12 +39,14 @@ class CheckpointPolicy:
     self.config, self.data = config, config.data
     model_config = config.model
     self.horizon = int(model_config.get("action_horizon", model_config.get("horizon", 16)))
+    # The env's action size: the dataset's (its statistics), else the model's; a model's action_dim may
+    # be its padded width (DreamZero's and pi0.5's 32 at full size).
     self.action_dim = int(model_config.get("action_dim", 0)) or None
     self.state_key = self.data.get("state_key", "observation.state")
     self.normalizer = policy_normalizer(self.data, norm_stats)
     self.norm_stats = norm_stats
     self.true_estimate = None   # use_true_estimate(): the normaliser of the simulator's true object state
-    if self.action_dim is None and "action" in self.normalizer.params:
+    if "action" in self.normalizer.params:
       self.action_dim = int(self.normalizer.params["action"][0].shape[0])
     spec = self.spec = get_model_spec(model_config.name)
     self.collate = spec.make_collate(model_config, self.data) if spec.make_collate else _stack
