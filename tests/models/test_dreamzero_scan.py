@@ -6,12 +6,14 @@ compiles one block per stack instead of 30 + 24 + 31)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from ejax.models import layers
 from ejax.models.dreamzero import model as dz
 
 
+@pytest.mark.slow  # CI time (47 s): run_blocks' scan-vs-loop test on GR00T's DiT runs in CI
 def test_scanned_dreamzero_matches_the_unrolled_loop_in_loss_and_gradients():
   config = dz.model_config("runlocal")
   config.remat = "full"                          # the 5B's: remat inside the scanned block

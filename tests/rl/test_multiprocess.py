@@ -78,6 +78,7 @@ def latest_params(workdir):
   return jax.device_get(policy.params)
 
 
+@pytest.mark.slow  # CI time (69 s): the async two-process test runs in CI
 def test_sync_two_processes_match_one_process_and_the_batch_is_global(tmp_path):
   sync = ["--config.rl.mode=sync"]
   two = launch(tmp_path / "two", processes=2, updates=3, extra=sync)

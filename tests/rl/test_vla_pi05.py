@@ -69,6 +69,7 @@ def instructions(obs) -> list[str]:
   return [registry.get_spec(registry.list_tasks()[i]).instruction for i in obs["task_index"]]
 
 
+@pytest.mark.slow  # CI time: the GR00T actor's twin test runs in CI
 def test_in_jit_batch_is_what_the_train_collate_makes(policy, sft_policy):
   """Prompt tokens (task text and state bins), images and the state vector of every sample equal
   the checkpoint collate's for the same observations."""
@@ -135,6 +136,7 @@ def test_prefix_runs_once_and_cached_log_probs_agree(policy, monkeypatch):
   assert np.all(np.asarray(lower) < np.asarray(sample["log_prob"]) - 1.0)
 
 
+@pytest.mark.slow  # CI time: the GR00T actor's twin test runs in CI
 def test_deterministic_actions_are_the_sft_policy(policy, sft_policy):
   from ejax.rl.warm_start import EvalPolicy
   obs = observations(6, seed=2)
@@ -162,6 +164,7 @@ def rollout_batch(policy, params, steps: int = 2, envs: int = 4) -> dict:
           "bootstrap_observation": policy.select_observations(observations(envs, seed=99))}
 
 
+@pytest.mark.slow  # CI time: the GR00T actor's twin test runs in CI
 def test_learner_steps_move_the_action_expert_only(sft_checkpoint, policy):
   from ejax.rl.learner import make_update_fn
   from ejax.rl.pipeline import make_optimizer

@@ -51,6 +51,7 @@ def test_reset_and_step_have_documented_shapes(batch):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow  # CI time (53 s); the shapes and experts tests run in CI
 def test_500_random_action_steps_stay_finite_and_in_workspace(batch):
   state = batch.reset(jax.random.key(1))
   rng = np.random.default_rng(0)
