@@ -153,9 +153,12 @@ class DreamZero(nnx.Module):
 
   # -- frozen encoders --------------------------------------------------------------------------
   def encode_context(self, batch):
-    """(text [b, 512, dim], image [b, 257, dim], latents [b, F, h, w, C]) with no gradient."""
-    text = self.text_encoder(batch["text_ids"], batch["text_mask"])
-    image = self.image_encoder(batch["first_frame"])
+    """(text [b, 512, dim], image [b, 257, dim], latents [b, F, h, w, C]) with no gradient; each read from the
+    batch where it comes computed ahead (text_embeddings, image_embeddings, latents: the encode job's cache,
+    ejax/models/dreamzero/encode.py), then the frozen encoder does not run."""
+    text = (batch["text_embeddings"] if "text_embeddings" in batch
+            else self.text_encoder(batch["text_ids"], batch["text_mask"]))
+    image = batch["image_embeddings"] if "image_embeddings" in batch else self.image_encoder(batch["first_frame"])
     latents = batch["latents"] if "latents" in batch else self.encode_video(batch["video"])
     return jax.lax.stop_gradient(text), jax.lax.stop_gradient(image), jax.lax.stop_gradient(latents)
 
