@@ -149,3 +149,33 @@ def test_scanned_blocks_match_the_unrolled_loop_in_values_and_gradients():
   small = layers.host_random_init(nnx.eval_shape(lambda: dit.DiT(dit.DiTConfig(
       num_layers=6, num_heads=2, head_dim=8, output_dim=8, cross_attention_dim=12), rngs=nnx.Rngs(0))))
   assert "scan[" not in str(jax.make_jaxpr(lambda x: small(x, timesteps, **inputs))(x))
+
+
+def test_scanned_weights_are_stacked_once_per_call_not_once_per_denoising_step():
+  """run_blocks stacks a scanned kind's per-layer weights at call time. Inside a sampling loop
+  (flow.euler_sample's fori_loop, as GR00T's action head runs its DiT at full size) the stacking
+  does not depend on the loop, and XLA's loop-invariant code motion hoists it: in the compiled
+  program every concatenate runs once per call, not once per denoising step."""
+  from ejax.models import dit, flow
+  from ejax.parallel import hlo
+
+  config = dit.DiTConfig(num_layers=8, num_heads=2, head_dim=8, output_dim=16, cross_attention_dim=12)
+  model = layers.host_random_init(nnx.eval_shape(lambda: dit.DiT(config, rngs=nnx.Rngs(0))), stddev=0.2)
+  vl = jax.random.normal(jax.random.key(2), (2, 7, 12))
+  inputs = dict(vl_tokens=vl, vl_segment_ids=jnp.ones((2, 7), jnp.int32), sample_row=jnp.array([0, 1]),
+                sample_segment=jnp.array([1, 1]))
+
+  @nnx.jit
+  def sample(m, noise):
+    velocity = lambda x, t: m(x, (t * 999).astype(jnp.int32), **inputs)
+    return flow.euler_sample(velocity, noise, 4, convention="groot")
+
+  noise = jax.random.normal(jax.random.key(1), (2, 5, config.width))
+  text = sample.lower(model, noise).compile().as_text()
+  module = hlo.parse(text)
+  # The stacked weights: [4 pairs, ...] concatenates (the timestep embedding's sin|cos is one too).
+  concat_runs = [runs for runs, _, shape, op, _ in hlo._instructions(module)
+                 if op == "concatenate" and shape.startswith("f32[4,")]
+  assert len(concat_runs) >= 8, "expected the stacked weights to appear as concatenates"
+  assert max(module.runs.values()) >= 4 * 4    # the DiT's scan (4 pairs) inside the 4-step loop
+  assert set(concat_runs) == {1}, f"weights re-stacked inside the sampling loop: {concat_runs}"
