@@ -10,6 +10,13 @@ starts):
   python -m ejax.train.compile_report --config=configs/groot.py --mesh=data=128,fsdp=8
   python -m ejax.train.compile_report --config=configs/pi05.py --mesh=data=64,fsdp=8,tensor=2
 
+XLA:CPU's buffers are not a GPU's (it converts bf16 weights to f32 for its matmuls, and its attention
+is not a flash kernel). `--target=h100` compiles the same step with XLA:GPU for compile-only H100s
+(ejax/parallel/aot_target.py: it needs JAX's CUDA plugin, no GPU), the kernels traced as for a GPU:
+
+  JAX_PLATFORMS=cpu .venv-cuda/bin/python -m ejax.train.compile_report --target=h100 \
+      --config=configs/pi05.py:lora --mesh=data=1 --per_device_batch=32
+
 The batch: the config's global_batch_size is the batch of one 8-GPU node (the configs' launch
 line), so the global batch is global_batch_size / 8 samples per device (--per_device_batch to
 change it); a data shard of a tensor-parallel mesh holds the samples of its tensor-parallel GPUs.
@@ -27,7 +34,7 @@ import sys
 import time
 from typing import Any
 
-from ejax.parallel import hlo
+from ejax.parallel import aot_target, hlo
 
 # XLA:CPU's default scheduler orders independent work for thread parallelism, not memory: it ran
 # all of pi0.5's rematerialised SigLIP forwards before their backwards (108 GB of temporaries per
@@ -176,20 +183,26 @@ def state_bytes_per_device(step: CompiledStep) -> dict[str, int]:
 
 
 def report(config_path: str, mesh_sizes: dict[str, int], per_device_batch: int | None = None,
-           config_arg: str | None = None, grad_accum: int = 0) -> dict:
-  """Compiles config_path's train step on a mesh of this process's devices; a JSON-able dict."""
+           config_arg: str | None = None, grad_accum: int = 0, target: str = "cpu") -> dict:
+  """Compiles config_path's train step on a mesh of this process's devices (target "cpu") or of
+  compile-only GPUs (a target of ejax.parallel.aot_target); a JSON-able dict."""
+  import contextlib
+
   import jax
 
+  from ejax.kernels import platform
   from ejax.parallel import make_mesh
 
   config = load_config_file(config_path, config_arg)
   if grad_accum:
     config.train.grad_accum_steps = grad_accum
-  mesh = make_mesh(mesh_sizes)
+  devices = None if target == "cpu" else aot_target.compile_only_devices(target, math.prod(mesh_sizes.values()))
+  mesh = make_mesh(mesh_sizes, devices)
   # Samples per GPU as the config has them on one 8-GPU node; tensor-parallel GPUs share their
   # data shard's samples, so every mesh of the same devices trains the same global batch.
   per_device = per_device_batch or max(1, config.train.global_batch_size // hlo.NODE_SIZE)
-  step = compile_train_step(config, mesh, per_device * mesh.size)
+  with contextlib.nullcontext() if target == "cpu" else platform.lowering_for("gpu"):
+    step = compile_train_step(config, mesh, per_device * mesh.size)
   text = step.compiled.as_text()
   found = hlo.collectives(text, mesh.size)
   cost = step.compiled.cost_analysis()
@@ -203,7 +216,7 @@ def report(config_path: str, mesh_sizes: dict[str, int], per_device_batch: int |
       matmul_flops_per_device=hlo.matmul_flops(text),
       xla_cost_analysis_flops_per_device=float((cost or {}).get("flops", 0.0)),
       lower_seconds=round(step.lower_seconds, 1), compile_seconds=round(step.compile_seconds, 1),
-      jax=jax.__version__)
+      target=target, device_kind=mesh.devices.flat[0].device_kind, jax=jax.__version__)
 
 
 TABLE_HEADER = ("| config | mesh | samples / device | state GiB: params + frozen + Adam + EMA | arguments GiB | "
@@ -243,11 +256,19 @@ def main(argv=None) -> None:
                       help="micro-batches per step (0: the config's train.grad_accum_steps)")
   parser.add_argument("--json", default="", help="also write the result here")
   parser.add_argument("--full_compile", action="store_true", help="keep LLVM's expensive passes (slower)")
+  parser.add_argument("--target", default="cpu", choices=("cpu",) + tuple(aot_target.TARGET_CONFIGS),
+                      help="cpu: fake CPU devices; h100: XLA:GPU for compile-only H100s (needs JAX's CUDA plugin)")
   args = parser.parse_args(argv)
   sizes = parse_mesh(args.mesh)
-  use_fake_devices(math.prod(sizes.values()), fast_compile=not args.full_compile)
+  if args.target == "cpu":
+    use_fake_devices(math.prod(sizes.values()), fast_compile=not args.full_compile)
+  else:
+    aot_target.run_jax_on_cpu()
   path, _, arg = args.config.partition(":")
-  result = report(path, sizes, args.per_device_batch or None, arg or None, args.grad_accum)
+  try:
+    result = report(path, sizes, args.per_device_batch or None, arg or None, args.grad_accum, args.target)
+  except aot_target.TargetError as error:
+    sys.exit(f"error: {error}")
   print(TABLE_HEADER)
   print(format_row(result))
   if args.json:

@@ -1,0 +1,90 @@
+"""compile_report --target=h100: XLA:GPU compiles for compile-only H100s (ejax/parallel/aot_target.py).
+
+Without JAX's CUDA plugin (ejax's own venv) the option ends with one error line that says how to
+install it; with the plugin (.venv-cuda, see aot_target's docstring) the compiling tests run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ejax.parallel import aot_target
+from tests.train.helpers import REPO
+
+needs_plugin = pytest.mark.skipif(not aot_target.cuda_plugin_installed(),
+                                  reason="JAX's CUDA plugin is not installed (see ejax/parallel/aot_target.py)")
+
+
+def run(args: list[str]) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, "XLA_FLAGS": ""}, timeout=900)
+
+
+def test_topology_names_hosts_of_eight_gpus():
+  assert aot_target.topology_name(1) == "1x1x1"
+  assert aot_target.topology_name(8) == "1x1x8"
+  assert aot_target.topology_name(1024) == "1x128x8"
+  with pytest.raises(aot_target.TargetError, match="12 GPUs do not fill hosts of 8"):
+    aot_target.topology_name(12)
+  with pytest.raises(aot_target.TargetError, match="'a100' is not one of"):
+    aot_target.target_config("a100")
+
+
+def test_h100_config_describes_an_h100():
+  text = aot_target.target_config("h100")
+  assert "core_count: 132" in text and "major: 9" in text and 'platform_name: "CUDA"' in text
+
+
+@pytest.mark.skipif(aot_target.cuda_plugin_installed(), reason="the CUDA plugin is installed here")
+def test_h100_target_without_the_plugin_is_one_error_line():
+  done = run(["-m", "ejax.train.compile_report", "--target=h100", "--config=configs/tiny.py", "--mesh=data=1"])
+  assert done.returncode == 1
+  lines = [line for line in done.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1, done.stderr
+  assert lines[0].startswith("error: --target=h100 compiles with XLA:GPU, and JAX's CUDA plugin is not installed")
+  assert 'pip install "jax-cuda12-plugin[with-cuda]==' in lines[0]
+
+
+TINY_GRADIENT = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from ejax.parallel import aot_target, make_mesh
+aot_target.run_jax_on_cpu()
+mesh = make_mesh({"data": 8}, aot_target.compile_only_devices("h100", 8))
+x = jax.ShapeDtypeStruct((8 * 1024, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
+w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+loss = lambda x, w: jnp.sum(jax.nn.gelu(x @ w).astype(jnp.float32) ** 2)
+compiled = jax.jit(jax.grad(loss, argnums=1)).lower(x, w).compile()
+memory = compiled.memory_analysis()
+print(mesh.devices.flat[0].device_kind, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+      "all-reduce-start" in compiled.as_text(), "__cublas$lt$matmul" in compiled.as_text() or "gemm_fusion" in compiled.as_text())
+"""
+
+
+@needs_plugin
+def test_a_data_parallel_gradient_compiles_for_eight_h100s():
+  done = run(["-c", TINY_GRADIENT])
+  assert done.returncode == 0, done.stderr[-3000:]
+  kind, arguments, outputs, all_reduce, gpu_gemm = done.stdout.split("\n")[-2].rsplit(" ", 4)
+  assert kind == "NVIDIA H100 80GB HBM3"
+  # Per device: its 1,024 rows of x (8 MiB) and the whole weight (32 MiB); the weight's gradient.
+  assert int(arguments) == 1024 * 4096 * 2 + 4096 * 4096 * 2 and int(outputs) == 4096 * 4096 * 2
+  assert all_reduce == "True" and gpu_gemm == "True"  # XLA:GPU's program: an async all-reduce, GPU GEMMs
+
+
+@needs_plugin
+def test_compile_report_on_h100s_keeps_the_report(tmp_path):
+  path = tmp_path / "report.json"
+  done = run(["-m", "ejax.train.compile_report", "--target=h100", "--config=configs/tiny.py", "--mesh=fsdp=8",
+              "--per_device_batch=4", f"--json={path}"])
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads(path.read_text())
+  assert result["target"] == "h100" and result["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert result["devices"] == 8 and result["global_batch"] == 32
+  state, memory = sum(result["state"].values()), result["memory"]
+  assert state <= memory["argument"] < state + 2**20  # the FSDP-sharded state and a small batch shard
+  assert memory["total"] >= memory["argument"]
+  assert result["collectives"]["all-gather"]["count"] > 0  # FSDP gathers its weights
