@@ -112,6 +112,14 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
                               async_save=config.checkpoint.async_save, for_writing=True)
   cleanup.callback(checkpointer.close)
   stop.describe_abort = lambda: _newest_checkpoint_text(checkpointer.directory)
+  # A step, save or exchange that stalls, or a lost peer, ends every process with one line. It
+  # watches from here: a peer lost while the others restore, initialise or compile (no phase, so no
+  # phase timeout: compiling takes what it takes) is named too, instead of leaving them in the
+  # compile agreement or a barrier until jaxlib aborts them.
+  watchdog = Watchdog("train", timeout_s=train_cfg.get("step_timeout", 0.0),
+                      say_last=lambda line: stop.say_last(line, file=sys.stderr),
+                      resume_from=lambda: _newest_step(checkpointer.directory))
+  cleanup.callback(watchdog.close)
   resume_step = (resume.choose_step(checkpointer, config.checkpoint.get("step"), workdir)
                  if config.checkpoint.resume else None)
   changes = resume.check(checkpointer, resume_step, config) if resume_step is not None else []
@@ -144,6 +152,8 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
     logging.info("state ready in %.1f s (%d parameters initialised)", time.perf_counter() - started,
                  len(plan.deferred))
   start_step = int(jax.device_get(state.step))
+  if hasattr(data_iter, "check_frozen"):  # frozen-encoder outputs cached ahead: made by these frozen weights?
+    data_iter.check_frozen(state.frozen)
 
   # --- Compile the step once; report memory and FLOPs ------------------------------------------
   stop.phase = "reading the first batch"
@@ -181,11 +191,6 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   end_step = min(train_cfg.steps, train_cfg.stop_at) if train_cfg.stop_at else train_cfg.steps
   stopped_by = None
   stop.begin_training()
-  # A step, save or exchange that stalls, or a lost peer, ends every process with one line.
-  watchdog = Watchdog("train", timeout_s=train_cfg.get("step_timeout", 0.0),
-                      say_last=lambda line: stop.say_last(line, file=sys.stderr),
-                      resume_from=lambda: _newest_step(checkpointer.directory))
-  cleanup.callback(watchdog.close)
   try:
     while step < end_step:
       watchdog.begin("train step", step + 1)

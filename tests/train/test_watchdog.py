@@ -128,3 +128,36 @@ def test_a_killed_process_ends_the_other_in_one_line_and_the_run_resumes(tmp_pat
     assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
     assert f"resumed from step {resume}" in out
     assert re.search(rf"train: process {i} of 2 stopped at step {resume + 3} by train.stop_at", out)
+
+
+@pytest.mark.slow  # the same watchdog as above, started earlier; ~1.5 min of two processes
+def test_a_process_killed_during_start_up_ends_the_other_in_one_line(tmp_path):
+  """Killed while the train step compiles, process 0 leaves process 1 in start-up (the compile
+  agreement, the barrier after it): the watchdog runs from before the state is made, so process 1
+  names it within LOST_AFTER_S, where it used to wait until the coordination service gave up
+  (~120 s) and jaxlib aborted it."""
+  import threading
+
+  workdir = tmp_path / "run"
+  procs = launch(workdir, steps=100_000)
+  lines: list[str] = []
+  reader = threading.Thread(target=lambda: lines.extend(procs[0].stdout), daemon=True)
+  reader.start()
+  try:
+    deadline = time.time() + 300
+    while not any("compiling the train step" in x for x in lines):
+      assert time.time() < deadline and procs[0].poll() is None, "".join(lines)[-3000:]
+      time.sleep(0.05)
+    procs[0].kill()  # kill -9
+    out, seconds = ended_within(procs[1], 120)
+    assert procs[1].returncode == 3, out[-3000:]
+    match = re.search(r"^error: process 0 of 2 stopped answering at step 0 \(train: no heartbeat for \d+ s\): "
+                      r"run the same command to start again \(no checkpoint was saved\)$", out, re.M)
+    assert match, out[-3000:]
+    assert seconds < 90
+    assert "Traceback" not in out and "Fatal" not in out and "Aborted" not in out and "stack trace" not in out
+    assert out.rstrip().splitlines()[-1] == match.group(0)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
