@@ -92,6 +92,9 @@ def get_config(arg: str | None = None):
     # (ejax/data/dreamzero_samples.py).
     config.data.update(inputs.data_settings(config.model))
     config.data.relative_action_dims = 0   # > 0: the first N action dims relative to the same state dims
+    # A directory of the frozen encoders' outputs written ahead by the encode job (ejax/train/encode.py):
+    # training then reads it and skips the VAE, umT5 and CLIP; None encodes in the train step.
+    config.data.encoder_cache = common.placeholder(str)
   return common.apply_run_args(config, args)
 
 

@@ -19,6 +19,7 @@ JOBS: dict[str, str] = {
     "eval": "ejax.eval.evaluate:run_job",
     "rl": "ejax.rl.runner:run_job",
     "serve": "ejax.serve.server:run_job",
+    "encode": "ejax.train.encode:run_job",      # DreamZero's frozen-encoder outputs cached ahead (issue 32)
 }
 
 

@@ -37,6 +37,10 @@ class ModelSpec:
   param_renames: Callable[..., dict] | None = None
   # (model_config) -> whether the model acts on an estimate given in the batch (eval.true_estimate).
   acts_on_given_estimate: Callable[..., bool] | None = None
+  # What the encode job (ejax/train/encode.py) caches of the model's frozen encoders: a module with
+  # FROZEN, REPLACED, cache_inputs, encode_samples, encode_prompts, PromptTable (DreamZero's:
+  # ejax/models/dreamzero/encode.py); None: the model has no encoder cache.
+  encoder_cache: Any = None
 
 
 # name -> "module:attribute" of a ModelSpec; imported only when the model is chosen.

@@ -120,6 +120,14 @@ def dataset_lengths(config: ConfigDict, count: int) -> np.ndarray:
 def _make_source(config: ConfigDict, *, local_batch_size: int, shards: int = 1) -> Any:
   data = config.data
   name = data.get("name", "synthetic")
+  if data.get("encoder_cache", None):
+    # Frozen-encoder outputs computed ahead by the encode job (ejax/train/encode.py), read instead of
+    # the raw samples; the loop checks the cache against its frozen weights (check_frozen).
+    from ejax.data import encoder_cache
+    from ejax.train.encode import RERUN
+    return encoder_cache.CachedBatches(data.encoder_cache, config=config, batch_size=local_batch_size,
+                                       seed=config.seed, process_index=jax.process_index(),
+                                       process_count=jax.process_count(), rerun=RERUN)
   spec = get_model_spec(config.model.name)
   # The model's input assembly (tokenisation, packing); None stacks the per-sample fields.
   collate = spec.make_collate(config.model, data) if spec.make_collate else None

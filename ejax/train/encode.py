@@ -1,0 +1,136 @@
+"""The encode job (issue 32 point 3): DreamZero's frozen VAE, umT5 and CLIP run once over a dataset's
+samples, their outputs written to data.encoder_cache; training with the same setting reads them and
+the train step skips the encoders.
+
+    python -m ejax.main --config=configs/dreamzero.py:runlocal --config.job=encode --config.data.encoder_cache=runs/dz_cache
+    python -m ejax.main --config=configs/dreamzero.py:runlocal --config.data.encoder_cache=runs/dz_cache
+
+The frozen weights are the ones the trainer would build from the same config (its seed's random
+initialisation, or train.init_weights), made the same way (ejax.train.state) and run in the train
+step's compute dtype, so a cached batch gives the in-step loss. Every sample of the dataset once, in
+order (data.shuffle and data.num_epochs do not apply); the trainer shuffles the cache each epoch.
+What is cached and when a cache is stale: ejax/models/dreamzero/encode.py; the format:
+ejax/data/encoder_cache.py. One process (the encoders run data-parallel over its devices).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+from absl import logging
+from flax import nnx
+from ml_collections import ConfigDict
+
+from ejax.data import encoder_cache
+from ejax.errors import UserError
+from ejax.models.registry import get_model_spec
+from ejax.parallel import global_batch, make_mesh
+from ejax.parallel.rules import sharding_context
+from ejax.train.optim import make_optimizer
+from ejax.train.state import materialize, model_parts, plan_train_state, read_weights
+from ejax.train.step import _cast_floats
+
+
+RERUN = " with the encode job (the same command with --config.job=encode)"
+
+
+def run_job(config: ConfigDict, workdir: str) -> None:
+  del workdir
+  result = encode(config)
+  print(f"encode: {result['num_samples']} samples, {result['num_prompts']} prompts in {result['seconds']:.1f} s "
+        f"({result['num_samples'] / result['seconds']:.1f} samples/s) -> {result['directory']}", flush=True)
+
+
+def frozen_model(config: ConfigDict, mesh, rules):
+  """(model with the trainer's weights in the step's compute dtype, the frozen state) for `config`."""
+  tx, _ = make_optimizer(config.train)
+  plan = plan_train_state(config.model, config.train, tx, mesh, rules, seed=config.seed)
+  loaded = read_weights(config.train.init_weights, plan) if config.train.get("init_weights") else None
+  state = materialize(plan, loaded)
+  dtype = jax.numpy.dtype(config.train.compute_dtype)
+  model = nnx.merge(model_parts(config.model).graphdef, _cast_floats(state.params, dtype),
+                    _cast_floats(state.frozen, dtype), state.rest)
+  return model, state.frozen
+
+
+def encode(config: ConfigDict) -> dict:
+  """Writes the cache (the module docstring); returns its size, its prompts and the seconds it took."""
+  data = config.data
+  directory = data.get("encoder_cache", None)
+  spec = get_model_spec(config.model.name)
+  hooks = spec.encoder_cache   # what the model caches (DreamZero's: ejax/models/dreamzero/encode.py)
+  if hooks is None:
+    raise UserError(f"the encode job caches a model's frozen encoders; model {config.model.name!r} has no cache")
+  if not directory:
+    raise UserError("the encode job writes data.encoder_cache: set --config.data.encoder_cache=DIR")
+  if data.name not in ("lerobot", "sim_demos"):
+    raise UserError(f"the encode job encodes LeRobot video samples (data.name lerobot or sim_demos), not "
+                    f"data.name={data.name!r}")
+  if jax.process_count() > 1:
+    raise UserError("the encode job runs in one process: launch it without jax.distributed")
+  from ejax.data import pipeline
+  started = time.perf_counter()
+  mesh = make_mesh(config.mesh.to_dict())
+  rules = [tuple(rule) for rule in config.sharding_rules]
+  batch_size = int(config.train.global_batch_size)
+  with mesh, sharding_context(mesh, rules):
+    model, frozen = frozen_model(config, mesh, rules)
+    graphdef, state = nnx.split(model)
+    run = lambda fn: jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))
+    encode_samples, encode_prompts = run(hooks.encode_samples), run(hooks.encode_prompts)
+    collate = spec.make_collate(config.model, data)
+    reading = ConfigDict(data.to_dict())
+    reading.update(shuffle=False, num_epochs=1)
+    prompts, writer = hooks.PromptTable(), encoder_cache.CacheWriter(directory)
+    count = 0
+    try:
+      with pipeline.build_pipeline(reading, batch_size=1, seed=config.seed, collate=lambda s: {"sample": s[0]}) as samples:
+        norm_stats = samples.norm_stats
+        pending = []
+        for item in samples:
+          pending.append(item["sample"])
+          if len(pending) == batch_size:
+            count += _encode_batch(pending, batch_size, collate, encode_samples, hooks.REPLACED, state, prompts,
+                                   writer, mesh, rules)
+            pending = []
+            if count % (20 * batch_size) == 0:
+              logging.info("encoded %d samples (%.1f samples/s)", count, count / (time.perf_counter() - started))
+        if pending:
+          count += _encode_batch(pending, batch_size, collate, encode_samples, hooks.REPLACED, state, prompts,
+                                 writer, mesh, rules)
+      embeddings = []
+      for start in range(0, len(prompts.ids), batch_size):
+        ids, masks = (_padded(np.stack(x[start:start + batch_size]), batch_size) for x in (prompts.ids, prompts.masks))
+        device = global_batch({"text_ids": ids, "text_mask": masks}, mesh, rules)
+        out = encode_prompts(state, device["text_ids"], device["text_mask"])
+        embeddings.append(np.asarray(jax.device_get(out))[:min(batch_size, len(prompts.ids) - start)])
+      writer.add_table("text_embeddings", prompts.rows(np.concatenate(embeddings)), index_field="prompt_index",
+                       length=config.model.text_length)
+      seconds = time.perf_counter() - started
+      writer.finish(inputs={path: encoder_cache.config_value(config, path) for path in hooks.cache_inputs(config)},
+                    frozen={"components": list(hooks.FROZEN),
+                            "fingerprint": encoder_cache.fingerprint(frozen, hooks.FROZEN)},
+                    norm_stats=encoder_cache.jsonable(norm_stats), encode_seconds=seconds)
+    except BaseException:
+      writer.abort()
+      raise
+  return {"directory": directory, "num_samples": count, "num_prompts": len(prompts.ids), "seconds": seconds}
+
+
+def _padded(x: np.ndarray, size: int) -> np.ndarray:
+  """x with its last row repeated up to `size` rows: every call has the compiled batch shape."""
+  return np.concatenate([x, np.repeat(x[-1:], size - len(x), axis=0)]) if len(x) < size else x
+
+
+def _encode_batch(samples, batch_size, collate, encode_samples, replaced, state, prompts, writer, mesh, rules) -> int:
+  batch = collate(samples)
+  n = len(samples)
+  device_batch = global_batch({k: _padded(batch[k], batch_size) for k in replaced}, mesh, rules)
+  outputs = jax.device_get(encode_samples(state, device_batch))
+  cached = {k: v for k, v in batch.items() if k not in replaced}
+  cached.update({k: np.asarray(v)[:n] for k, v in outputs.items()})
+  cached["prompt_index"] = prompts.index(batch["text_ids"], batch["text_mask"])
+  writer.add(cached, num_samples=n)
+  return n
