@@ -20,7 +20,8 @@ ADDED_KEYS: dict[str, dict] = {
     # scan_layers: scanning the repeated blocks keeps every parameter's layout, so an older checkpoint
     # computes the same under today's default
     "groot": {"attention_impl": "auto", "fp8_impl": True, "text_first": False, "perception": {}, "scan_layers": True},
-    "pi05": {"attention_impl": "auto", "perception": {}, "perception_tokens": False, "scan_layers": True},
+    "pi05": {"attention_impl": "auto", "perception": {}, "perception_tokens": False, "scan_layers": True,
+             "continuous_state": False},
 }
 
 

@@ -87,6 +87,10 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.scan_layers = True              # SigLIP's blocks as one lax.scan (the decoders always scan)
   c.perception = {}                 # simulator-trained perception aids (ejax/models/perception/); {}: as released
   c.perception_tokens = False       # with model.perception: its state slots also join each action token (zero-init)
+  # The state vector (with model.perception's slots written) read continuously by the action expert: a
+  # projection of it joins every action token's input. pi0.5 as released reads the state only as the
+  # prompt's 256-bin tokens; pi0 feeds it continuously, as one state token its action tokens attend to.
+  c.continuous_state = False
   # openpi fine-tunes every parameter by default (pi05 configs have no freeze filter).
   c.train_vision = True
   c.train_llm = True
@@ -150,6 +154,9 @@ class Pi05(nnx.Module):
     self.time_mlp_in = layers.Dense(width, width, axes=(ax.EMBED, ax.MLP), **common)
     self.time_mlp_out = layers.Dense(width, width, axes=(ax.MLP, ax.EMBED), **common)
     self.action_out_proj = layers.Dense(width, config.action_dim, axes=(ax.EMBED, ax.IN_FEATURES), **common)
+    self.state_proj = nnx.data(None)
+    if config.continuous_state:
+      self.state_proj = layers.Dense(config.max_state_dim, width, axes=(ax.IN_FEATURES, ax.EMBED), **common)
     # The hook: model.perception's module (None: the released model). pi0.5 reads the state as prompt
     # tokens, so what the module writes into the state's slots reaches the action expert through the
     # adaRMS conditioning instead, by a projection that starts at zero (the released behaviour).
@@ -199,7 +206,8 @@ class Pi05(nnx.Module):
 
   def embed_suffix(self, batch, noisy_actions: jax.Array, t: jax.Array, seen=None) -> gemma.Stream:
     """Per-sample noisy chunks [n, H, A] and times [n] scattered into their rows' suffix slots; `seen`:
-    what the perception module saw (its state slots join the conditioning)."""
+    what the perception module saw (its state slots join the conditioning; with continuous_state its
+    state, else batch["state"], joins each action token)."""
     rows, slots, horizon = self._suffix_layout(batch)
     dtype = self.dtype
     tokens = self.action_in_proj(noisy_actions.astype(dtype))  # [n, H, W]
@@ -210,6 +218,9 @@ class Pi05(nnx.Module):
       cond = cond + self.perception_cond(slots_written.astype(dtype))
       if self.perception_tokens is not None:
         tokens = tokens + self.perception_tokens(slots_written.astype(dtype))[:, None, :]
+    if self.state_proj is not None:
+      state = seen.state if seen is not None else jnp.asarray(batch["state"])
+      tokens = tokens + self.state_proj(state.astype(dtype))[:, None, :]
     slot = pi05_inputs.sample_rows(batch, xp=jnp) * slots + batch["sample_slot"]  # [n] into rows x slots
     width = tokens.shape[-1]
     x = set_rows(jnp.zeros((rows * slots, horizon, width), dtype), slot, tokens)

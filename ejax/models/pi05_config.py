@@ -48,6 +48,7 @@ class Pi05Config:
   scan_layers: bool
   perception: PerceptionConfig | None
   perception_tokens: bool
+  continuous_state: bool
   train_vision: bool
   train_llm: bool
 

@@ -236,11 +236,12 @@ def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *,
 
 
 def with_perception(batch: dict, model_config, states: np.ndarray, aux_states=None, aux_pixels=None) -> dict:
-  """The batch with what model.perception reads beside the prompt (the state as a vector [n,
-  max_state_dim]) and trains on (perception.targets); unchanged without model.perception."""
+  """The batch with what model.perception (or model.continuous_state) reads beside the prompt (the state
+  as a vector [n, max_state_dim]) and what the module trains on (perception.targets); unchanged without
+  either."""
   settings = perception.read(model_config)
   if settings is None:
-    return batch
+    return dict(batch, state=states.astype(np.float32)) if model_config.get("continuous_state", False) else batch
   return dict(batch, state=states.astype(np.float32), **targets(settings, states.shape[0], aux_states, aux_pixels))
 
 
@@ -310,6 +311,7 @@ def example_batch(model_config, batch_size: int, seed: int = 0, *, pack: bool = 
   batch = assemble(c, prompts, images, actions, masks, seed=seed, pack=pack)
   states = np.zeros((batch_size, c.max_state_dim), np.float32)
   settings = perception.read(c)
-  if settings is not None:
-    states[:, :settings.layout.data_dims] = rng.uniform(-1, 1, (batch_size, settings.layout.data_dims))
+  if settings is not None or c.get("continuous_state", False):
+    data_dims = settings.layout.data_dims if settings is not None else c.max_state_dim
+    states[:, :data_dims] = rng.uniform(-1, 1, (batch_size, data_dims))
   return with_perception(batch, c, states)

@@ -39,7 +39,7 @@ from ejax.rl.vla import IMAGE_PREFIX, VlaKind, VlaObservations, shared_settings
 
 # What RL trains when the context is cached: everything downstream of the prefix's KV cache.
 FLOW_PARTS = ("expert", "action_in_proj", "action_out_proj", "time_mlp_in", "time_mlp_out", "perception_cond",
-              "perception_tokens")
+              "perception_tokens", "state_proj")
 _TABLE_KEYS = ("prefix_tokens", "prefix_is_image", "prefix_image_index", "prefix_segment_ids", "prefix_positions",
                "suffix_segment_ids", "suffix_positions")
 # The batch entries the action expert reads besides the cache (one sample per row).
@@ -142,6 +142,8 @@ class Pi05Observations(VlaObservations):
                  sample_row_offset=jnp.zeros((n,), jnp.int32), sample_slot=jnp.zeros((n,), jnp.int32))
     if self.settings is not None:  # the state as a vector, and empty targets (the collate's with_perception)
       batch.update(state=state, **{k: jnp.asarray(v) for k, v in perception_targets(self.settings, n).items()})
+    elif self.config.get("continuous_state", False):  # the state as a vector for the action expert
+      batch["state"] = state
     return batch
 
 
@@ -166,6 +168,8 @@ class Pi05Actor(nnx.Module):
                **{key: batch[key] for key in _SUFFIX_KEYS}}
     if seen is not None:
       context["perception_state"] = seen.state
+    elif "state" in batch:  # model.continuous_state without the perception module
+      context["state"] = batch["state"]
     return context
 
   def context(self, batch: dict) -> dict:
@@ -182,7 +186,8 @@ class Pi05Actor(nnx.Module):
       seen = perception.Seen(logits=None, keypoints=None, readout=None, estimate=None,
                              state=context["perception_state"])
     # One sample per row: the row count sample_rows reads from the prefix is n.
-    layout = {key: context[key] for key in _SUFFIX_KEYS} | {"prefix_tokens": jnp.zeros((n, 0), jnp.int32)}
+    layout = {key: context[key] for key in (*_SUFFIX_KEYS, "state") if key in context}
+    layout["prefix_tokens"] = jnp.zeros((n, 0), jnp.int32)
     return self.pi05.expert_velocity(layout, cache, seen, noisy_actions, t)
 
   def prepare(self, batch: dict) -> tuple:

@@ -193,3 +193,25 @@ def test_the_perception_hook_is_wired_and_starts_as_the_released_model(tokens):
   np.testing.assert_allclose(nnx.jit(loss_fn)(model, labelled)[1]["flow_loss"], metrics["flow_loss"], rtol=1e-6)
   np.testing.assert_allclose(nnx.jit(lambda m, b: m.sample_actions(b, jax.random.key(2), noise=noise))(model, batch),
                              sampled, rtol=1e-6, atol=1e-6)
+
+
+def test_continuous_state_reaches_the_action_expert_beside_the_prompt_bins():
+  """model.continuous_state: the batch carries the state vector, a projection of it joins every action
+  token, and the velocity moves with that vector alone (the prompt's bins held fixed); the flow loss
+  trains the projection. Off (as released), the batch has no vector: the state reaches
+  the expert only through the prompt."""
+  c = pi05.model_config("runlocal")
+  assert not c.continuous_state and "state" not in pi05.example_batch(c, 3, seed=3)
+  assert pi05.create(c, nnx.Rngs(0)).state_proj is None
+  c.continuous_state = True
+  model = layers.host_random_init(nnx.eval_shape(lambda: pi05.create(c, nnx.Rngs(0))), seed=1, stddev=0.1)
+  packed = pi05_inputs.example_batch(c, 4, seed=3)
+  assert packed["state"].shape == (4, c.max_state_dim)
+  noise = jnp.asarray(np.random.default_rng(0).normal(size=packed["actions"].shape), jnp.float32)
+  time = jnp.full((4,), 0.7)
+  velocity = nnx.jit(lambda m, b: m.velocity_fn(b)(noise, time))
+  moved_state = dict(packed, state=packed["state"] + 0.5)
+  change = np.abs(np.asarray(velocity(model, moved_state)) - np.asarray(velocity(model, packed))).max(axis=(1, 2))
+  assert np.all(change > 1e-3), change
+  grads = nnx.jit(nnx.grad(lambda m, b: _loss(m, b, time, noise)[0]))(model, packed)
+  assert float(jnp.abs(grads.state_proj.kernel[...]).sum()) > 0
