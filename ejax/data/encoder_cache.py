@@ -42,6 +42,11 @@ _CHUNK = 1 << 23
 _STORED_AS = {"bfloat16": np.uint16}
 
 
+class StaleCache(DataError):
+  """The cache is missing, of another format, or was written for other settings or frozen weights: what
+  rewriting it fixes (data.encoder_cache_refresh does that). A damaged file stays a plain DataError."""
+
+
 def _logical_dtype(name: str):
   if name == "bfloat16":
     import ml_dtypes
@@ -88,7 +93,7 @@ class CacheWriter:
   """Per-sample batches in, shards out; `finish` writes the tables and manifest and publishes the cache."""
 
   def __init__(self, directory: str, *, shard_size: int = 1024):
-    self.directory = os.path.abspath(directory)
+    self.directory = os.path.abspath(os.path.expanduser(directory))
     self.partial = f"{self.directory}.partial-{os.getpid()}"
     shutil.rmtree(self.partial, ignore_errors=True)
     os.makedirs(self.partial)
@@ -171,9 +176,9 @@ class CacheWriter:
 
 # -- reading ------------------------------------------------------------------------------------------
 def read_manifest(directory: str, *, rerun: str = "") -> dict:
-  path = os.path.join(directory, MANIFEST)
+  path = os.path.join(os.path.expanduser(directory), MANIFEST)
   if not os.path.isfile(path):
-    raise DataError(f"data.encoder_cache={directory} holds no finished cache (no {MANIFEST}): "
+    raise StaleCache(f"data.encoder_cache={directory} holds no finished cache (no {MANIFEST}): "
                     f"write it first{rerun}")
   try:
     with open(path) as f:
@@ -182,7 +187,7 @@ def read_manifest(directory: str, *, rerun: str = "") -> dict:
     raise DataError(f"the encoder cache's manifest is unreadable ({error}): rewrite the cache{rerun}",
                     path=path) from None
   if manifest.get("format") != FORMAT:
-    raise DataError(f"the encoder cache is format {manifest.get('format')!r}, this ejax reads {FORMAT!r}: "
+    raise StaleCache(f"the encoder cache is format {manifest.get('format')!r}, this ejax reads {FORMAT!r}: "
                     f"rewrite it{rerun}", path=path)
   return manifest
 
@@ -193,7 +198,7 @@ def check_inputs(manifest: dict, config, directory: str, *, rerun: str = "") -> 
     current = config_value(config, dotted)
     if current != cached:
       short = lambda v: (s if len(s := json.dumps(v)) <= 80 else s[:77] + "...")
-      raise DataError(f"the encoder cache {directory} was written with {dotted}={short(cached)}, this run has "
+      raise StaleCache(f"the encoder cache {directory} was written with {dotted}={short(cached)}, this run has "
                       f"{short(current)}: its cached outputs would be stale; rewrite it{rerun}")
 
 
@@ -249,6 +254,7 @@ class CachedBatches:
   def __init__(self, directory: str, *, config, batch_size: int, seed: int, process_index: int = 0,
                process_count: int = 1, rerun: str = ""):
     self.directory, self.rerun = directory, rerun
+    directory = os.path.expanduser(directory)
     started = time.perf_counter()
     self.manifest = manifest = read_manifest(directory, rerun=rerun)
     check_inputs(manifest, config, directory, rerun=rerun)
@@ -278,7 +284,7 @@ class CachedBatches:
     want = self.manifest["frozen"]
     have = fingerprint(frozen, want["components"])
     if have != want["fingerprint"]:
-      raise DataError(f"the encoder cache {self.directory} was encoded by other frozen weights than this run's "
+      raise StaleCache(f"the encoder cache {self.directory} was encoded by other frozen weights than this run's "
                       f"{'/'.join(want['components'])} (fingerprint {want['fingerprint'][:12]} vs "
                       f"{have[:12]}: another seed or other imported weights): rewrite it{self.rerun}")
 

@@ -36,6 +36,50 @@ from ejax.train.step import _cast_floats
 RERUN = " with the encode job (the same command with --config.job=encode)"
 
 
+def open_cache(config: ConfigDict, *, batch_size: int):
+  """The trainer's reader of data.encoder_cache (ejax/train/inputs.py). With data.encoder_cache_refresh,
+  a cache that is missing or stale is written first: here where its settings differ, at check_frozen
+  where it was encoded by other frozen weights; without it, either is one error line."""
+  open_reader = lambda: encoder_cache.CachedBatches(
+      config.data.encoder_cache, config=config, batch_size=batch_size, seed=config.seed,
+      process_index=jax.process_index(), process_count=jax.process_count(), rerun=RERUN)
+  if not config.data.get("encoder_cache_refresh", False):
+    return open_reader()
+  try:
+    return _Refreshing(config, open_reader, open_reader())
+  except encoder_cache.StaleCache as why:
+    logging.warning("writing the encoder cache %s first: %s", config.data.encoder_cache, why)
+    encode(config)
+    return _Refreshing(config, open_reader, open_reader())
+
+
+class _Refreshing:
+  """A cache reader that rewrites its cache when the trainer's frozen weights are not the ones it holds."""
+
+  def __init__(self, config, open_reader, reader):
+    self.config, self.open_reader, self.reader = config, open_reader, reader
+
+  def check_frozen(self, frozen) -> None:
+    try:
+      self.reader.check_frozen(frozen)
+    except encoder_cache.StaleCache as why:
+      logging.warning("rewriting the encoder cache %s: %s", self.config.data.encoder_cache, why)
+      state = self.reader.get_state()
+      encode(self.config)
+      self.reader = self.open_reader()
+      self.reader.set_state(state)
+      self.reader.check_frozen(frozen)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return next(self.reader)
+
+  def __getattr__(self, name):   # norm_stats, get_state, set_state, close
+    return getattr(self.reader, name)
+
+
 def run_job(config: ConfigDict, workdir: str) -> None:
   del workdir
   result = encode(config)

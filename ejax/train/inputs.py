@@ -123,11 +123,8 @@ def _make_source(config: ConfigDict, *, local_batch_size: int, shards: int = 1) 
   if data.get("encoder_cache", None):
     # Frozen-encoder outputs computed ahead by the encode job (ejax/train/encode.py), read instead of
     # the raw samples; the loop checks the cache against its frozen weights (check_frozen).
-    from ejax.data import encoder_cache
-    from ejax.train.encode import RERUN
-    return encoder_cache.CachedBatches(data.encoder_cache, config=config, batch_size=local_batch_size,
-                                       seed=config.seed, process_index=jax.process_index(),
-                                       process_count=jax.process_count(), rerun=RERUN)
+    from ejax.train.encode import open_cache
+    return open_cache(config, batch_size=local_batch_size)
   spec = get_model_spec(config.model.name)
   # The model's input assembly (tokenisation, packing); None stacks the per-sample fields.
   collate = spec.make_collate(config.model, data) if spec.make_collate else None

@@ -39,9 +39,16 @@ def _config(dataset, directory, **data):
 
 @pytest.fixture(scope="module")
 def cached(dataset, tmp_path_factory):
+  """The trainer's reader with data.encoder_cache_refresh (runlocal's default on the quickstart demos):
+  the cache is missing, so it is written first."""
   directory = tmp_path_factory.mktemp("dz_cache") / "cache"
-  config = _config(dataset, directory)
-  return config, encode_job.encode(config)
+  config = _config(dataset, directory, encoder_cache_refresh=True)
+  with pytest.raises(encoder_cache.StaleCache, match="no finished cache"):
+    encoder_cache.CachedBatches(str(directory), config=config, batch_size=BATCH, seed=0)
+  reader = encode_job.open_cache(config, batch_size=BATCH)
+  manifest = reader.manifest
+  return config, {"directory": str(directory), "num_samples": manifest["num_samples"],
+                  "num_prompts": manifest["tables"]["text_embeddings"]["rows"]}
 
 
 def test_the_cache_holds_every_sample_once_and_each_prompt_once(cached):
@@ -144,3 +151,21 @@ def test_the_train_job_reads_the_cache(cached, tmp_path):
   assert [h["step"] for h in history] == [1, 2] and all(np.isfinite(h["loss"]) for h in history)
   # The pipeline's normalisation statistics travel with the cache (and from it into checkpoints).
   assert set(encoder_cache.read_manifest(result["directory"])["norm_stats"]) >= {"action", "observation.state"}
+
+
+@pytest.mark.slow   # two encodes and three frozen states: ~90 s on 2 loaded cores
+def test_refresh_rewrites_a_cache_of_other_frozen_weights(dataset, tmp_path):
+  config = _config(dataset, tmp_path / "cache", encoder_cache_refresh=True)
+  reader = encode_job.open_cache(config, batch_size=BATCH)
+  before = reader.manifest["frozen"]["fingerprint"]
+  other = config.copy_and_resolve_references()
+  other.seed = 1                                          # another seed's random frozen encoders
+  mesh = make_mesh(other.mesh.to_dict())
+  rules = [tuple(rule) for rule in other.sharding_rules]
+  with mesh, sharding_context(mesh, rules):
+    _, frozen = encode_job.frozen_model(other, mesh, rules)
+  reader = encode_job.open_cache(other, batch_size=BATCH)  # its settings match: opened as it is
+  next(reader)
+  reader.check_frozen(frozen)                             # the trainer's check: rewritten, then accepted
+  after = encoder_cache.read_manifest(str(tmp_path / "cache"))["frozen"]["fingerprint"]
+  assert after != before and reader.get_state() == {"epoch": 0, "position": BATCH}

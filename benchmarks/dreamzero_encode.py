@@ -1,0 +1,139 @@
+"""DreamZero's frozen encoders in the train step or cached ahead (issue 32 point 3): which trains faster end
+to end, measured side by side at runlocal size on this machine, and bounded at 5B size from FLOP counts.
+
+Arms, one after the other in one process on the same data (configs/dreamzero.py:runlocal, ejax.sim's
+recorded quickstart demos unless --arg says otherwise):
+  in-step   the trainer as configured: every batch's camera-grid video decoded, then the frozen VAE,
+            umT5 and CLIP run inside the jitted step;
+  encode    the encode job (ejax/train/encode.py) over every sample of the dataset once;
+  cached    the trainer reading that cache (data.encoder_cache): no video decoded, no encoder run.
+Each train arm runs --steps steps; its rate is the median samples/s of the logged intervals after the
+first (the compile excluded, as it is in both). End to end for the recipe (train.steps x
+global_batch_size samples): in-step = samples / its rate; cached = the encode job's seconds + samples /
+its rate; the figure is their ratio.
+
+5B bound (no 5B run here): per training sample the DiT costs 3 x its forward (benchmarks/
+dreamzero_scaling.py's analytic count, issue 32's 29.8 TFLOP) and, in the step, the frozen umT5 + CLIP
+forward (same count) and the VAE's encode of 33 frames at 160 x 320 (XLA's cost analysis of the
+lowered encode); the cache pays the encoders once per sample per dataset pass instead of once per
+sample per epoch, so compute-bound the speed-up is (DiT + encoders) / (DiT + encoders / epochs).
+
+  python benchmarks/dreamzero_encode.py                 # ~10 min on 2 loaded cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+GOAL = 1.0   # the cache is the default only where it is faster end to end
+
+
+def load() -> str:
+  return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def train_rate(config, workdir: str) -> tuple[float, float]:
+  """(median samples/s of the logged intervals after the first, wall seconds of the whole run)."""
+  from ejax.train.loop import train
+  shutil.rmtree(workdir, ignore_errors=True)
+  started = time.perf_counter()
+  history = train(config, workdir)["history"]
+  rates = [h["samples_per_second"] for h in history[1:]]
+  return statistics.median(rates), time.perf_counter() - started
+
+
+def measure(arg: str, steps: int, out: str) -> dict:
+  from ejax.train import encode as encode_job
+  from ejax.train.compile_report import load_config_file
+
+  config = load_config_file(os.path.join(REPO, "configs/dreamzero.py"), arg)
+  recipe_samples = config.train.steps * config.train.global_batch_size
+  config.train.steps = steps
+  config.metrics.update(tensorboard=False, progress_bar=False, log_every_steps=max(1, steps // 6))
+  config.checkpoint.update(every_steps=10 ** 9, async_save=False)
+  cache = os.path.join(out, "encoder_cache")
+  result = {"recipe_samples": recipe_samples, "load": {}}
+  result["load"]["start"] = load()
+  result["in_step"], result["in_step_wall"] = train_rate(config, os.path.join(out, "in_step"))
+  result["load"]["after in-step"] = load()
+  encoding = config.copy_and_resolve_references()
+  encoding.data.encoder_cache = cache
+  written = encode_job.encode(encoding)
+  result["encode_seconds"], result["dataset_samples"] = written["seconds"], written["num_samples"]
+  result["prompts"] = written["num_prompts"]
+  result["load"]["after encode"] = load()
+  result["cached"], result["cached_wall"] = train_rate(encoding, os.path.join(out, "cached"))
+  result["load"]["after cached"] = load()
+  return result
+
+
+def five_b_bound() -> dict:
+  """Per-sample TFLOP at the 5B size: the DiT trained, the step's frozen encoders."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from benchmarks.dreamzero_scaling import sample_flops
+  from ejax.models.dreamzero import model as dz
+  from ejax.models.dreamzero.vae import WanVAE
+
+  config = dz.model_config("5b")
+  f = sample_flops(config)
+  vae = nnx.eval_shape(lambda: WanVAE(dz.vae_config(config), dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                                      rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(vae)
+  frames = 1 + 4 * config.layout.num_chunks * config.layout.frames_per_chunk
+  video = jax.ShapeDtypeStruct((1, frames, *config.image_size, 3), jnp.float32)
+  vae_flops = jax.jit(lambda s, v: nnx.merge(graphdef, s).encode(v)).lower(state, video).cost_analysis()["flops"]
+  dit = 3 * (f["dit_forward"] + f["dit_attention"])
+  return dict(dit=dit / 1e12, text_image=(f["encoders"] + f["encoder_attention"]) / 1e12, vae=vae_flops / 1e12,
+              recompute=(f["dit_forward"] + f["dit_attention"]) / 1e12 if config.remat == "full" else 0.0,
+              frames=frames)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--arg", default="runlocal", help="configs/dreamzero.py's arg string")
+  parser.add_argument("--steps", type=int, default=60, help="train steps an arm")
+  parser.add_argument("--out", default="/tmp/dreamzero_encode_bench")
+  args = parser.parse_args(argv)
+  from ejax.config import quiet
+  quiet.quiet_xla_cpu_logs()   # before jax starts: the compilation cache's loader warnings
+  bound = five_b_bound()
+  r = measure(args.arg, args.steps, args.out)
+  print(f"== configs/dreamzero.py:{args.arg}, {args.steps} steps an arm, load (1/5/15 min) "
+        + "; ".join(f"{k}: {v}" for k, v in r["load"].items()))
+  print(f"in-step: {r['in_step']:.1f} samples/s ({r['in_step_wall']:.0f} s with the compile)")
+  print(f"encode job: {r['dataset_samples']} samples ({r['prompts']} prompts) in {r['encode_seconds']:.1f} s "
+        f"({r['dataset_samples'] / r['encode_seconds']:.0f} samples/s, start-up and compile included)")
+  print(f"cached: {r['cached']:.1f} samples/s ({r['cached_wall']:.0f} s with the compile): "
+        f"{r['cached'] / r['in_step']:.2f}x the in-step rate")
+  samples = r["recipe_samples"]
+  epochs = samples / r["dataset_samples"]
+  in_step = samples / r["in_step"]
+  cached = r["encode_seconds"] + samples / r["cached"]
+  print(f"the recipe's {samples} samples ({epochs:.1f} epochs): in-step {in_step / 60:.1f} min, cached "
+        f"{cached / 60:.1f} min (encode {r['encode_seconds'] / 60:.1f} + train {samples / r['cached'] / 60:.1f})")
+  b = bound
+  encoders = b["text_image"] + b["vae"]
+  print(f"5B per sample, TFLOP: DiT trained {b['dit']:.1f} (+{b['recompute']:.1f} recomputed), frozen umT5 + CLIP "
+        f"{b['text_image']:.2f}, VAE encode of {b['frames']} frames {b['vae']:.2f} (the official code encodes twice: "
+        f"{2 * b['vae']:.2f})")
+  for label, dit in (("model FLOPs", b["dit"]), ("hardware FLOPs (remat full)", b["dit"] + b["recompute"])):
+    bounds = ", ".join(f"{e} epoch{'s' if e != 1 else ''} {(dit + encoders) / (dit + encoders / e):.2f}x"
+                       for e in (1, 2, 4))
+    print(f"5B compute-bound speed-up of the cache, {label}: {bounds}, many epochs {(dit + encoders) / dit:.2f}x")
+  print(f"runlocal end-to-end speed-up of the encoder cache over encoding in the step ({samples} samples, "
+        f"the encode job included): {in_step / cached:.2f}x (goal > {GOAL:.2f}x)")
+
+
+if __name__ == "__main__":
+  main()
