@@ -7,8 +7,8 @@ recorded quickstart demos unless --arg says otherwise):
             umT5 and CLIP run inside the jitted step;
   encode    the encode job (ejax/train/encode.py) over every sample of the dataset once;
   cached    the trainer reading that cache (data.encoder_cache): no video decoded, no encoder run.
-Each train arm runs --steps steps; its rate is the median samples/s of the logged intervals after the
-first (the compile excluded, as it is in both). End to end for the recipe (train.steps x
+Each train arm runs --steps steps (--repeats times, alternating); its rate is the median samples/s of the
+logged intervals after the first (the compile excluded, as it is in both), then the median over repeats. End to end for the recipe (train.steps x
 global_batch_size samples): in-step = samples / its rate; cached = the encode job's seconds + samples /
 its rate; the figure is their ratio.
 
@@ -40,17 +40,18 @@ def load() -> str:
   return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def train_rate(config, workdir: str) -> tuple[float, float]:
-  """(median samples/s of the logged intervals after the first, wall seconds of the whole run)."""
+def train_rate(config, workdir: str) -> tuple[float, float, list[float]]:
+  """(median samples/s of the logged intervals after the first, wall seconds of the whole run, the
+  logged losses)."""
   from ejax.train.loop import train
   shutil.rmtree(workdir, ignore_errors=True)
   started = time.perf_counter()
   history = train(config, workdir)["history"]
   rates = [h["samples_per_second"] for h in history[1:]]
-  return statistics.median(rates), time.perf_counter() - started
+  return statistics.median(rates), time.perf_counter() - started, [h["loss"] for h in history]
 
 
-def measure(arg: str, steps: int, out: str) -> dict:
+def measure(arg: str, steps: int, out: str, repeats: int) -> dict:
   from ejax.train import encode as encode_job
   from ejax.train.compile_report import load_config_file
 
@@ -59,19 +60,22 @@ def measure(arg: str, steps: int, out: str) -> dict:
   config.train.steps = steps
   config.metrics.update(tensorboard=False, progress_bar=False, log_every_steps=max(1, steps // 6))
   config.checkpoint.update(every_steps=10 ** 9, async_save=False)
+  config.data.update(encoder_cache=None, encoder_cache_refresh=False)   # in-step: no cache
   cache = os.path.join(out, "encoder_cache")
-  result = {"recipe_samples": recipe_samples, "load": {}}
-  result["load"]["start"] = load()
-  result["in_step"], result["in_step_wall"] = train_rate(config, os.path.join(out, "in_step"))
-  result["load"]["after in-step"] = load()
+  result = {"recipe_samples": recipe_samples, "load": {"start": load()}, "in_step": [], "cached": []}
   encoding = config.copy_and_resolve_references()
   encoding.data.encoder_cache = cache
-  written = encode_job.encode(encoding)
-  result["encode_seconds"], result["dataset_samples"] = written["seconds"], written["num_samples"]
-  result["prompts"] = written["num_prompts"]
-  result["load"]["after encode"] = load()
-  result["cached"], result["cached_wall"] = train_rate(encoding, os.path.join(out, "cached"))
-  result["load"]["after cached"] = load()
+  # in-step, encode, cached, then (in-step, cached) again: both arms see the same spells of load
+  for repeat in range(repeats):
+    result["in_step"].append(train_rate(config, os.path.join(out, "in_step")))
+    result["load"][f"after in-step {repeat + 1}"] = load()
+    if repeat == 0:
+      written = encode_job.encode(encoding)
+      result["encode_seconds"], result["dataset_samples"] = written["seconds"], written["num_samples"]
+      result["prompts"] = written["num_prompts"]
+      result["load"]["after encode"] = load()
+    result["cached"].append(train_rate(encoding, os.path.join(out, "cached")))
+    result["load"][f"after cached {repeat + 1}"] = load()
   return result
 
 
@@ -103,25 +107,32 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--arg", default="runlocal", help="configs/dreamzero.py's arg string")
   parser.add_argument("--steps", type=int, default=60, help="train steps an arm")
+  parser.add_argument("--repeats", type=int, default=2, help="runs of each train arm, alternating")
   parser.add_argument("--out", default="/tmp/dreamzero_encode_bench")
   args = parser.parse_args(argv)
   from ejax.config import quiet
   quiet.quiet_xla_cpu_logs()   # before jax starts: the compilation cache's loader warnings
   bound = five_b_bound()
-  r = measure(args.arg, args.steps, args.out)
+  r = measure(args.arg, args.steps, args.out, args.repeats)
   print(f"== configs/dreamzero.py:{args.arg}, {args.steps} steps an arm, load (1/5/15 min) "
         + "; ".join(f"{k}: {v}" for k, v in r["load"].items()))
-  print(f"in-step: {r['in_step']:.1f} samples/s ({r['in_step_wall']:.0f} s with the compile)")
+  for name in ("in_step", "cached"):
+    print(f"{name}: " + ", ".join(f"{rate:.1f} samples/s ({wall:.0f} s with the compile)" for rate, wall, _ in r[name]))
   print(f"encode job: {r['dataset_samples']} samples ({r['prompts']} prompts) in {r['encode_seconds']:.1f} s "
         f"({r['dataset_samples'] / r['encode_seconds']:.0f} samples/s, start-up and compile included)")
-  print(f"cached: {r['cached']:.1f} samples/s ({r['cached_wall']:.0f} s with the compile): "
-        f"{r['cached'] / r['in_step']:.2f}x the in-step rate")
+  # The trainer's shuffle and the cache's are the same permutation of (seed, epoch): the same samples in
+  # the same order with the same noise, so the logged losses agree where the cached outputs are exact.
+  gap = max(abs(a - b) for a, b in zip(r["in_step"][0][2], r["cached"][0][2]))
+  print(f"logged losses, in-step {[round(x, 4) for x in r['in_step'][0][2]]} vs cached: largest difference {gap:.2g}")
+  in_rate = statistics.median(rate for rate, _, _ in r["in_step"])
+  cached_rate = statistics.median(rate for rate, _, _ in r["cached"])
+  print(f"median: in-step {in_rate:.1f}, cached {cached_rate:.1f} samples/s: {cached_rate / in_rate:.2f}x the in-step rate")
   samples = r["recipe_samples"]
   epochs = samples / r["dataset_samples"]
-  in_step = samples / r["in_step"]
-  cached = r["encode_seconds"] + samples / r["cached"]
+  in_step = samples / in_rate
+  cached = r["encode_seconds"] + samples / cached_rate
   print(f"the recipe's {samples} samples ({epochs:.1f} epochs): in-step {in_step / 60:.1f} min, cached "
-        f"{cached / 60:.1f} min (encode {r['encode_seconds'] / 60:.1f} + train {samples / r['cached'] / 60:.1f})")
+        f"{cached / 60:.1f} min (encode {r['encode_seconds'] / 60:.1f} + train {samples / cached_rate / 60:.1f})")
   b = bound
   encoders = b["text_image"] + b["vae"]
   print(f"5B per sample, TFLOP: DiT trained {b['dit']:.1f} (+{b['recompute']:.1f} recomputed), frozen umT5 + CLIP "

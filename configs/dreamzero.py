@@ -9,7 +9,12 @@ default), `dataset=synthetic` (runlocal on the camera-less ejax/data/synthetic.p
 Data (ejax/data/dreamzero_samples.py): a sample starts at any step: 1 + 4 x chunks x latent frames a
 chunk video frames (the 5B: 33, 3 steps apart), every chunk's actions (4 x 24), the state before each
 chunk, the cameras as a 2 x 2 grid (black where fewer than four); data.relative_action_dims=N makes the
-first N action dims relative to the same state dims. The frozen VAE encodes the grid in the train step.
+first N action dims relative to the same state dims. The frozen VAE, umT5 and CLIP run in the train step,
+or once ahead: the encode job writes their outputs to data.encoder_cache and training reads them
+(ejax/train/encode.py; runlocal on the quickstart demos does so by default, writing the cache on first
+use: 1.5x faster end to end on 2 cores, BENCHMARKS.md):
+  python -m ejax.main --config=configs/dreamzero.py:5b --config.job=encode --config.data.path=/data/lerobot \
+      --config.data.encoder_cache=/data/dz_cache     # then train with the same two settings
 See the sizes and per-device memory without allocating anything:
   python -m ejax.main --config=configs/dreamzero.py:5b --config.job=summary
 Expect (measured with nnx.eval_shape, 2026-11-27): 5B DiT 5.57B + action/state encoders and decoder
@@ -40,7 +45,7 @@ current frame, the state and the prompt; the model samples chunk 0 (actions_per_
 KV cache of that frame with UniPC and guidance:
   python -m ejax.main --config=configs/dreamzero.py:runlocal --config.job=serve --config.serve.checkpoint=runs/dreamzero_runlocal
 Not yet here (issue 32): a policy that keeps the episode's frames as later chunks' context (it acts
-from the current frame alone), frozen-encoder outputs cached ahead (3).
+from the current frame alone).
 """
 
 from configs import common

@@ -107,11 +107,11 @@ def encode(config: ConfigDict) -> dict:
   hooks = spec.encoder_cache   # what the model caches (DreamZero's: ejax/models/dreamzero/encode.py)
   if hooks is None:
     raise UserError(f"the encode job caches a model's frozen encoders; model {config.model.name!r} has no cache")
-  if not directory:
-    raise UserError("the encode job writes data.encoder_cache: set --config.data.encoder_cache=DIR")
   if data.name not in ("lerobot", "sim_demos"):
     raise UserError(f"the encode job encodes LeRobot video samples (data.name lerobot or sim_demos), not "
                     f"data.name={data.name!r}")
+  if not directory:
+    raise UserError("the encode job writes data.encoder_cache: set --config.data.encoder_cache=DIR")
   if jax.process_count() > 1:
     raise UserError("the encode job runs in one process: launch it without jax.distributed")
   from ejax.data import pipeline

@@ -26,7 +26,7 @@ REPLACED = ("video", "first_frame")          # encoder inputs the cache does not
 # samples are read (not which samples or their values): a cache stays valid across them.
 _TRAINED_ONLY = ("dit", "remat", "attention_impl", "scan_layers", "num_inference_steps", "cfg_scale")
 _READING_ONLY = ("shuffle", "num_epochs", "num_workers", "prefetch", "read_threads", "max_open_videos",
-                 "skip_limit", "encoder_cache")
+                 "skip_limit", "encoder_cache", "encoder_cache_refresh")
 
 
 def cache_inputs(config) -> list[str]:
