@@ -51,7 +51,9 @@ from the current frame alone).
 from configs import common
 from ejax.config.validate import ConfigError
 from ejax.models.dreamzero import inputs
+from ejax.models import perception
 from ejax.models.dreamzero import model as dreamzero
+from ejax.sim.env import ENVIRONMENT_STATE_SIZE, STATE_SIZE
 
 
 def get_config(arg: str | None = None):
@@ -91,6 +93,8 @@ def get_config(arg: str | None = None):
     config.data.update(name="lerobot", normalization="quantile")   # the official q01 / q99 (set data.path)
   if config.data.name != "synthetic" and args.runlocal:
     _video_runlocal(config)
+  if config.data.name == "sim_demos":
+    _sim_perception(config)
   if config.data.name != "synthetic":
     # A sample: 1 + 4 * chunks * frames_per_chunk frames a step apart as the layout says, every chunk's
     # actions, the state before each chunk, each camera resized to a cell of the 2 x 2 grid
@@ -121,3 +125,17 @@ def _video_runlocal(config) -> None:
   config.train.update(steps=1200, global_batch_size=32, learning_rate=1e-3)
   config.checkpoint.every_steps = 400
   config.metrics.log_every_steps = 20
+
+
+def _sim_perception(config) -> None:
+  """GR00T's quickstart perception (configs/groot.py, _sim_keypoint_estimate) hosted the same way: two
+  detectors per camera chosen by the instruction, trained on the recordings' keypoint labels on the
+  64 px frames, and an estimate of the target and goal read from them (teacher-forced in training),
+  written into every chunk's state. At this size umT5, CLIP and the VAE are random and frozen: nothing
+  else tells the model where the objects are."""
+  config.model.perception = perception.default_config()   # image_size 64, 1 free + 2 chosen points, 7-d estimate
+  config.model.perception.estimate.dim = ENVIRONMENT_STATE_SIZE
+  config.model.num_cameras = 2
+  # ejax.sim's 11-d state, then the module's slots (the 7-d estimate, 2 points x 2 cameras x (x, y)): 26
+  config.model.max_state_dim = STATE_SIZE + perception.state_slots(config.model.perception, config.model.num_cameras)
+  config.data.update(aux_state_key="observation.environment_state", aux_pixel_key="observation.environment_pixels")

@@ -25,13 +25,18 @@ def _frames(length: int, episode: int, camera: int) -> np.ndarray:
   return np.broadcast_to(levels[:, None, None, None], (length, CAMERA, CAMERA, 3)).astype(np.uint8)
 
 
-def write_dataset(root: str) -> str:
+def write_dataset(root: str, labels: bool = False) -> str:
+  """labels: also ejax.sim's object state (7) and keypoint labels (2 cameras x 2 points x (x, y)), the
+  targets of model.perception (tests/models/test_dreamzero_perception.py)."""
   features = {
       "observation.images.agentview": {"dtype": "video", "shape": [CAMERA, CAMERA, 3]},
       "observation.images.wrist": {"dtype": "video", "shape": [CAMERA, CAMERA, 3]},
       "observation.state": {"dtype": "float32", "shape": [11], "names": None},   # ejax.sim's size
       "action": {"dtype": "float32", "shape": [4], "names": None},
   }
+  if labels:
+    features["observation.environment_state"] = {"dtype": "float32", "shape": [7], "names": None}
+    features["observation.environment_pixels"] = {"dtype": "float32", "shape": [8], "names": None}
   writer = LeRobotV3Writer(root, fps=10, features=features, robot_type="test_arm")
   for episode, (length, task) in enumerate(zip(LENGTHS, TASKS)):
     steps = np.arange(length, dtype=np.float32)
@@ -41,6 +46,9 @@ def write_dataset(root: str) -> str:
         # state and action say (episode, step): state[0] = step, action[0] = 100 + step
         "observation.state": np.stack([steps, np.full(length, episode), *np.zeros((9, length))], 1).astype(np.float32),
         "action": np.stack([100 + steps, np.full(length, episode), np.ones(length), -steps], 1).astype(np.float32),
+        **({"observation.environment_state": np.tile(np.linspace(-1, 1, 7, dtype=np.float32), (length, 1)) + steps[:, None],
+            "observation.environment_pixels": np.tile(np.linspace(-0.5, 0.5, 8, dtype=np.float32), (length, 1))}
+           if labels else {}),
     }, task=task)
   writer.finalize()
   return root

@@ -12,6 +12,11 @@ A DreamZero batch (model.example_batch has the same keys and shapes):
   action_reference [n, chunks * actions_per_chunk, action_dim]   with data.relative_action_dims > 0: what
                                                         was taken off the actions (the chunk's state), which
                                                         sampling adds back
+  images uint8 [n * cameras, S, S, 3]                   with model.perception: each sample's cameras at the
+                                                        current (first) frame, S = perception_image_size;
+                                                        and its targets aux_state, aux_mask, aux_pixels
+                                                        (ejax/models/perception/targets.py; data.aux_state_key,
+                                                        data.aux_pixel_key), the state's last slots left zero
 
 LeRobot samples (data.name lerobot / sim_demos; ejax/data/dreamzero_samples.py says which frames,
 actions and states a sample reads and lays the cameras out as a 2 x 2 grid): `lerobot_collate`. The
@@ -31,9 +36,11 @@ import numpy as np
 
 from ejax.data import dreamzero_samples as samples_lib
 from ejax.errors import BatchError
+from ejax.models import perception
 from ejax.models.dreamzero import model as dz
 from ejax.models.dreamzero.image_encoder import ClipVisionConfig
 from ejax.models.dreamzero.text_encoder import UMT5Config
+from ejax.models.perception import targets as perception_targets
 
 _WORLD_SEED = 20261127
 IMAGE_PREFIX = "observation.images."
@@ -111,7 +118,11 @@ def sample_plan(model_config) -> samples_lib.SamplePlan:
 
 def data_settings(model_config) -> dict:
   """config.data's frame offsets, horizon and camera size for the model's samples (configs/dreamzero.py)."""
-  return samples_lib.data_settings(sample_plan(model_config), model_config.image_size)
+  settings = samples_lib.data_settings(sample_plan(model_config), model_config.image_size)
+  if perception.read(model_config) is not None:   # the cameras at the perception module's size where larger
+    size = max(dz.perception_image_size(model_config), *settings["image_size"])
+    settings["image_size"] = (size, size)
+  return settings
 
 
 def _pad_dims(x: np.ndarray, size: int, what: str) -> np.ndarray:
@@ -119,6 +130,13 @@ def _pad_dims(x: np.ndarray, size: int, what: str) -> np.ndarray:
     raise BatchError(f"the data's {what} has {x.shape[-1]} dims > the model's {size}: raise config.model."
                      f"{'max_state_dim' if what == 'state' else 'action_dim'}")
   return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def _current_frame(view, size: int) -> np.ndarray:
+  """A camera's first frame ([T, h, w, 3] sample or [h, w, 3] observation) as uint8 [size, size, 3]."""
+  from ejax.data.transforms import resize
+  frame = np.asarray(view, np.uint8)
+  return resize(frame[0] if frame.ndim == 4 else frame, (size, size))
 
 
 def lerobot_collate(model_config, data_config):
@@ -134,14 +152,21 @@ def lerobot_collate(model_config, data_config):
                                            UMT5Config(**model_config.text).vocab_size)
   clip_size = ClipVisionConfig(**model_config.image).image_size
   image_size = tuple(model_config.image_size)
+  settings = perception.read(model_config)
+  aux_key, pixel_key = data_config.get("aux_state_key", None), data_config.get("aux_pixel_key", None)
 
   def collate(samples: list[dict]) -> dict[str, np.ndarray]:
     keys = cameras or sorted(k for k in samples[0] if k.startswith(IMAGE_PREFIX) and not k.endswith("_is_pad"))
     if not keys:
       raise BatchError("DreamZero samples carry no camera ('observation.images.*'): the model predicts video")
-    videos, states, actions, masks, references, prompts = [], [], [], [], [], []
+    if settings is not None and len(keys) != settings.num_cameras:
+      raise BatchError(f"model.perception reads {settings.num_cameras} cameras a sample, the samples have {keys}: "
+                       "choose them with data.cameras or set model.num_cameras")
+    videos, states, actions, masks, references, prompts, images = [], [], [], [], [], [], []
     for sample in samples:
       video = samples_lib.camera_grid([sample[k] for k in keys], image_size)
+      if settings is not None:
+        images += [_current_frame(sample[k], dz.perception_image_size(model_config)) for k in keys]
       state = np.asarray(sample[state_key], np.float32)
       action = np.asarray(sample["action"], np.float32)
       real = ~np.asarray(sample.get("action_is_pad", np.zeros(action.shape[0], bool)), bool)
@@ -157,6 +182,8 @@ def lerobot_collate(model_config, data_config):
           raise BatchError(f"a DreamZero sample holds {plan.num_frames} frames and {plan.num_actions} actions, this one "
                            f"{video.shape[0]} and {action.shape[0]}: set data from dreamzero inputs.data_settings")
         state = state[plan.state_frames]
+      if settings is not None:
+        perception_targets.check_state(settings, state.shape[-1])
       relative = samples_lib.relative_actions(action, state, relative_dims, lay.actions_per_chunk // lay.states_per_chunk)
       references.append(_pad_dims(action - relative, model_config.action_dim, "action"))
       videos.append(video)
@@ -181,6 +208,11 @@ def lerobot_collate(model_config, data_config):
     }
     if relative_dims:
       batch["action_reference"] = np.stack(references).astype(np.float32)
+    if settings is not None:
+      batch["images"] = np.stack(images)
+      batch.update(perception_targets.targets(settings, len(samples),
+                                              [s.get(aux_key) for s in samples] if aux_key else None,
+                                              [s.get(pixel_key) for s in samples] if pixel_key else None))
     return batch
 
   return collate

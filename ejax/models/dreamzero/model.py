@@ -9,6 +9,11 @@ Flow matching as the official WANPolicyHead trains it: sigmas on a 1,000-step gr
 and by the chunk's actions (and, subsampled, its states); x_t = (1 - sigma) x + sigma * noise; target
 noise - x; video MSE per frame and action MSE per step, each weighted by the scheduler's
 bell-shaped training weight, added 1:1.
+
+model.perception (empty: as released) hooks ejax's perception module (ejax/models/perception/) as
+GR00T and pi0.5 do: once per batch it reads the current frame's cameras (batch["images"]), the mean of
+the prompt's umT5 token embeddings and the state before chunk 0; its estimate and keypoints go into
+the state slots of every chunk's state token, and its own losses join the flow-matching loss.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from ejax.models import perception
 from ejax.models.dreamzero import sequence, unipc
 from ejax.models.dreamzero.image_encoder import ClipVisionConfig, ClipVisionTower
 from ejax.models.dreamzero.text_encoder import UMT5Config, UMT5Encoder
 from ejax.models.dreamzero.vae import WanVAE, WanVAEConfig
 from ejax.models.dreamzero.wan_dit import WanDiT, WanDiTConfig
+from ejax.models.perception.targets import targets as perception_targets
+from ejax.models.siglip import normalize_images
 
 COMPONENTS = {
     "per_embodiment": ("dit/state_encoder", "dit/action_encoder", "dit/action_decoder"),
@@ -59,6 +67,9 @@ def model_config(variant: str = "5b") -> ml_collections.ConfigDict:
   c.action_dim = 32
   c.num_inference_steps = 16
   c.cfg_scale = 5.0                  # classifier-free guidance of the video velocity (the official policy's)
+  # Simulator-trained perception aids (ejax/models/perception/; with them model.num_cameras says how many
+  # cameras batch["images"] holds a sample); {}: the released model.
+  c.perception = {}
   # ejax/data/synthetic.py's sample shape (the smoke-test data; ejax/models/dreamzero/inputs.py)
   c.state_dim = 8
   c.num_tasks = 4
@@ -150,6 +161,25 @@ class DreamZero(nnx.Module):
     self.image_encoder = ClipVisionTower(ClipVisionConfig(**config.image), scan_layers=scan, **common)
     self.vae = WanVAE(vae_config(config), **common)
     self.layout = layout(config)
+    # The hook: model.perception's module, or None for the released model.
+    settings = perception.read(config)
+    self.perception = nnx.data(None if settings is None else perception.Perception(
+        settings, UMT5Config(**config.text).dim, **common))
+
+  def perceive(self, batch, rng=None):
+    """(the batch with what model.perception writes in every chunk's state slots, what it saw); the
+    batch unchanged and None without the module. rng: the training step's (None: inference)."""
+    if self.perception is None:
+      return batch, None
+    mask = batch["text_mask"].astype(jnp.float32)
+    embedded = jnp.take(self.text_encoder.token_embedding[...], batch["text_ids"], axis=0).astype(jnp.float32)
+    instruction = jnp.einsum("nl,nld->nd", mask, embedded) / jnp.maximum(mask.sum(axis=1, keepdims=True), 1.0)
+    state = jnp.asarray(batch["state"], jnp.float32)
+    seen = self.perception(normalize_images(batch["images"]), jax.lax.stop_gradient(instruction), state[:, 0],
+                           targets=batch, rng=rng)
+    slots = slice(self.perception.config.layout.data_dims, None)
+    state = state.at[:, :, slots].set(jnp.broadcast_to(seen.state[:, None, slots], state[:, :, slots].shape))
+    return dict(batch, state=state), seen
 
   # -- frozen encoders --------------------------------------------------------------------------
   def encode_context(self, batch):
@@ -247,6 +277,7 @@ class DreamZero(nnx.Module):
 
   def compute_loss(self, batch, rng):
     lay = self.layout
+    batch, seen = self.perceive(batch, jax.random.fold_in(rng, 3))
     text, image, latents = self.encode_context(batch)
     latents = latents.astype(jnp.float32)
     actions = batch["actions"].astype(jnp.float32)
@@ -272,7 +303,10 @@ class DreamZero(nnx.Module):
     action_loss = action_error * weights[action_ids]                                 # [b, A]
     per_sample = video_loss.mean(1) + action_loss.mean(1)
     metrics = dict(per_sample_loss=per_sample, video_loss=video_loss.mean(), action_loss=action_loss.mean())
-    return per_sample.mean(), metrics
+    loss = per_sample.mean()
+    if seen is not None:
+      loss = self.perception.add_losses(loss, metrics, seen, batch)
+    return loss, metrics
 
   def sample_chunk(self, batch, rng, *, chunk: int = 0, noise=None, num_steps=None, cfg_scale=None):
     """Chunk `chunk`'s actions [b, actions_per_chunk, action_dim] and predicted latents [b, frames_per_chunk,
@@ -284,6 +318,7 @@ class DreamZero(nnx.Module):
     one; video and actions each step with UniPC (unipc.py) on the shift-5 grid, 16 steps by default.
     """
     lay, dit = self.layout, self.dit
+    batch, _ = self.perceive(batch)
     text, image, latents = self.encode_context(batch)
     latents = latents.astype(jnp.float32)
     b = latents.shape[0]
@@ -329,9 +364,10 @@ def create(config, rngs: nnx.Rngs) -> DreamZero:
 
 
 def trainable_filter(config):
-  """The DiT (with the action / state encoders and decoder) trains; umT5, CLIP and the VAE are frozen."""
+  """The DiT (with the action / state encoders and decoder) and model.perception's module train; umT5,
+  CLIP and the VAE are frozen."""
   del config
-  return nnx.All(nnx.Param, nnx.PathContains("dit"))
+  return nnx.All(nnx.Param, nnx.Any(nnx.PathContains("dit"), nnx.PathContains("perception")))
 
 
 def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -344,13 +380,35 @@ def example_batch(model_config, batch_size: int, seed: int = 0) -> dict[str, np.
   text_len = model_config.text_length
   lengths = rng.integers(1, text_len + 1, batch_size)
   image = ClipVisionConfig(**model_config.image).image_size
+  state = rng.standard_normal((batch_size, lay.num_states, model_config.max_state_dim)).astype(np.float32)
+  settings = perception.read(model_config)
+  if settings is not None:
+    state[..., settings.layout.data_dims:] = 0.0   # the module's slots
   return {
       "latents": rng.standard_normal((batch_size, lay.latent_frames, *grid, vae.z_dim)).astype(np.float32),
       "text_ids": rng.integers(1, UMT5Config(**model_config.text).vocab_size, (batch_size, text_len)).astype(np.int32),
       "text_mask": (np.arange(text_len)[None] < lengths[:, None]),
       "first_frame": rng.uniform(-1, 1, (batch_size, image, image, 3)).astype(np.float32),
-      "state": rng.standard_normal((batch_size, lay.num_states, model_config.max_state_dim)).astype(np.float32),
+      "state": state,
       "actions": rng.uniform(-1, 1, (batch_size, lay.num_actions, model_config.action_dim)).astype(np.float32),
       "action_mask": np.ones((batch_size, lay.num_actions, model_config.action_dim), np.float32),
       "embodiment_id": np.zeros((batch_size,), np.int32),
+      **perception_inputs(model_config, batch_size, rng),
   }
+
+
+def perception_image_size(model_config) -> int:
+  """The side of batch["images"] (model.perception's view of each camera): its image_size, or else one
+  cell of the camera grid."""
+  settings = perception.read(model_config)
+  return settings.image_size or min(model_config.image_size) // 2
+
+
+def perception_inputs(model_config, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """With model.perception: random uint8 images [n * cameras, S, S, 3] and its targets (none labelled)."""
+  settings = perception.read(model_config)
+  if settings is None:
+    return {}
+  size = perception_image_size(model_config)
+  images = rng.integers(0, 256, (batch_size * settings.num_cameras, size, size, 3)).astype(np.uint8)
+  return dict(images=images, **perception_targets(settings, batch_size))
