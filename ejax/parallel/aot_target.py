@@ -6,6 +6,8 @@ text format, kept beside this file) instead of by a driver. `jax.jit(f).lower(Sh
 sharded on a mesh of them).compile()` then runs XLA:GPU's whole pipeline (fusion, scheduling, buffer
 assignment, PTX and ptxas from the nvidia wheels) and no GPU is touched: no autotuning, so GEMM
 and fusion choices are XLA's defaults. Nothing CUDA is imported until `compile_only_devices` runs.
+Where XLA:GPU (jaxlib 0.9.2) stops on a Triton GEMM's tiling ("Couldn't find output tile sizes", a
+DreamZero DiT gradient), `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false` compiles its matmuls as cuBLAS calls.
 
 The plugin must be the version of the jaxlib it loads into. A separate venv that reuses ejax's:
 

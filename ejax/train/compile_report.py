@@ -149,6 +149,16 @@ def memory_per_device(compiled) -> dict[str, int]:
   return fields
 
 
+def text_with_operand_shapes(compiled) -> str:
+  """The optimized HLO with each operand's shape written beside its name. XLA:GPU's collectives are
+  asynchronous (`all-gather-start`, `reduce-scatter-start`, ...), and ejax.parallel.hlo reads their
+  buffer sizes from the operands, which `as_text()` writes as bare names."""
+  from jaxlib import _jax
+  options = _jax.HloPrintOptions()
+  options.print_operand_shape = True
+  return "\n".join(module.to_string(options) for module in compiled.runtime_executable().hlo_modules())
+
+
 # --- Report ------------------------------------------------------------------------------------
 
 
@@ -203,7 +213,7 @@ def report(config_path: str, mesh_sizes: dict[str, int], per_device_batch: int |
   per_device = per_device_batch or max(1, config.train.global_batch_size // hlo.NODE_SIZE)
   with contextlib.nullcontext() if target == "cpu" else platform.lowering_for("gpu"):
     step = compile_train_step(config, mesh, per_device * mesh.size)
-  text = step.compiled.as_text()
+  text = step.compiled.as_text() if target == "cpu" else text_with_operand_shapes(step.compiled)
   found = hlo.collectives(text, mesh.size)
   cost = step.compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -88,3 +88,5 @@ def test_compile_report_on_h100s_keeps_the_report(tmp_path):
   assert state <= memory["argument"] < state + 2**20  # the FSDP-sharded state and a small batch shard
   assert memory["total"] >= memory["argument"]
   assert result["collectives"]["all-gather"]["count"] > 0  # FSDP gathers its weights
+  # XLA:GPU's collectives are asynchronous (-start / -done): each one's buffer is read, none is 0 bytes.
+  assert result["collective_ops"] and all(op["buffer_bytes"] > 0 for op in result["collective_ops"])
