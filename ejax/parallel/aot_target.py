@@ -14,7 +14,7 @@ The plugin must be the version of the jaxlib it loads into. A separate venv that
   python -m venv .venv-cuda
   echo "$PWD/.venv/lib/python3.11/site-packages" > .venv-cuda/lib/python3.11/site-packages/ejax.pth
   .venv-cuda/bin/pip install "jax-cuda12-plugin[with-cuda]==0.9.2"    # ejax's pinned jax
-  JAX_PLATFORMS=cpu .venv-cuda/bin/python -m ejax.train.compile_report --target=h100 ...
+  .venv-cuda/bin/python -m ejax.train.compile_report --target=h100 ...   # from the repo root
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ XLA:CPU's buffers are not a GPU's (it converts bf16 weights to f32 for its matmu
 is not a flash kernel). `--target=h100` compiles the same step with XLA:GPU for compile-only H100s
 (ejax/parallel/aot_target.py: it needs JAX's CUDA plugin, no GPU), the kernels traced as for a GPU:
 
-  JAX_PLATFORMS=cpu .venv-cuda/bin/python -m ejax.train.compile_report --target=h100 \
+  .venv-cuda/bin/python -m ejax.train.compile_report --target=h100 \
       --config=configs/pi05.py:lora --mesh=data=1 --per_device_batch=32
 
 The batch: the config's global_batch_size is the batch of one 8-GPU node (the configs' launch
