@@ -6,12 +6,12 @@ text format, kept beside this file) instead of by a driver. `jax.jit(f).lower(Sh
 sharded on a mesh of them).compile()` then runs XLA:GPU's whole pipeline (fusion, scheduling, buffer
 assignment, PTX and ptxas from the nvidia wheels) and no GPU is touched: no autotuning, so GEMM
 and fusion choices are XLA's defaults. Nothing CUDA is imported until `compile_only_devices` runs.
-Where XLA:GPU (jaxlib 0.9.2) stops on a Triton GEMM's tiling ("Couldn't find output tile sizes", a
-DreamZero DiT gradient), `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false` compiles its matmuls as cuBLAS calls.
+Where XLA:GPU stops on a Triton GEMM's tiling (TRITON_TILING_FAILURE below),
+`XLA_FLAGS=--xla_gpu_enable_triton_gemm=false` compiles the matmuls as cuBLAS calls instead.
 
 The plugin must be the version of the jaxlib it loads into. A separate venv that reuses ejax's:
 
-  python -m venv .venv-cuda
+  .venv/bin/python -m venv .venv-cuda                                # the same Python as .venv
   echo "$PWD/.venv/lib/python3.11/site-packages" > .venv-cuda/lib/python3.11/site-packages/ejax.pth
   .venv-cuda/bin/pip install "jax-cuda12-plugin[with-cuda]==0.9.2"    # ejax's pinned jax
   .venv-cuda/bin/python -m ejax.train.compile_report --target=h100 ...   # from the repo root
@@ -23,6 +23,9 @@ import importlib.util
 import os
 
 TARGET_CONFIGS = {"h100": "h100_target_config.txtpb"}  # target name -> GpuTargetConfigProto file here
+# What XLA:GPU (jaxlib 0.9.2) raises when no Triton GEMM tiling fits a dot and there is no GPU to
+# autotune on (DreamZero's DiT, GR00T on 1,024 GPUs); XLA_FLAGS=--xla_gpu_enable_triton_gemm=false avoids it.
+TRITON_TILING_FAILURE = "Couldn't find output tile sizes"
 DEVICES_PER_HOST = 8  # GPUs a host of a multi-GPU topology has (an 8-GPU NVLink node)
 _PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
 

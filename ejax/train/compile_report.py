@@ -279,6 +279,11 @@ def main(argv=None) -> None:
     result = report(path, sizes, args.per_device_batch or None, arg or None, args.grad_accum, args.target)
   except aot_target.TargetError as error:
     sys.exit(f"error: {error}")
+  except Exception as error:  # noqa: BLE001 (one known XLA:GPU failure gets its remedy; others raise)
+    if aot_target.TRITON_TILING_FAILURE not in str(error):
+      raise
+    sys.exit("error: XLA:GPU found no Triton GEMM tiling for one of the step's dots (it cannot autotune "
+             "without a GPU): rerun with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (cuBLAS matmuls)")
   print(TABLE_HEADER)
   print(format_row(result))
   if args.json:

@@ -90,3 +90,21 @@ def test_compile_report_on_h100s_keeps_the_report(tmp_path):
   assert result["collectives"]["all-gather"]["count"] > 0  # FSDP gathers its weights
   # XLA:GPU's collectives are asynchronous (-start / -done): each one's buffer is read, none is 0 bytes.
   assert result["collective_ops"] and all(op["buffer_bytes"] > 0 for op in result["collective_ops"])
+
+
+def test_a_triton_tiling_failure_is_one_error_line_with_its_remedy(monkeypatch):
+  from ejax.train import compile_report
+
+  def fail(*args, **kwargs):
+    raise RuntimeError("INTERNAL: Couldn't find output tile sizes that satisfy hlo: %dot.268 = bf16[256,3072]")
+
+  monkeypatch.setattr(aot_target, "run_jax_on_cpu", lambda: None)
+  monkeypatch.setattr(compile_report, "report", fail)
+  with pytest.raises(SystemExit) as exit:
+    compile_report.main(["--target=h100", "--config=configs/tiny.py", "--mesh=data=1"])
+  message = str(exit.value)
+  assert message.startswith("error: XLA:GPU found no Triton GEMM tiling") and "\n" not in message
+  assert "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" in message
+  monkeypatch.setattr(compile_report, "report", lambda *a, **k: 1 / 0)  # any other failure still raises
+  with pytest.raises(ZeroDivisionError):
+    compile_report.main(["--target=h100", "--config=configs/tiny.py", "--mesh=data=1"])
