@@ -28,6 +28,7 @@ import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,15 +41,43 @@ def load() -> str:
   return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def train_rate(config, workdir: str) -> tuple[float, float, list[float]]:
+class CpuClock:
+  """This process's CPU seconds (every thread: XLA's, the input pipeline's) each time the trainer logs:
+  a thread watches the metrics file. CPU seconds a sample vary less with other jobs' load than wall time."""
+
+  def __init__(self, path: str):
+    self.path, self.marks, self.stop = path, [], threading.Event()
+    self.thread = threading.Thread(target=self.watch, daemon=True)
+    self.thread.start()
+
+  def watch(self):
+    lines = 0
+    while not self.stop.wait(0.05):
+      count = sum(1 for _ in open(self.path)) if os.path.exists(self.path) else 0
+      if count > lines:
+        self.marks.append(sum(os.times()[:2]))
+        lines = count
+
+  def close(self) -> list[float]:
+    self.stop.set()
+    self.thread.join()
+    return self.marks
+
+
+def train_rate(config, workdir: str) -> tuple[float, float, list[float], float]:
   """(median samples/s of the logged intervals after the first, wall seconds of the whole run, the
-  logged losses)."""
+  logged losses, median CPU seconds a sample over the same intervals)."""
   from ejax.train.loop import train
   shutil.rmtree(workdir, ignore_errors=True)
   started = time.perf_counter()
+  clock = CpuClock(os.path.join(workdir, "metrics.jsonl"))
   history = train(config, workdir)["history"]
+  marks = clock.close()
   rates = [h["samples_per_second"] for h in history[1:]]
-  return statistics.median(rates), time.perf_counter() - started, [h["loss"] for h in history]
+  samples = config.train.global_batch_size * config.metrics.log_every_steps
+  cpu = [(b - a) / samples for a, b in zip(marks, marks[1:])]
+  return (statistics.median(rates), time.perf_counter() - started, [h["loss"] for h in history],
+          statistics.median(cpu) if cpu else float("nan"))
 
 
 def measure(arg: str, steps: int, out: str, repeats: int) -> dict:
@@ -117,16 +146,20 @@ def main(argv=None) -> None:
   print(f"== configs/dreamzero.py:{args.arg}, {args.steps} steps an arm, load (1/5/15 min) "
         + "; ".join(f"{k}: {v}" for k, v in r["load"].items()))
   for name in ("in_step", "cached"):
-    print(f"{name}: " + ", ".join(f"{rate:.1f} samples/s ({wall:.0f} s with the compile)" for rate, wall, _ in r[name]))
+    print(f"{name}: " + ", ".join(f"{rate:.1f} samples/s ({wall:.0f} s with the compile, {1e3 * cpu:.0f} CPU ms a sample)"
+                                  for rate, wall, _, cpu in r[name]))
   print(f"encode job: {r['dataset_samples']} samples ({r['prompts']} prompts) in {r['encode_seconds']:.1f} s "
         f"({r['dataset_samples'] / r['encode_seconds']:.0f} samples/s, start-up and compile included)")
   # The trainer's shuffle and the cache's are the same permutation of (seed, epoch): the same samples in
   # the same order with the same noise, so the logged losses agree where the cached outputs are exact.
   gap = max(abs(a - b) for a, b in zip(r["in_step"][0][2], r["cached"][0][2]))
   print(f"logged losses, in-step {[round(x, 4) for x in r['in_step'][0][2]]} vs cached: largest difference {gap:.2g}")
-  in_rate = statistics.median(rate for rate, _, _ in r["in_step"])
-  cached_rate = statistics.median(rate for rate, _, _ in r["cached"])
-  print(f"median: in-step {in_rate:.1f}, cached {cached_rate:.1f} samples/s: {cached_rate / in_rate:.2f}x the in-step rate")
+  in_rate = statistics.median(rate for rate, _, _, _ in r["in_step"])
+  cached_rate = statistics.median(rate for rate, _, _, _ in r["cached"])
+  in_cpu = statistics.median(cpu for _, _, _, cpu in r["in_step"])
+  cached_cpu = statistics.median(cpu for _, _, _, cpu in r["cached"])
+  print(f"median: in-step {in_rate:.1f}, cached {cached_rate:.1f} samples/s: {cached_rate / in_rate:.2f}x the in-step rate; "
+        f"CPU a sample {1e3 * in_cpu:.0f} vs {1e3 * cached_cpu:.0f} ms: {in_cpu / cached_cpu:.2f}x less")
   samples = r["recipe_samples"]
   epochs = samples / r["dataset_samples"]
   in_step = samples / in_rate

@@ -326,6 +326,9 @@ class CachedBatches:
     return {"epoch": self.epoch, "position": self.position}
 
   def set_state(self, state: dict) -> None:
+    if not isinstance(state, dict) or set(state) != {"epoch", "position"}:
+      raise DataError("the checkpoint's data position is the input pipeline's, not an encoder cache's: resume "
+                      "with the data.encoder_cache setting it was trained with")
     self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
   def close(self) -> None:

@@ -107,6 +107,8 @@ def test_batches_shuffle_each_epoch_and_resume_exactly(cached):
   for want in following:
     np.testing.assert_array_equal(next(again)["latents"], want)
   assert state == {"epoch": 0, "position": 16} and reader.get_state()["epoch"] == 1
+  with pytest.raises(DataError, match="not an encoder cache's"):
+    again.set_state({"next_index": 5})              # a checkpoint of the in-step pipeline
 
 
 def test_a_stale_damaged_or_unfinished_cache_is_one_error(cached, tmp_path):
