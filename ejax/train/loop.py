@@ -154,8 +154,6 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   start_step = int(jax.device_get(state.step))
   if hasattr(data_iter, "check_frozen"):  # frozen-encoder outputs cached ahead: made by these frozen weights?
     data_iter.check_frozen(state.frozen)
-  if hasattr(data_iter, "check_frozen"):  # frozen-encoder outputs cached ahead: made by these frozen weights?
-    data_iter.check_frozen(state.frozen)
 
   # --- Compile the step once; report memory and FLOPs ------------------------------------------
   stop.phase = "reading the first batch"
