@@ -34,12 +34,14 @@ Closed loop on a CPU (issue 32 point 5): runlocal trains on the quickstart's rec
 first use, as for GR00T), then the eval job runs it (20 unseen layouts a task, replanning every 2 steps):
   python -m ejax.main --config=configs/dreamzero.py:runlocal
   python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/dreamzero_runlocal/checkpoints
-Expect (2026-11-27, 2 cores shared with other agents' jobs, load 6.5-17.5, median 14.6): 17 min 07 s of
-training (compile 82 s, then 20-63 samples/s; loss 3.0 -> ~0.5, video 1.9 -> ~0.2, action 1.1 -> ~0.25),
-the eval 63 s: 35 % [26, 45] over the five tasks (drawers 85 / 90 %, both lifts and the pick-and-place
-0 %: like GR00T without its keypoint perception, it does not localise the objects; GR00T's quickstart
-with it: 60-63 %). Its video prediction in closed loop, as an image and a latent MSE against "nothing
-moves" (0.34 vs 0.43 on one rollout of each task): benchmarks/dreamzero_rollout.py.
+runlocal hosts GR00T's quickstart perception (model.perception, _sim_perception below). Expect
+(2026-11-27 evening, 2 cores shared with other agents' jobs, load ~7-15): 15-24 min of training (the
+encoder cache ~2 min, compile ~75 s, then 12-91 samples/s; action loss 1.1 -> 0.17-0.34, video 1.9 ->
+~0.2, the logged total adds the heatmap cross-entropy, ~4.5 at the end), the eval 3.5-4 min: 57 % [47, 66]
+over the five tasks in each of two runs (lifts 55-60 / 30 %, drawers 95-100 %, the pick-and-place 0 %;
+GR00T's quickstart: 60-63 %; without the perception module 35 % [26, 45], lifts 0 %). Its video
+prediction in closed loop, as an image and a latent MSE against "nothing moves" (0.34 vs 0.43 on one
+rollout of each task, without the perception module): benchmarks/dreamzero_rollout.py.
 Act (the eval and serve jobs, as for GR00T; ejax.train.policy): each observation becomes the grid of the
 current frame, the state and the prompt; the model samples chunk 0 (actions_per_chunk actions) over the
 KV cache of that frame with UniPC and guidance:
