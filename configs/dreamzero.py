@@ -105,13 +105,14 @@ def get_config(arg: str | None = None):
     config.data.relative_action_dims = 0   # > 0: the first N action dims relative to the same state dims
     # A directory of the frozen encoders' outputs written ahead by the encode job (ejax/train/encode.py):
     # training then reads it and skips the VAE, umT5 and CLIP; None encodes in the train step.
-    # encoder_cache_refresh: the trainer writes it first where it is missing or stale (else an error).
+    # encoder_cache_refresh: data.encoder_cache is a folder of caches, one a setting and seed, the trainer
+    # writing one first where it is missing or stale (else a missing or stale cache is an error).
     config.data.encoder_cache = common.placeholder(str)
     config.data.encoder_cache_refresh = False
     if config.data.name == "sim_demos":
       # Cached ahead: 1.5x faster end to end over runlocal's 1200 steps on 2 cores, the encode job included
       # (benchmarks/dreamzero_encode.py, BENCHMARKS.md); written on first use beside the recorded demos.
-      config.data.update(encoder_cache="~/.cache/ejax/dreamzero_encoder_cache/runlocal", encoder_cache_refresh=True)
+      config.data.update(encoder_cache="~/.cache/ejax/dreamzero_encoder_cache", encoder_cache_refresh=True)
   return common.apply_run_args(config, args)
 
 

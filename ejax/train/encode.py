@@ -15,6 +15,9 @@ ejax/data/encoder_cache.py. One process (the encoders run data-parallel over its
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 
 import jax
@@ -38,8 +41,11 @@ RERUN = " with the encode job (the same command with --config.job=encode)"
 
 def open_cache(config: ConfigDict, *, batch_size: int):
   """The trainer's reader of data.encoder_cache (ejax/train/inputs.py). With data.encoder_cache_refresh,
-  a cache that is missing or stale is written first: here where its settings differ, at check_frozen
-  where it was encoded by other frozen weights; without it, either is one error line."""
+  data.encoder_cache is a folder of caches, one a key (`keyed_config`), and a cache that is missing or
+  stale is written first: here where its settings differ, at check_frozen where it was encoded by other
+  frozen weights; without it, data.encoder_cache is the cache and either is one error line."""
+  if config.data.get("encoder_cache_refresh", False):
+    config = keyed_config(config)
   open_reader = lambda: encoder_cache.CachedBatches(
       config.data.encoder_cache, config=config, batch_size=batch_size, seed=config.seed,
       process_index=jax.process_index(), process_count=jax.process_count(), rerun=RERUN)
@@ -51,6 +57,18 @@ def open_cache(config: ConfigDict, *, batch_size: int):
     logging.warning("writing the encoder cache %s first: %s", config.data.encoder_cache, why)
     encode(config)
     return _Refreshing(config, open_reader, open_reader())
+
+
+def keyed_config(config: ConfigDict) -> ConfigDict:
+  """config with data.encoder_cache/<key>: the key a hash of what the cache depends on as far as the
+  config says (its settings, and what decides the frozen weights: the seed, train.init_weights,
+  train.frozen_dtype), so runs of other settings or seeds keep their own caches, never rewrite another's."""
+  hooks = get_model_spec(config.model.name).encoder_cache
+  paths = hooks.cache_inputs(config) + ["seed", "train.init_weights", "train.frozen_dtype"]
+  described = json.dumps({path: encoder_cache.config_value(config, path) for path in paths}, sort_keys=True)
+  out = config.copy_and_resolve_references()
+  out.data.encoder_cache = os.path.join(config.data.encoder_cache, hashlib.sha256(described.encode()).hexdigest()[:16])
+  return out
 
 
 class _Refreshing:

@@ -41,13 +41,16 @@ def _config(dataset, directory, **data):
 def cached(dataset, tmp_path_factory):
   """The trainer's reader with data.encoder_cache_refresh (runlocal's default on the quickstart demos):
   the cache is missing, so it is written first."""
-  directory = tmp_path_factory.mktemp("dz_cache") / "cache"
-  config = _config(dataset, directory, encoder_cache_refresh=True)
+  folder = tmp_path_factory.mktemp("dz_cache") / "caches"
+  config = _config(dataset, folder, encoder_cache_refresh=True)
+  directory = encode_job.keyed_config(config).data.encoder_cache      # folder/<key of settings and seed>
+  assert os.path.dirname(directory) == str(folder)
   with pytest.raises(encoder_cache.StaleCache, match="no finished cache"):
-    encoder_cache.CachedBatches(str(directory), config=config, batch_size=BATCH, seed=0)
+    encoder_cache.CachedBatches(directory, config=config, batch_size=BATCH, seed=0)
   reader = encode_job.open_cache(config, batch_size=BATCH)
   manifest = reader.manifest
-  return config, {"directory": str(directory), "num_samples": manifest["num_samples"],
+  config = _config(dataset, directory)                                 # the cache itself, as the job writes it
+  return config, {"directory": directory, "num_samples": manifest["num_samples"],
                   "num_prompts": manifest["tables"]["text_embeddings"]["rows"]}
 
 
@@ -155,19 +158,24 @@ def test_the_train_job_reads_the_cache(cached, tmp_path):
   assert set(encoder_cache.read_manifest(result["directory"])["norm_stats"]) >= {"action", "observation.state"}
 
 
-@pytest.mark.slow   # two encodes and three frozen states: ~90 s on 2 loaded cores
+@pytest.mark.slow   # two encodes and three frozen states: ~60 s on 2 loaded cores
 def test_refresh_rewrites_a_cache_of_other_frozen_weights(dataset, tmp_path):
-  config = _config(dataset, tmp_path / "cache", encoder_cache_refresh=True)
-  reader = encode_job.open_cache(config, batch_size=BATCH)
-  before = reader.manifest["frozen"]["fingerprint"]
+  config = _config(dataset, tmp_path / "caches", encoder_cache_refresh=True)
+  directory = encode_job.keyed_config(config).data.encoder_cache
   other = config.copy_and_resolve_references()
-  other.seed = 1                                          # another seed's random frozen encoders
-  mesh = make_mesh(other.mesh.to_dict())
-  rules = [tuple(rule) for rule in other.sharding_rules]
+  other.seed = 1
+  assert encode_job.keyed_config(other).data.encoder_cache != directory    # another seed: its own cache
+  # Seed 1's encoders written where seed 0's belong: as if train.init_weights' files changed since.
+  stale = _config(dataset, directory)
+  stale.seed = 1
+  encode_job.encode(stale)
+  before = encoder_cache.read_manifest(directory)["frozen"]["fingerprint"]
+  mesh = make_mesh(config.mesh.to_dict())
+  rules = [tuple(rule) for rule in config.sharding_rules]
   with mesh, sharding_context(mesh, rules):
-    _, frozen = encode_job.frozen_model(other, mesh, rules)
-  reader = encode_job.open_cache(other, batch_size=BATCH)  # its settings match: opened as it is
+    _, frozen = encode_job.frozen_model(config, mesh, rules)
+  reader = encode_job.open_cache(config, batch_size=BATCH)   # its settings match: opened as it is
   next(reader)
-  reader.check_frozen(frozen)                             # the trainer's check: rewritten, then accepted
-  after = encoder_cache.read_manifest(str(tmp_path / "cache"))["frozen"]["fingerprint"]
+  reader.check_frozen(frozen)                                # the trainer's check: rewritten, then accepted
+  after = encoder_cache.read_manifest(directory)["frozen"]["fingerprint"]
   assert after != before and reader.get_state() == {"epoch": 0, "position": BATCH}
