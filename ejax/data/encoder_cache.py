@@ -94,6 +94,11 @@ class CacheWriter:
 
   def __init__(self, directory: str, *, shard_size: int = 1024):
     self.directory = os.path.abspath(os.path.expanduser(directory))
+    # finish() replaces the directory whole: never one that holds something else
+    if os.path.isdir(self.directory) and os.listdir(self.directory) and not os.path.isfile(
+        os.path.join(self.directory, MANIFEST)):
+      raise DataError(f"data.encoder_cache={directory} exists and is not an encoder cache (no {MANIFEST}), so "
+                      "writing one there would replace what it holds: choose a new or empty directory")
     self.partial = f"{self.directory}.partial-{os.getpid()}"
     shutil.rmtree(self.partial, ignore_errors=True)
     os.makedirs(self.partial)

@@ -9,8 +9,11 @@ The frozen weights are the ones the trainer would build from the same config (it
 initialisation, or train.init_weights), made the same way (ejax.train.state) and run in the train
 step's compute dtype, so a cached batch gives the in-step loss. Every sample of the dataset once, in
 order (data.shuffle and data.num_epochs do not apply); the trainer shuffles the cache each epoch.
-What is cached and when a cache is stale: ejax/models/dreamzero/encode.py; the format:
-ejax/data/encoder_cache.py. One process (the encoders run data-parallel over its devices).
+What is cached and when a cache is stale: the model's registry entry `encoder_cache` (DreamZero's:
+ejax/models/dreamzero/encode.py); the format: ejax/data/encoder_cache.py. One process (the encoders
+run data-parallel over its devices). With data.encoder_cache_refresh (runlocal's default on the
+quickstart demos) data.encoder_cache is a folder of caches, one a key, and the trainer writes the
+missing or stale one itself (`open_cache`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ejax.parallel import global_batch, make_mesh
 from ejax.parallel.rules import sharding_context
 from ejax.train.optim import make_optimizer
 from ejax.train.state import materialize, model_parts, plan_train_state, read_weights
-from ejax.train.step import _cast_floats
+from ejax.train.step import _cast_floats   # the step's own cast: the encoders see the weights it would
 
 
 RERUN = " with the encode job (the same command with --config.job=encode)"
@@ -100,7 +103,8 @@ class _Refreshing:
 
 def run_job(config: ConfigDict, workdir: str) -> None:
   del workdir
-  result = encode(config)
+  # With data.encoder_cache_refresh the setting is a folder of caches: write the one the trainer reads.
+  result = encode(keyed_config(config) if config.data.get("encoder_cache_refresh", False) else config)
   print(f"encode: {result['num_samples']} samples, {result['num_prompts']} prompts in {result['seconds']:.1f} s "
         f"({result['num_samples'] / result['seconds']:.1f} samples/s) -> {result['directory']}", flush=True)
 

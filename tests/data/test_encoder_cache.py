@@ -147,6 +147,10 @@ def test_a_stale_damaged_or_unfinished_cache_is_one_error(cached, tmp_path):
   (copy / "manifest.json").unlink()
   with pytest.raises(DataError, match="no finished cache"):
     encoder_cache.CachedBatches(str(copy), config=config, batch_size=BATCH, seed=0)
+  # The job never replaces a directory that is not a cache (a mistyped data.encoder_cache=runs).
+  with pytest.raises(DataError, match="is not an encoder cache"):
+    encoder_cache.CacheWriter(str(copy))
+  assert (copy / "shard_00000" / "latents.npy").exists()
 
 
 @pytest.mark.slow   # 85 s on 2 loaded cores (the step's compile); benchmarks/dreamzero_encode.py trains on a cache too
