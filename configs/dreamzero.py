@@ -38,10 +38,11 @@ runlocal hosts GR00T's quickstart perception (model.perception, _sim_perception 
 (2026-11-27 evening, 2 cores shared with other agents' jobs, load ~7-15): 15-24 min of training (the
 encoder cache ~2 min, compile ~75 s, then 12-91 samples/s; action loss 1.1 -> 0.17-0.34, video 1.9 ->
 ~0.2, the logged total adds the heatmap cross-entropy, ~4.5 at the end), the eval 3.5-4 min: 57 % [47, 66]
-over the five tasks in each of two runs (lifts 55-60 / 30 %, drawers 95-100 %, the pick-and-place 0 %;
-GR00T's quickstart: 60-63 %; without the perception module 35 % [26, 45], lifts 0 %). Its video
-prediction in closed loop, as an image and a latent MSE against "nothing moves" (0.34 vs 0.43 on one
-rollout of each task, without the perception module): benchmarks/dreamzero_rollout.py.
+over the five tasks in each of two runs, 59 % [53, 65] each with eval's episodes=50 (lifts 55-62 /
+30-40 %, drawers 95-100 %, the pick-and-place 0-2 %; GR00T's quickstart: 60-63 %; without the
+perception module 35 % [26, 45], lifts 0 %). Its video prediction in closed loop, as an image and a
+latent MSE against "nothing moves" (0.34 vs 0.43 on one rollout of each task, without the perception
+module): benchmarks/dreamzero_rollout.py.
 Act (the eval and serve jobs, as for GR00T; ejax.train.policy): each observation becomes the grid of the
 current frame, the state and the prompt; the model samples chunk 0 (actions_per_chunk actions) over the
 KV cache of that frame with UniPC and guidance:
