@@ -41,6 +41,13 @@ CASES = [
      ["data.stats_path '/no/stats.json' is not a file", "--config.job=stats"]),
     ("train-wandb-mode", "train", [TINY, "--config.metrics.wandb=True", "--config.metrics.wandb_mode=cloud"],
      ["metrics.wandb_mode='cloud': use one of online, offline, disabled"]),
+    ("train-encoder-cache-missing", "train", ["--config=configs/dreamzero.py:runlocal", "--config.data.encoder_cache=/no/such",
+                                              "--config.data.encoder_cache_refresh=False"],
+     ["data.encoder_cache=/no/such holds no finished cache", "--config.job=encode"]),
+    # encode
+    ("encode-model-without-encoders", "encode", [TINY, "--config.job=encode"], ["model 'tiny_flow' has no cache"]),
+    ("encode-synthetic-data", "encode", ["--config=configs/dreamzero.py:runlocal,dataset=synthetic", "--config.job=encode"],
+     ["encodes LeRobot video samples", "data.name='synthetic'"]),
     # eval
     ("eval-no-checkpoint", "eval", [EVAL], ["eval.checkpoint is not set", "--config.eval.checkpoint="]),
     ("eval-rl-no-checkpoint", "eval", [EVAL, "--config.eval.policy=rl"],
