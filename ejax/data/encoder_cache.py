@@ -297,7 +297,10 @@ class CachedBatches:
     return self
 
   def _order(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+    """The epoch's permutation, the input pipeline's (ejax/data/pipeline.py), made once an epoch."""
+    if getattr(self, "_permutation", (None,))[0] != epoch:
+      self._permutation = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+    return self._permutation[1]
 
   def __next__(self) -> dict[str, np.ndarray]:
     global_batch = self.batch_size * self.process_count
