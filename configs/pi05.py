@@ -36,13 +36,19 @@ download), and the eval job judges it like any checkpoint:
   python -m ejax.main --config=configs/pi05.py:runlocal,dataset=sim --workdir=runs/pi05_sim
   python -m ejax.main --config=configs/eval.py:runlocal --config.eval.checkpoint=runs/pi05_sim/checkpoints
 `dataset=sim` turns on GR00T's quickstart perception (model.perception, _sim_keypoint_estimate below;
-issue 33). Measured 2026-11-27 on the 2 shared, heavily loaded cores (load ~14): 1500 steps of batch 32
-in 17 min 50 s (compile 67 s, 45-70 samples/s; demos cached), flow loss 0.35 at the end (heatmap
-cross-entropy 3.7); the eval command above: 20 % [13.3, 28.9] over 100 episodes (lifts 35 / 20 %,
-drawers 25 / 20 %, the pick-and-place 0 %), against 1.3 % without perception. Not yet the 50 % asked.
-With three samples a row (now the default, below) the same 1500 steps took 7 min 35 s (compile 26 s,
-~115 samples/s, load ~8); with --config.model.perception_tokens=True that run measured 16 % [10.1, 24.4]
-(900 steps: 17 % [10.9, 25.5]), so the slots on the action tokens are left off.
+issue 33), and the action expert reads the state continuously (model.continuous_state: a projection of
+the state vector, the module's slots written, joins every action token, as pi0 reads its state) with the
+prompt the instruction alone (model.discrete_state_input=False, openpi's switch). Measured 2026-11-27
+on the 2 shared cores, demos cached: the two commands above, 1500 steps of batch 32 in 9 min 15 s
+(18:54-19:04, load 11-12; compile 55 s, ~97 samples/s, five samples a row), flow loss ~0.33 at the end
+(heatmap cross-entropy ~4.3); the eval command: 47 % [37.5, 56.7] over 100 episodes (lifts 75 / 55 %,
+drawers 55 / 45 %, the pick-and-place 5 %); the same recipe's first run (three a row, 18 min at load
+~11) 48 % [38.5, 57.7]: together 47.5 % [40.7, 54.4] of 200, short of the 50 % asked. On the way (one
+run each, 100 episodes): the state as the prompt's 256-bin tokens only (as released) 20 % [13.3, 28.9] (lifts 35 /
+20 %, drawers 25 / 20 %), against 1.3 % without perception; with the slots also on each action token
+(--config.model.perception_tokens=True, left off) 16 % [10.1, 24.4]; bins and continuous_state 43 %
+[33.7, 52.8]; that with a 64-wide expert 38 % [29.1, 47.8]. Judged on the simulator's true target and
+goal (--config.eval.true_estimate=True) the 20 % checkpoint reached 35 %, the 43 % one 55 % [45.2, 64.4].
 """
 
 from configs import common
@@ -89,6 +95,10 @@ def get_config(arg: str | None = None):
       raise ConfigError("pi05 dataset=sim is the CPU-sized simulator recipe: use it as runlocal,dataset=sim")
     common.quickstart_demos(config)
     config.model.update(num_cameras=2, max_state_dim=16)
+    # The action expert reads the state (and the perception module's slots) continuously, as pi0 does,
+    # and the prompt is the instruction alone (openpi's discrete_state_input=False): 20 % with the state
+    # as the prompt's 256-bin tokens only, 43 % with both, 47-48 % continuous only (the docstring's runs).
+    config.model.update(continuous_state=True, discrete_state_input=False)
     config.train.update(steps=1500, global_batch_size=32)
     config.checkpoint.every_steps = 500
     _sim_keypoint_estimate(config)
@@ -106,9 +116,9 @@ def _sim_keypoint_estimate(config) -> None:
   config.data.image_size = (64, 64)
   config.model.vision.update(image_size=64, patch_size=16)
   config.model.packing.max_images_per_sample = config.model.num_cameras
-  # Three samples a row of 216: 32 image tokens and a 34-38-token prompt each (11 state bins); two a
-  # row of 192 left 27 % padding, three leave 8 % (45-70 -> 110-125 samples/s on the loaded 2 cores).
-  config.model.packing.update(row_length=216, samples_per_row=3)
+  # Five samples a row of 232: 32 image tokens and a 9-13-token prompt each (no state bins; with the 11
+  # bins, 34-38 tokens, three a row of 216 left 8 % padding, two a row of 192 27 %).
+  config.model.packing.update(row_length=232, samples_per_row=5)
   config.model.perception = perception.default_config()   # image_size 64, 1 free + 2 chosen points, 7-d estimate
   config.model.perception.estimate.dim = ENVIRONMENT_STATE_SIZE
   # ejax.sim's 11-d state, then the module's slots (the 7-d estimate, 2 points x 2 cameras x (x, y)): 26

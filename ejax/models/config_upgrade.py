@@ -21,7 +21,7 @@ ADDED_KEYS: dict[str, dict] = {
     # computes the same under today's default
     "groot": {"attention_impl": "auto", "fp8_impl": True, "text_first": False, "perception": {}, "scan_layers": True},
     "pi05": {"attention_impl": "auto", "perception": {}, "perception_tokens": False, "scan_layers": True,
-             "continuous_state": False},
+             "continuous_state": False, "discrete_state_input": True},
 }
 
 

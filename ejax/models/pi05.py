@@ -14,7 +14,9 @@ model.perception (empty: as released) hooks the simulator-trained perception mod
 (ejax/models/perception/) as GR00T does: once per batch it reads each sample's cameras, its prompt's
 text embeddings and its state vector (batch["state"], beside the prompt's bins), adds its own losses,
 and what it writes into the state's slots joins the expert's adaRMS conditioning through a projection
-that starts at zero.
+that starts at zero. model.continuous_state (off as released) adds a projection of the state vector (the
+module's slots written) to every action token, as pi0 reads its state continuously; with
+model.discrete_state_input=False (openpi's switch) the prompt carries no state bins.
 
 Packed inputs (built by `ejax.models.pi05_inputs`): the prefixes of several samples share a row of
 `packing.row_length` tokens (segment ids, per-sample positions; no padding tokens and no tokens for
@@ -91,6 +93,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # projection of it joins every action token's input. pi0.5 as released reads the state only as the
   # prompt's 256-bin tokens; pi0 feeds it continuously, as one state token its action tokens attend to.
   c.continuous_state = False
+  c.discrete_state_input = True     # openpi's pi05 switch: the prompt carries the state's bins (False: no state in it)
   # openpi fine-tunes every parameter by default (pi05 configs have no freeze filter).
   c.train_vision = True
   c.train_llm = True

@@ -49,6 +49,7 @@ class Pi05Config:
   perception: PerceptionConfig | None
   perception_tokens: bool
   continuous_state: bool
+  discrete_state_input: bool
   train_vision: bool
   train_llm: bool
 

@@ -218,8 +218,9 @@ def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *,
     states.append(state)
     # With model.perception the state's last slots are the module's (zero in the data): the prompt bins
     # only the data's own entries (the slots reach the expert through its conditioning instead).
-    prompts.append(tokenizer.tokenize_prompt(str(sample["task"]), state if settings is None
-                                             else state[:settings.layout.data_dims]))
+    binned = state if settings is None else state[:settings.layout.data_dims]
+    prompts.append(tokenizer.tokenize_prompt(str(sample["task"]), binned if c.get("discrete_state_input", True)
+                                             else None))
     images.append([resize_with_pad(np.asarray(sample[k], np.uint8), c.vision.image_size) for k in cameras])
     action = np.asarray(sample["action"], np.float32)
     if action.shape[0] != c.action_horizon:

@@ -85,21 +85,23 @@ class Pi05Observations(VlaObservations):
                      image_size=c.vision.image_size, num_cameras=num_cameras, **shared)
     self.settings = perception.read(c)
     # The prompt bins the data's entries only when the perception module owns the state's last slots.
-    self.bin_dims = self.settings.layout.data_dims if self.settings is not None else c.max_state_dim
-    texts, dims = list(instructions), self.bin_dims
+    dims = self.settings.layout.data_dims if self.settings is not None else c.max_state_dim
+    # model.discrete_state_input=False: prompts without the state, nothing to write in
+    self.bin_dims = dims if c.get("discrete_state_input", True) else 0
+    texts = list(instructions)
     low = collated_prompts(collate, c, texts, np.full((len(texts), dims), -1.0))
     high = collated_prompts(collate, c, texts, np.full((len(texts), dims), 0.999))
     positions = []
     for text, a, b in zip(texts, low, high):
       where = np.flatnonzero(a != b) if a.shape == b.shape else np.zeros(0, np.int64)
-      if where.size != dims:
-        raise ValueError(f"the checkpoint's prompts do not write pi0.5's {dims} state bins one token each (task "
+      if where.size != self.bin_dims:
+        raise ValueError(f"the checkpoint's prompts do not write pi0.5's {self.bin_dims} state bins one token each (task "
                          f"{text[:40]!r}): the RL actor's in-jit prompts need them so")
       positions.append(where)
     # Bin b's token: a state of bin b everywhere, read at the first bin's place.
     values = np.arange(STATE_BINS) / (STATE_BINS / 2) - 1.0 + 1e-3
     per_bin = collated_prompts(collate, c, texts[:1] * STATE_BINS, np.repeat(values[:, None], dims, axis=1))
-    self.bin_tokens = np.asarray([prompt[positions[0][0]] for prompt in per_bin], np.int32)
+    self.bin_tokens = np.asarray([prompt[positions[0][0]] for prompt in per_bin] if self.bin_dims else [], np.int32)
     image_tokens = num_cameras * pi05_inputs.patches_per_image(c)
     self.row_length = _round_up(max(len(p) for p in low) + image_tokens, 8)
     table_config = ConfigDict(c.to_dict())

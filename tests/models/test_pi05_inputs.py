@@ -168,3 +168,18 @@ def test_collate_with_perception_bins_only_the_datas_own_state(tokenizer):
     np.testing.assert_array_equal(text, tokenizer.tokenize_prompt(sample["task"], sample["observation.state"]))
     np.testing.assert_array_equal(batch["state"][i, :STATE_DIM], sample["observation.state"])
     assert not batch["state"][i, STATE_DIM:].any()
+
+
+def test_collate_without_discrete_state_input_leaves_the_state_out_of_the_prompt(tokenizer):
+  """model.discrete_state_input=False (openpi's pi05 switch): the prompt is the task alone, and with
+  model.continuous_state the batch carries the state as a vector for the action expert."""
+  c = pi05.model_config("runlocal")
+  c.action_horizon = 4
+  c.update(discrete_state_input=False, continuous_state=True)
+  samples = [SmallDemos(c.action_horizon).sample(i) for i in range(4)]
+  batch = pi05_inputs.collate(samples, c, tokenizer)
+  for i, sample in enumerate(samples):
+    row, slot = pi05_inputs.sample_rows(batch)[i], batch["sample_slot"][i]
+    text = batch["prefix_tokens"][row][(batch["prefix_segment_ids"][row] == slot + 1) & ~batch["prefix_is_image"][row]]
+    np.testing.assert_array_equal(text, tokenizer.tokenize_prompt(sample["task"], None))
+    np.testing.assert_array_equal(batch["state"][i, :STATE_DIM], sample["observation.state"])
