@@ -41,17 +41,17 @@ the state vector, the module's slots written, joins every action token, as pi0 r
 prompt the instruction alone (model.discrete_state_input=False, openpi's switch). Measured 2026-11-27 on
 the 2 shared cores, demos cached, 2500 steps of batch 32 (the default): the two commands above, training
 7 min 26 s (19:20-19:28, load 7-8, five samples a row), then the eval command: 69 % [59.4, 77.2] over
-100 episodes (lifts 100 / 75 %, drawers 85 / 80 %, the pick-and-place 5 %; one run). Earlier, 1500
-steps: training 9 min 15 s (18:54-19:04, load 11-12; compile 55 s, ~97 samples/s, five samples a row),
-flow loss ~0.31 over the last 250 steps (heatmap cross-entropy ~4.3); 47 % [37.5, 56.7] (lifts 75 / 55
-%, drawers 55 / 45 %, the pick-and-place 5 %); its first run (three a row, 18 min at load ~11) 48 %
-[38.5, 57.7]: together 47.5 % [40.7, 54.4] of 200. On the way (one run each, 100 episodes): the state as
-the prompt's 256-bin tokens only (as released) 20 % [13.3, 28.9] (lifts 35 / 20 %, drawers 25 / 20 %),
-against 1.3 % without perception; with the slots also on each action token
-(--config.model.perception_tokens=True, left off) 16 % [10.1, 24.4]; bins and continuous_state 43 %
-[33.7, 52.8]; a 64-wide expert 38 % [29.1, 47.8] with the bins, 45 % [35.6, 54.8] without. Judged on the
-simulator's true target and goal (--config.eval.true_estimate=True) the 20 % checkpoint reached 35 %,
-the 43 % one 55 % [45.2, 64.4].
+100 episodes (lifts 100 / 75 %, drawers 85 / 80 %, the pick-and-place 5 %); with --config.seed=1 56 %
+[46.2, 65.3] (6 min 19 s, load 4-7): together 62.5 % [55.6, 68.9] of 200. Earlier, 1500 steps: training
+9 min 15 s (18:54-19:04, load 11-12; compile 55 s, ~97 samples/s, five samples a row), flow loss ~0.31
+over the last 250 steps (heatmap cross-entropy ~4.3); 47 % [37.5, 56.7] (lifts 75 / 55 %, drawers 55 /
+45 %, the pick-and-place 5 %); its first run (three a row, 18 min at load ~11) 48 % [38.5, 57.7]:
+together 47.5 % [40.7, 54.4] of 200. On the way (one run each, 100 episodes): the state as the prompt's
+256-bin tokens only (as released) 20 % [13.3, 28.9] (lifts 35 / 20 %, drawers 25 / 20 %), against 1.3 %
+without perception; with the slots also on each action token (--config.model.perception_tokens=True,
+left off) 16 % [10.1, 24.4]; bins and continuous_state 43 % [33.7, 52.8]; a 64-wide expert 38 % [29.1,
+47.8] with the bins, 45 % [35.6, 54.8] without. Judged on the simulator's true target and goal
+(--config.eval.true_estimate=True) the 20 % checkpoint reached 35 %, the 43 % one 55 % [45.2, 64.4].
 """
 
 from configs import common
@@ -102,7 +102,7 @@ def get_config(arg: str | None = None):
     # and the prompt is the instruction alone (openpi's discrete_state_input=False): 20 % with the state
     # as the prompt's 256-bin tokens only, 43 % with both, 47-48 % continuous only (the docstring's runs).
     config.model.update(continuous_state=True, discrete_state_input=False)
-    # 2500 steps: 69 % where 1500 gave 45-48 % (the docstring's runs); 7 min 26 s on the loaded 2 cores.
+    # 2500 steps: 56-69 % where 1500 gave 45-48 % (the docstring's runs); 6-7.5 min on the loaded 2 cores.
     config.train.update(steps=2500, global_batch_size=32)
     config.checkpoint.every_steps = 500
     _sim_keypoint_estimate(config)
