@@ -395,8 +395,9 @@ def run_blocks(blocks: Sequence[nnx.Module], x: jax.Array, *args, remat: str = "
   the DiT's alternating cross- and self-attention blocks) run as one lax.scan over their weights
   stacked on a leading axis, so the train step traces and compiles one block per kind instead of
   every block; the parameters keep their per-layer layout (checkpoints and weight import are
-  unchanged) and the stacking is a copy XLA makes once per call: inside a sampling loop it does not
-  depend on the loop, and XLA hoists it out (tests/models/test_layers.py). Block i's dropout key is
+  unchanged) and the stacking is a copy XLA makes once per call. Inside a sampling loop it does not
+  depend on the loop: XLA:CPU hoists it out (tests/models/test_layers.py), XLA:GPU (jaxlib 0.9.2, a
+  compile-only H100) does not and restacks every denoising step (BENCHMARKS.md; open). Block i's dropout key is
   fold_in(rng, i) either way, so both paths compute the same numbers.
   """
   n = len(blocks)

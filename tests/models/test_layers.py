@@ -154,8 +154,9 @@ def test_scanned_blocks_match_the_unrolled_loop_in_values_and_gradients():
 def test_scanned_weights_are_stacked_once_per_call_not_once_per_denoising_step():
   """run_blocks stacks a scanned kind's per-layer weights at call time. Inside a sampling loop
   (flow.euler_sample's fori_loop, as GR00T's action head runs its DiT at full size) the stacking
-  does not depend on the loop, and XLA's loop-invariant code motion hoists it: in the compiled
-  program every concatenate runs once per call, not once per denoising step."""
+  does not depend on the loop, and XLA:CPU's loop-invariant code motion hoists it: in the compiled
+  program every concatenate runs once per call, not once per denoising step. (XLA:GPU does not
+  hoist it: BENCHMARKS.md, the compile-only H100 check.)"""
   from ejax.models import dit, flow
   from ejax.parallel import hlo
 
