@@ -221,10 +221,9 @@ def test_config_errors_name_the_fix():
 
 @pytest.mark.slow  # ~45 minutes on 2 cores (SFT ~8, RL ~30-35); opt-in (-m slow)
 @pytest.mark.timeout(5400)
-@pytest.mark.xfail(reason="the bar is not met yet: 0.15 -> 0.17 seen 2026-11-27 (configs/rl_vla3.py)", strict=False)
 def test_runlocal_rl_lifts_a_weak_pi05_start_by_twenty_points(tmp_path):
   """Issue 33's bar for the pi0.5 actor, as configs/rl_vla3.py's docstring runs it: a weak SFT start
-  (configs/pi05.py:runlocal,dataset=sim stopped at step 1000 of 1500), then RL-VLA3 with
+  (configs/pi05.py:runlocal,dataset=sim stopped at step 1000 of 2500; seen 0.33 -> 0.64 on 2026-11-27), then RL-VLA3 with
   `configs/rl_vla3.py:runlocal,actor=pi05` (<= 30 minutes on 2 cores): >= 20 points more on "lift the
   green block", Wilson intervals disjoint (100 judged episodes each)."""
   from tests.rl.test_runner import assert_intervals_disjoint
