@@ -35,8 +35,7 @@ from ejax.models.registry import get_model_spec
 from ejax.parallel import global_batch, make_mesh
 from ejax.parallel.rules import sharding_context
 from ejax.train.optim import make_optimizer
-from ejax.train.state import materialize, model_parts, plan_train_state, read_weights
-from ejax.train.step import _cast_floats   # the step's own cast: the encoders see the weights it would
+from ejax.train.state import compute_model, materialize, model_parts, plan_train_state, read_weights
 
 
 RERUN = " with the encode job (the same command with --config.job=encode)"
@@ -116,8 +115,8 @@ def frozen_model(config: ConfigDict, mesh, rules):
   loaded = read_weights(config.train.init_weights, plan) if config.train.get("init_weights") else None
   state = materialize(plan, loaded)
   dtype = jax.numpy.dtype(config.train.compute_dtype)
-  model = nnx.merge(model_parts(config.model).graphdef, _cast_floats(state.params, dtype),
-                    _cast_floats(state.frozen, dtype), state.rest)
+  # The step's own view of the weights (compute_model): the encoders see what they would in training.
+  model = compute_model(model_parts(config.model).graphdef, state.params, state.frozen, state.rest, dtype)
   return model, state.frozen
 
 

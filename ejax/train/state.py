@@ -59,8 +59,14 @@ def trainable_filter(model_config: ConfigDict):
   return spec.trainable_filter(model_config) if spec.trainable_filter else nnx.Param
 
 
-def _cast_floats(tree, dtype):
+def cast_floats(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def compute_model(graphdef, params, frozen, rest, dtype) -> nnx.Module:
+  """The model as the train step runs it: trained and frozen weights cast to the compute dtype (the
+  gradients flow back through the cast to the fp32 master weights)."""
+  return nnx.merge(graphdef, cast_floats(params, dtype), cast_floats(frozen, dtype), rest)
 
 
 def make_init_fn(model_config: ConfigDict, train: ConfigDict, tx: optax.GradientTransformation):
@@ -71,7 +77,7 @@ def make_init_fn(model_config: ConfigDict, train: ConfigDict, tx: optax.Gradient
     init_rng, state_rng = jax.random.split(rng)
     model = spec.create(model_config, nnx.Rngs(init_rng))
     _, params, frozen, rest = nnx.split(model, nnx.All(nnx.Param, trainable), nnx.Param, ...)
-    params = _cast_floats(params, jnp.dtype(train.param_dtype))
+    params = cast_floats(params, jnp.dtype(train.param_dtype))
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params, frozen=frozen, rest=rest,
         opt_state=tx.init(params), ema_params=params if train.ema_decay > 0 else None,

@@ -7,15 +7,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
-from ejax.train.state import ModelParts, TrainState
-
-
-def _cast_floats(tree, dtype):
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+from ejax.train.state import ModelParts, TrainState, compute_model
 
 
 def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -25,8 +20,7 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
 
   def loss_fn(params, state: TrainState, micro_batch, rng):
     # bf16 (or configured) compute from fp32 master weights: gradients flow back through the cast.
-    model = nnx.merge(parts.graphdef, _cast_floats(params, compute_dtype),
-                      _cast_floats(state.frozen, compute_dtype), state.rest)
+    model = compute_model(parts.graphdef, params, state.frozen, state.rest, compute_dtype)
     loss, metrics = model.compute_loss(micro_batch, rng)
     return loss.astype(jnp.float32), metrics
 
