@@ -54,9 +54,7 @@ from the current frame alone).
 from configs import common
 from ejax.config.validate import ConfigError
 from ejax.models.dreamzero import inputs
-from ejax.models import perception
 from ejax.models.dreamzero import model as dreamzero
-from ejax.sim.env import ENVIRONMENT_STATE_SIZE, STATE_SIZE
 
 
 def get_config(arg: str | None = None):
@@ -137,9 +135,5 @@ def _sim_perception(config) -> None:
   64 px frames, and an estimate of the target and goal read from them (teacher-forced in training),
   written into every chunk's state. At this size umT5, CLIP and the VAE are random and frozen: nothing
   else tells the model where the objects are."""
-  config.model.perception = perception.default_config()   # image_size 64, 1 free + 2 chosen points, 7-d estimate
-  config.model.perception.estimate.dim = ENVIRONMENT_STATE_SIZE
   config.model.num_cameras = 2
-  # ejax.sim's 11-d state, then the module's slots (the 7-d estimate, 2 points x 2 cameras x (x, y)): 26
-  config.model.max_state_dim = STATE_SIZE + perception.state_slots(config.model.perception, config.model.num_cameras)
-  config.data.update(aux_state_key="observation.environment_state", aux_pixel_key="observation.environment_pixels")
+  common.sim_perception(config)

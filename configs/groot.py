@@ -55,9 +55,7 @@ e.g. configs/groot.py:runlocal,steps=50. Record other demonstrations on first us
 
 from configs import common
 from ejax.config.validate import ConfigError
-from ejax.models import groot, perception
-from ejax.sim.env import ENVIRONMENT_STATE_SIZE, STATE_SIZE
-from ejax.sim.scene import camera_calibration
+from ejax.models import groot
 
 def get_config(arg: str | None = None):
   args = common.parse_arg(arg, runlocal=False, suites=False, steps=0, batch=0, dataset="")
@@ -134,42 +132,14 @@ def _sim_keypoint_estimate(config) -> None:
   the 64 px frames (the tower reads them pooled to 32 px); the action head reads their keypoints and an
   estimate of the target and goal read from them (trained on the true ones, slightly noised)."""
   config.data.image_size = (64, 64)
-  config.model.perception = perception.default_config()   # image_size 64, 1 free + 2 chosen points, 7-d estimate
-  config.model.perception.estimate.dim = ENVIRONMENT_STATE_SIZE
-  # ejax.sim's 11-d state, then the module's slots (the 7-d estimate, 2 points x 2 cameras x (x, y)): 26
-  config.model.max_state_dim = STATE_SIZE + perception.state_slots(config.model.perception, config.model.num_cameras)
-  config.data.update(aux_state_key="observation.environment_state", aux_pixel_key="observation.environment_pixels")
+  common.sim_perception(config)
 
 
 def _suites(config) -> None:
-  """The longer CPU recipe (issue 14, point 3): all 15 tasks of ejax.sim's three suites, the
-  quickstart's perception with detectors that see a neighbourhood (a bowl's rim from a plate's flat
-  disc of the same random colour: two residual 3x3 convolutions, the second dilated 2) and a learnt
-  position term (the left / nearest of three identical blocks; gain 40: at 10 the detectors memorised
-  the layouts instead, 40 did not change that either), more steps, the keypoints through the
-  calibrated cameras, and demos with missed grasps. 60 / 150 / 100 demos a task, 6000 / 6000 / 7000
-  steps with the learnt readout: 52.7 / 54.7 / 54.5 %; + geometry 69.7 %, + missed grasps 75.9 %, + the
-  goal from the agentview alone and local 78.0 %, + two flow steps 81.3 % (BENCHMARKS.md)."""
-  config.data.sim_demos.update(tasks="all", episodes_per_task=100)
+  """The longer CPU recipe (issue 14, point 3) on GR00T: common.sim_suites_recipe (all 15 tasks, the
+  detectors that see a neighbourhood, the calibrated cameras, missed grasps, two flow steps; 81.3 %)
+  with GR00T's VL row."""
+  common.sim_suites_recipe(config)
   # Four samples a row of 440: the suites' prompts are 72-110 tokens (mean 90), so any 32 fit in 8
   # rows (16 % padding; three a row of 384 padded 30 %).
   config.model.packing.update(row_length=440, samples_per_row=4)
-  config.model.perception.detectors.update(context_layers=2, context_dilation=2, position_scale=40.0)
-  # ejax.sim's cameras are calibrated: at inference the estimate places the target and the goal by
-  # their keypoints through them (ejax/models/perception/geometry.py) instead of the readout's x, y, which
-  # memorises the recorded layouts (54.5 % -> 68-70 % on the same checkpoint). Not in the quickstart:
-  # its per-patch detectors put a drawer's handle 17-23 px off, which the readout absorbs (59 % -> 39 %).
-  # Both points are soft-argmaxes local to their peak, and the goal is the agentview's alone (the wrist
-  # camera sees the held block where the goal is): model.perception.geometry's radius / tolerance
-  # defaults (75.3 % -> 78.0 % on one checkpoint).
-  config.model.perception.geometry.cameras = camera_calibration()
-  # 30 % of the demonstrations miss their first grasp and grasp again (ejax/sim/demos.py): without
-  # them, a closed gripper always held the target, and after a missed grasp the detectors and the
-  # readout found the target in the empty hand (46 of 75 failures). 69 % -> 75.9 %.
-  config.data.sim_demos.miss_grasp_prob = 0.3
-  # Two Euler steps of the flow per chunk instead of GR00T's four: fewer steps land nearer the mean
-  # chunk, which is what a block on a 2 cm tolerance needs (one checkpoint, 750 episodes: 10 / 4 / 2 / 1
-  # steps 72.0 / 78.0 / 81.3 / 79.9 %; one step lost the drawers, 96 -> 86 %). Inference only.
-  config.model.num_inference_steps = 2
-  config.train.steps = 7000
-  config.checkpoint.every_steps = 1000

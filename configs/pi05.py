@@ -29,7 +29,8 @@ Measured on a 2-core CPU shared with other jobs, on a 16-episode LeRobot v3 data
 video cameras, 3-dim state and action, 4 tasks): compile ~70 s, then 200 steps in ~15 s; the
 flow-matching loss fell from 1.93 (step 20) to 0.56 (step 200). tests/models/test_pi05_inputs.py
 trains the runlocal model on pipeline-schema samples and checks the loss falls below half.
-Arg string: `runlocal`, `steps=N`, `batch=N`, `horizon=N`, `dataset=PATH|sim`, `lora`, e.g.
+Arg string: `runlocal`, `suites` (GR00T's 15-task recipe, common.sim_suites_recipe), `steps=N`, `batch=N`,
+`horizon=N`, `dataset=PATH|sim`, `lora`, e.g.
 configs/pi05.py:runlocal,steps=50. `runlocal,dataset=sim` trains on the GR00T quickstart's recorded
 ejax.sim demonstrations with a tokenizer built locally from the suites' instructions (nothing to
 download), and the eval job judges it like any checkpoint:
@@ -56,12 +57,14 @@ left off) 16 % [10.1, 24.4]; bins and continuous_state 43 % [33.7, 52.8]; a 64-w
 
 from configs import common
 from ejax.config.validate import ConfigError
-from ejax.models import perception, pi05
-from ejax.sim.env import ENVIRONMENT_STATE_SIZE, STATE_SIZE
+from ejax.models import pi05
 
 
 def get_config(arg: str | None = None):
-  args = common.parse_arg(arg, runlocal=False, steps=0, batch=0, horizon=0, dataset="", lora=False)
+  args = common.parse_arg(arg, runlocal=False, suites=False, steps=0, batch=0, horizon=0, dataset="", lora=False)
+  if args.suites:
+    # the longer CPU recipe on all 15 tasks is runlocal on the simulator's demonstrations (_suites)
+    args.runlocal, args.dataset = True, "sim"
   config = common.base_config()
   config.model = pi05.model_config("runlocal" if args.runlocal else "full")
   # pi05_libero: 10-step chunks; the model's horizon and the pipeline's are one number.
@@ -106,6 +109,8 @@ def get_config(arg: str | None = None):
     config.train.update(steps=2500, global_batch_size=32)
     config.checkpoint.every_steps = 500
     _sim_keypoint_estimate(config)
+    if args.suites:
+      _suites(config)
   elif args.dataset:
     config.data.path = args.dataset
   return common.apply_run_args(config, args)
@@ -123,8 +128,14 @@ def _sim_keypoint_estimate(config) -> None:
   # Five samples a row of 232: 32 image tokens and a 9-13-token prompt each (no state bins; with the 11
   # bins, 34-38 tokens, three a row of 216 left 8 % padding, two a row of 192 27 %).
   config.model.packing.update(row_length=232, samples_per_row=5)
-  config.model.perception = perception.default_config()   # image_size 64, 1 free + 2 chosen points, 7-d estimate
-  config.model.perception.estimate.dim = ENVIRONMENT_STATE_SIZE
-  # ejax.sim's 11-d state, then the module's slots (the 7-d estimate, 2 points x 2 cameras x (x, y)): 26
-  config.model.max_state_dim = STATE_SIZE + perception.state_slots(config.model.perception, config.model.num_cameras)
-  config.data.update(aux_state_key="observation.environment_state", aux_pixel_key="observation.environment_pixels")
+  common.sim_perception(config)
+
+
+def _suites(config) -> None:
+  """The longer CPU recipe on all 15 tasks, as GR00T's `suites` (common.sim_suites_recipe: 100 demos a
+  task with missed grasps, detectors that see a neighbourhood, the calibrated cameras, two flow steps,
+  7000 steps), with pi0.5's own row."""
+  common.sim_suites_recipe(config)
+  # The suites' prompts are 9-18 tokens with the local tokenizer (41-50 with the two images' 32 tokens,
+  # mean 45): five a row of 240 never overflowed 2,000 random batches of 32 (14 % padding; 232 did).
+  config.model.packing.update(row_length=240, samples_per_row=5)

@@ -42,6 +42,20 @@ def test_runlocal_is_smaller():
   assert local.train.global_batch_size < full.train.global_batch_size
 
 
+@pytest.mark.parametrize("path", ["configs/groot.py", "configs/pi05.py"])
+def test_suites_is_one_recipe_for_both_models(path):
+  """`suites` is the same 15-task recipe on GR00T and pi0.5 (common.sim_suites_recipe): the same
+  recording (so one cache serves both), perception and inference; only the packed row is the model's."""
+  config = load_config(path, "suites")
+  validate(config)
+  groot = load_config("configs/groot.py", "suites")
+  assert config.data.sim_demos.to_dict() == groot.data.sim_demos.to_dict()
+  assert config.data.sim_demos.tasks == "all" and config.data.sim_demos.miss_grasp_prob == 0.3
+  assert config.model.perception.to_dict() == groot.model.perception.to_dict()
+  assert config.model.perception.geometry.cameras, "the suites recipe places the estimate through the cameras"
+  assert (config.model.num_inference_steps, config.train.steps) == (2, 7000)
+
+
 def test_parse_arg():
   args = parse_arg("runlocal,steps=20,lr=1e-3", runlocal=False, steps=0, lr=0.0)
   assert args.runlocal is True and args.steps == 20 and args.lr == 1e-3
