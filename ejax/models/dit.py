@@ -161,16 +161,24 @@ class DiT(nnx.Module):
 
   @with_attention_impl
   def __call__(self, x: jax.Array, timesteps: jax.Array, *, vl_tokens: jax.Array, vl_segment_ids: jax.Array,
-               sample_row: jax.Array, sample_segment: jax.Array, rng: jax.Array | None = None) -> jax.Array:
+               sample_row: jax.Array, sample_segment: jax.Array, rng: jax.Array | None = None,
+               stacked: layers.StackedBlocks | None = None) -> jax.Array:
+    """`stacked` (from stack_blocks, made once outside a sampling loop) skips restacking the weights."""
     temb = self.timestep_encoder(timesteps)
     x = constrain(x, (ACT_BATCH, ACT_LEN, ACT_EMBED))
     # Even blocks cross-attend to the VL tokens, odd ones self-attend: scanned in pairs.
     x = layers.run_blocks(self.blocks, x, temb=temb, vl_tokens=vl_tokens, vl_segment_ids=vl_segment_ids,
                           sample_row=sample_row, sample_segment=sample_segment, rng=rng, remat=self.remat,
-                          scan=self.scan_layers, period=2)
+                          scan=self.scan_layers, period=2, stacked=stacked)
     shift, scale = jnp.split(self.proj_out_1(jax.nn.silu(temb)), 2, axis=-1)
     x = self.norm_out(x) * (1.0 + scale[:, None]) + shift[:, None]
     return self.proj_out_2(x)
+
+
+  def stack_blocks(self) -> layers.StackedBlocks | None:
+    """The blocks' weights as __call__'s scan reads them (None where they run as a loop): a sampling
+    loop makes them once and passes them to every step."""
+    return layers.stack_blocks(self.blocks, scan=self.scan_layers, period=2)
 
 
 class VLSelfAttentionTransformer(nnx.Module):

@@ -185,8 +185,9 @@ class GrootActionHead(nnx.Module):
   def encode_vl(self, features: jax.Array, segment_ids: jax.Array, rng=None) -> jax.Array:
     return self.vl_self_attention(self.vlln(features), segment_ids, rng)
 
-  def velocity(self, noisy_actions, timestep_buckets, state_tokens, vl, batch, rng=None) -> jax.Array:
-    """Predicted velocity (action - noise) [n, horizon, max_action_dim]."""
+  def velocity(self, noisy_actions, timestep_buckets, state_tokens, vl, batch, rng=None, dit_stacked=None) -> jax.Array:
+    """Predicted velocity (action - noise) [n, horizon, max_action_dim]; `dit_stacked`: the DiT's
+    stacked weights, made once by a sampling loop's caller (DiT.stack_blocks)."""
     embodiment = batch["embodiment_id"]
     horizon = noisy_actions.shape[1]
     action_tokens = self.action_encoder(noisy_actions, timestep_buckets, embodiment)
@@ -195,7 +196,8 @@ class GrootActionHead(nnx.Module):
                               (noisy_actions.shape[0],) + self.future_tokens.shape)
     tokens = jnp.concatenate([state_tokens.astype(action_tokens.dtype), future, action_tokens], axis=1)
     out = self.dit(tokens, timestep_buckets, vl_tokens=vl, vl_segment_ids=batch["vl_segment_ids"],
-                   sample_row=sample_rows(batch, xp=jnp), sample_segment=batch["sample_segment"], rng=rng)
+                   sample_row=sample_rows(batch, xp=jnp), sample_segment=batch["sample_segment"], rng=rng,
+                   stacked=dit_stacked)
     return self.action_decoder(out, embodiment)[:, -horizon:].astype(jnp.float32)
 
 
@@ -255,9 +257,12 @@ class Groot(nnx.Module):
     if vl is None:
       vl, state_tokens = self.context(batch)
     buckets = self.settings.num_timestep_buckets
+    # The DiT's scanned weights stacked here, once, not in every step of the caller's sampling loop.
+    stacked = self.action_head.dit.stack_blocks()
 
     def fn(x, t):
-      return self.action_head.velocity(x, flow.groot_timestep_buckets(t, buckets), state_tokens, vl, batch)
+      return self.action_head.velocity(x, flow.groot_timestep_buckets(t, buckets), state_tokens, vl, batch,
+                                       dit_stacked=stacked)
     return fn
 
   def compute_loss(self, batch, rng, *, time=None, noise=None, train: bool = True):

@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import dataclasses
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.extend.core
@@ -387,18 +387,43 @@ def run_block(block: nnx.Module, *args, remat: str = "none", **kwargs):
 MIN_SCANNED = 4
 
 
+class StackedBlocks(NamedTuple):
+  """A block list's weights stacked for run_blocks' scan: per kind (period), its graphdef and its
+  blocks' states stacked on a leading [n // period] axis."""
+  graphdefs: tuple
+  stacks: tuple
+  period: int
+
+
+def stack_blocks(blocks: Sequence[nnx.Module], *, scan: bool = True, period: int = 1) -> StackedBlocks | None:
+  """The stacked weights run_blocks scans over, or None where it runs the blocks as a loop (scan off,
+  fewer than MIN_SCANNED repeats, or a count that is not a whole number of periods)."""
+  n = len(blocks)
+  if not scan or n < MIN_SCANNED * period or n % period:
+    return None
+  graphdefs, stacks = [], []
+  for j in range(period):
+    split = [nnx.split(blocks[i]) for i in range(j, n, period)]
+    graphdefs.append(split[0][0])
+    stacks.append(jax.tree.map(lambda *leaves: jnp.stack(leaves), *[state for _, state in split]))
+  return StackedBlocks(tuple(graphdefs), tuple(stacks), period)
+
+
 def run_blocks(blocks: Sequence[nnx.Module], x: jax.Array, *args, remat: str = "none", scan: bool = True,
-               period: int = 1, rng: jax.Array | None = None, **kwargs) -> jax.Array:
+               period: int = 1, rng: jax.Array | None = None, stacked: StackedBlocks | None = None,
+               **kwargs) -> jax.Array:
   """x through every block in order, each as run_block(block, x, *args, **kwargs, rng=...).
 
-  With `scan` and at least MIN_SCANNED repeats, blocks that repeat (block i and i + period share one structure: `period=2` for
-  the DiT's alternating cross- and self-attention blocks) run as one lax.scan over their weights
-  stacked on a leading axis, so the train step traces and compiles one block per kind instead of
-  every block; the parameters keep their per-layer layout (checkpoints and weight import are
-  unchanged) and the stacking is a copy XLA makes once per call. Inside a sampling loop it does not
-  depend on the loop: XLA:CPU hoists it out (tests/models/test_layers.py), XLA:GPU (jaxlib 0.9.2, a
-  compile-only H100) does not and restacks every denoising step (BENCHMARKS.md; open). Block i's dropout key is
-  fold_in(rng, i) either way, so both paths compute the same numbers.
+  With `scan` and at least MIN_SCANNED repeats, blocks that repeat (block i and i + period share one
+  structure: `period=2` for the DiT's alternating cross- and self-attention blocks) run as one
+  lax.scan over their weights stacked on a leading axis (stack_blocks), so the train step traces and
+  compiles one block per kind instead of every block; the parameters keep their per-layer layout
+  (checkpoints and weight import are unchanged) and the stacking is a copy made once per call.
+  A caller that runs the blocks many times on the same weights (a sampling loop) passes `stacked`,
+  made once outside its loop: XLA:CPU hoists a stacking made inside a lax.fori_loop out of it, but
+  XLA:GPU (jaxlib 0.9.2, a compile-only H100) does not and would copy the weights every denoising
+  step (BENCHMARKS.md). Block i's dropout key is fold_in(rng, i) either way, so both paths compute the
+  same numbers.
   """
   n = len(blocks)
 
@@ -407,21 +432,20 @@ def run_blocks(blocks: Sequence[nnx.Module], x: jax.Array, *args, remat: str = "
     extra = {} if rng is None else {"rng": block_rng}
     return run_block(block, h, *args, remat=remat, **kwargs, **extra)
 
-  if not scan or n < MIN_SCANNED * period or n % period:
+  if stacked is None:
+    stacked = stack_blocks(blocks, scan=scan, period=period)
+  if stacked is None:
     for i, block in enumerate(blocks):
       x = call(block, x, i)
     return x
-  graphdefs, stacks = [], []
-  for j in range(period):
-    split = [nnx.split(blocks[i]) for i in range(j, n, period)]
-    graphdefs.append(split[0][0])
-    stacks.append(jax.tree.map(lambda *leaves: jnp.stack(leaves), *[state for _, state in split]))
+  if stacked.period != period:
+    raise ValueError(f"stacked blocks have period {stacked.period}, the call asks for {period}")
 
   def body(h, xs):
     states, step = xs
     for j in range(period):
-      h = call(nnx.merge(graphdefs[j], states[j]), h, step * period + j)
+      h = call(nnx.merge(stacked.graphdefs[j], states[j]), h, step * period + j)
     return h, None
 
-  x, _ = jax.lax.scan(body, x, (stacks, jnp.arange(n // period)))
+  x, _ = jax.lax.scan(body, x, (stacked.stacks, jnp.arange(n // period)))
   return x

@@ -151,32 +151,66 @@ def test_scanned_blocks_match_the_unrolled_loop_in_values_and_gradients():
   assert "scan[" not in str(jax.make_jaxpr(lambda x: small(x, timesteps, **inputs))(x))
 
 
-def test_scanned_weights_are_stacked_once_per_call_not_once_per_denoising_step():
-  """run_blocks stacks a scanned kind's per-layer weights at call time. Inside a sampling loop
-  (flow.euler_sample's fori_loop, as GR00T's action head runs its DiT at full size) the stacking
-  does not depend on the loop, and XLA:CPU's loop-invariant code motion hoists it: in the compiled
-  program every concatenate runs once per call, not once per denoising step. (XLA:GPU does not
-  hoist it: BENCHMARKS.md, the compile-only H100 check.)"""
+def stacking_in_a_sampling_loop(once: bool, devices=None) -> list[int]:
+  """How often each weight-stacking concatenate of a scanned 8-layer DiT runs when flow.euler_sample's
+  4-step loop samples through it, as compiled (for `devices`, default the CPU): stacked inside every
+  step (once=False) or once before the loop (DiT.stack_blocks, as GR00T's velocity_fn does)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
   from ejax.models import dit, flow
   from ejax.parallel import hlo
+
+  config = dit.DiTConfig(num_layers=8, num_heads=2, head_dim=8, output_dim=16, cross_attention_dim=12)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: dit.DiT(config, rngs=nnx.Rngs(0))))
+  sharding = NamedSharding(Mesh(np.asarray(devices or jax.devices()[:1]), ("d",)), P())
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+
+  def sample(state, noise, vl):
+    model = nnx.merge(graphdef, state)
+    inputs = dict(vl_tokens=vl, vl_segment_ids=jnp.ones((2, 7), jnp.int32), sample_row=jnp.array([0, 1]),
+                  sample_segment=jnp.array([1, 1]), stacked=model.stack_blocks() if once else None)
+    return flow.euler_sample(lambda x, t: model(x, (t * 999).astype(jnp.int32), **inputs), noise, 4,
+                             convention="groot")
+
+  noise = jax.ShapeDtypeStruct((2, 5, config.width), jnp.float32, sharding=sharding)
+  vl = jax.ShapeDtypeStruct((2, 7, 12), jnp.float32, sharding=sharding)
+  module = hlo.parse(jax.jit(sample).lower(state, noise, vl).compile().as_text())
+  assert max(module.runs.values()) >= 4 * 4    # the DiT's scan (4 pairs) inside the 4-step loop
+  # The stacked weights: [4 pairs, ...] concatenates (the timestep embedding's sin|cos is one too).
+  return [runs for runs, _, shape, op, _ in hlo._instructions(module) if op == "concatenate" and shape.startswith("f32[4,")]
+
+
+def test_scanned_weights_are_stacked_once_per_call_not_once_per_denoising_step():
+  """run_blocks stacks a scanned kind's per-layer weights at call time. GR00T's sampling loop
+  (flow.euler_sample's fori_loop, its DiT scanned at full size) stacks them once before the loop
+  (DiT.stack_blocks): the loop's body holds no stacking at all, on any backend. Stacked inside the
+  body instead, XLA:CPU hoists it (every concatenate still runs once a call) but XLA:GPU does not
+  (tests/train/test_compile_report_gpu.py: 4 runs a call, one a denoising step)."""
+  from ejax.models import dit, flow
 
   config = dit.DiTConfig(num_layers=8, num_heads=2, head_dim=8, output_dim=16, cross_attention_dim=12)
   model = layers.host_random_init(nnx.eval_shape(lambda: dit.DiT(config, rngs=nnx.Rngs(0))), stddev=0.2)
   vl = jax.random.normal(jax.random.key(2), (2, 7, 12))
   inputs = dict(vl_tokens=vl, vl_segment_ids=jnp.ones((2, 7), jnp.int32), sample_row=jnp.array([0, 1]),
                 sample_segment=jnp.array([1, 1]))
-
-  @nnx.jit
-  def sample(m, noise):
-    velocity = lambda x, t: m(x, (t * 999).astype(jnp.int32), **inputs)
-    return flow.euler_sample(velocity, noise, 4, convention="groot")
-
   noise = jax.random.normal(jax.random.key(1), (2, 5, config.width))
-  text = sample.lower(model, noise).compile().as_text()
-  module = hlo.parse(text)
-  # The stacked weights: [4 pairs, ...] concatenates (the timestep embedding's sin|cos is one too).
-  concat_runs = [runs for runs, _, shape, op, _ in hlo._instructions(module)
-                 if op == "concatenate" and shape.startswith("f32[4,")]
-  assert len(concat_runs) >= 8, "expected the stacked weights to appear as concatenates"
-  assert max(module.runs.values()) >= 4 * 4    # the DiT's scan (4 pairs) inside the 4-step loop
-  assert set(concat_runs) == {1}, f"weights re-stacked inside the sampling loop: {concat_runs}"
+
+  def sample(m, noise, once):
+    stacked = m.stack_blocks() if once else None
+    return flow.euler_sample(lambda x, t: m(x, (t * 999).astype(jnp.int32), stacked=stacked, **inputs), noise, 4,
+                             convention="groot")
+
+  # The same numbers either way.
+  np.testing.assert_allclose(nnx.jit(sample, static_argnums=2)(model, noise, True),
+                             nnx.jit(sample, static_argnums=2)(model, noise, False), rtol=1e-6, atol=1e-6)
+  # Stacked once: no weight stacking (jnp.stack's concatenate of [4 pairs, ...]) in the loop's body.
+  jaxpr = jax.make_jaxpr(lambda noise: sample(model, noise, True))(noise)
+  (loop,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name in ("while", "scan")]   # fori_loop: a scan
+  body = str(loop.params.get("jaxpr", loop.params.get("body_jaxpr")))
+  assert not [line for line in body.splitlines() if "concatenate" in line and "f32[4," in line]
+  outside = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "concatenate" and eqn.outvars[0].aval.shape[0] == 4]
+  assert len(outside) >= 8, "expected the stacked weights before the loop"
+  # As XLA:CPU compiles it, each stacking runs once a call both ways.
+  for once in (True, False):
+    runs = stacking_in_a_sampling_loop(once)
+    assert len(runs) >= 8 and set(runs) == {1}, f"weights re-stacked inside the sampling loop: {runs}"

@@ -75,6 +75,26 @@ def test_a_data_parallel_gradient_compiles_for_eight_h100s():
   assert all_reduce == "True" and gpu_gemm == "True"  # XLA:GPU's program: an async all-reduce, GPU GEMMs
 
 
+STACKING_PROBE = """
+from ejax.parallel import aot_target
+aot_target.run_jax_on_cpu()
+devices = aot_target.compile_only_devices("h100", 1)
+from tests.models.test_layers import stacking_in_a_sampling_loop
+print(sorted(set(stacking_in_a_sampling_loop(False, devices))), sorted(set(stacking_in_a_sampling_loop(True, devices))))
+"""
+
+
+@needs_plugin
+def test_gr00t_sampling_stacks_its_dit_weights_once_on_a_gpu():
+  """XLA:GPU does not hoist a weight stacking out of a sampling loop (XLA:CPU does): stacked in the
+  loop's body, each of the scanned DiT's concatenates runs once a denoising step; stacked once before
+  the loop (DiT.stack_blocks, GR00T's velocity_fn), once a call."""
+  done = subprocess.run([sys.executable, "-c", STACKING_PROBE], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip().splitlines()[-1] == "[4] [1]"
+
+
 @needs_plugin
 def test_compile_report_on_h100s_keeps_the_report(tmp_path):
   path = tmp_path / "report.json"
