@@ -55,6 +55,18 @@ def test_normalizer_round_trips_and_guards_flat_dimensions():
     transforms.Normalizer(stats, "mean_std", ["observation.state"])
 
 
+def test_quantile_mode_passes_through_a_dimension_whose_bulk_is_one_value():
+  """ejax.sim's goal position over all 15 tasks: 98 % of frames hold one goal (q99 - q01 = 7e-6 m),
+  the rest span 0.13 m. Scaled by the bulk's spread the rare goals landed at ~3e4 (pi0.5's loss ~1e7);
+  the dimension passes through instead, as an exactly flat one does. A narrow but real bulk still scales."""
+  stats = {"goal": {"q01": np.array([0.0476, 0.0]), "q99": np.array([0.0476068, 0.1]),
+                    "min": np.array([0.018, -0.5]), "max": np.array([0.15, 0.5])}}
+  quantile = transforms.Normalizer(stats, "quantile", ["goal"])
+  goals = np.array([[0.0476, 0.05], [0.15, 0.1]], np.float32)
+  np.testing.assert_allclose(quantile.normalize("goal", goals), [[0.0476, 0.0], [0.15, 1.0]], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(quantile.unnormalize("goal", quantile.normalize("goal", goals)), goals, rtol=1e-6)
+
+
 def test_image_transforms_are_seeded_and_keep_shapes():
   image = np.random.default_rng(0).integers(0, 256, (20, 30, 3), np.uint8)
   config = ConfigDict(dict(image_size=[16, 16], augment=dict(crop_scale=0.8, brightness=0.3,
