@@ -41,8 +41,8 @@ encoder cache ~2 min, compile ~75 s, then 12-91 samples/s; action loss 1.1 -> 0.
 over the five tasks in each of two runs, 59 % [53, 65] each with eval's episodes=50 (lifts 55-62 /
 30-40 %, drawers 95-100 %, the pick-and-place 0-2 %; GR00T's quickstart: 60-63 %; without the
 perception module 35 % [26, 45], lifts 0 %). Its video prediction in closed loop, as an image and a
-latent MSE against "nothing moves" (0.34 vs 0.43 on one rollout of each task, without the perception
-module): benchmarks/dreamzero_rollout.py.
+latent MSE against "nothing moves" (0.34 vs 0.43 on one rollout of each task, with the perception
+module and without it): benchmarks/dreamzero_rollout.py.
 Act (the eval and serve jobs, as for GR00T; ejax.train.policy): each observation becomes the grid of the
 current frame, the state and the prompt; the model samples chunk 0 (actions_per_chunk actions) over the
 KV cache of that frame with UniPC and guidance:
