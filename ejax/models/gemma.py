@@ -271,8 +271,10 @@ class KVCache:
   block_ids: jax.Array    # [B, S]
 
 
-def _layer_weights(decoder: GemmaDecoder, dtype) -> dict:
-  """The stacked layer weights of one decoder as a dict of arrays (scanned over axis 0)."""
+def layer_weights(decoder: GemmaDecoder, dtype) -> dict:
+  """The stacked layer weights of one decoder as a dict of arrays (scanned over axis 0), cast to the
+  compute dtype. A sampling loop makes them once and passes them to run_mixture's every call: XLA:GPU
+  (a compile-only H100, jaxlib 0.9.2) leaves the cast inside a fori_loop, once a denoising step."""
   layers = decoder.layers
   weights = {name: getattr(layers, name).value.astype(dtype)
              for name in ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear")}
@@ -304,12 +306,14 @@ def run_mixture(
     dtype=jnp.float32,
     remat: str = "none",
     attention_impl: str = "auto",
+    weights: Sequence[dict | None] | None = None,
 ) -> tuple[list[jax.Array | None], KVCache | None]:
   """Runs decoders jointly: per layer each stream uses its own decoder's weights, then ONE attention
   over all streams' q/k/v (plus the cached keys/values of earlier calls).
 
   A None stream skips that decoder (its weights are not touched). Returns the final-normed outputs
-  per stream and, when asked, the KV cache of this call's tokens (cache ones first).
+  per stream and, when asked, the KV cache of this call's tokens (cache ones first). `weights[i]`, where
+  given, is decoder i's layer_weights made by the caller (once, outside its sampling loop).
   """
   if len(decoders) != len(streams):
     raise ValueError(f"run_mixture got {len(decoders)} decoders but {len(streams)} streams")
@@ -329,7 +333,8 @@ def run_mixture(
     kv_segments = jnp.concatenate([kv_cache.segment_ids, q_segments], axis=1)
     kv_blocks = jnp.concatenate([kv_cache.block_ids, q_blocks], axis=1)
   conds = [streams[i].cond for i in active]
-  weights = [_layer_weights(decoders[i], dtype) for i in active]
+  given = weights or [None] * len(decoders)
+  weights = [layer_weights(decoders[i], dtype) if given[i] is None else given[i] for i in active]
 
   def layer(carry, per_layer):
     xs = carry

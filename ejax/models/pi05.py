@@ -297,17 +297,21 @@ class Pi05(nnx.Module):
     _, cache = self._run([prefix, None], return_kv_cache=True)
     return cache, self.perceive(batch)
 
-  def expert_velocity(self, batch, cache, seen, noisy_actions: jax.Array, t: jax.Array) -> jax.Array:
+  def expert_velocity(self, batch, cache, seen, noisy_actions: jax.Array, t: jax.Array,
+                      expert_weights: dict | None = None) -> jax.Array:
     """The action expert alone against a prefix_cache: velocity [n, H, A]; `batch` needs only the
-    suffix layout (suffix_*, sample_row_offset, sample_slot, the prefix rows' count)."""
-    (_, suffix_out), _ = self._run([None, self.embed_suffix(batch, noisy_actions, t, seen)], kv_cache=cache)
+    suffix layout (suffix_*, sample_row_offset, sample_slot, the prefix rows' count); `expert_weights`:
+    the expert's gemma.layer_weights, made once by a sampling loop's caller."""
+    (_, suffix_out), _ = self._run([None, self.embed_suffix(batch, noisy_actions, t, seen)], kv_cache=cache,
+                                   weights=[None, expert_weights])
     return self._velocity_from_suffix(batch, suffix_out)
 
   def velocity_fn(self, batch):
-    """velocity_fn(x [n, H, A], t [n]) for ejax.models.flow; the prefix KV cache is filled here,
-    once, and every call runs only the action expert against it."""
+    """velocity_fn(x [n, H, A], t [n]) for ejax.models.flow; the prefix KV cache and the expert's
+    compute-dtype weights are made here, once, and every call runs only the action expert against them."""
     cache, seen = self.prefix_cache(batch)
-    return lambda x, t: self.expert_velocity(batch, cache, seen, x, t)
+    weights = gemma.layer_weights(self.expert, self.dtype)
+    return lambda x, t: self.expert_velocity(batch, cache, seen, x, t, expert_weights=weights)
 
   def sample_actions(self, batch, rng, *, noise=None, num_steps=None):
     n = batch["sample_row_offset"].shape[0]

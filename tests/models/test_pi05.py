@@ -215,3 +215,28 @@ def test_continuous_state_reaches_the_action_expert_beside_the_prompt_bins():
   assert np.all(change > 1e-3), change
   grads = nnx.jit(nnx.grad(lambda m, b: _loss(m, b, time, noise)[0]))(model, packed)
   assert float(jnp.abs(grads.state_proj.kernel[...]).sum()) > 0
+
+
+def test_sampling_casts_the_experts_weights_once_not_every_denoising_step():
+  """At bf16 compute the expert's stacked f32 layer weights are cast before the denoising loop
+  (gemma.layer_weights in velocity_fn), not in its body: XLA:GPU (a compile-only H100) left the cast
+  in the loop, once a step (BENCHMARKS.md). Checked on the traced program, so on any backend."""
+  c = pi05.model_config("runlocal")
+  c.dtype = "bfloat16"
+  model = nnx.eval_shape(lambda: pi05.create(c, nnx.Rngs(0)))
+  batch = jax.tree.map(jnp.asarray, pi05_inputs.example_batch(c, 2))
+  stacked = {tuple(getattr(model.expert.layers, name).value.shape)
+             for name in ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear")}
+
+  def weight_casts(jaxpr) -> int:
+    return sum(1 for eqn in jaxpr.eqns if eqn.primitive.name == "convert_element_type"
+               and tuple(eqn.invars[0].aval.shape) in stacked and eqn.outvars[0].aval.dtype == jnp.bfloat16)
+
+  graphdef, state = nnx.split(model)
+  jaxpr = jax.make_jaxpr(lambda state, batch: nnx.merge(graphdef, state).sample_actions(batch, jax.random.key(0)))(
+      state, batch).jaxpr
+  (loop,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name in ("scan", "while")
+             and eqn.params.get("length", 0) == c.num_inference_steps or eqn.primitive.name == "while"]
+  body = loop.params.get("jaxpr", loop.params.get("body_jaxpr")).jaxpr
+  assert any(eqn.primitive.name == "scan" for eqn in body.eqns), "expected the expert's layer scan in the loop"
+  assert weight_casts(body) == 0
