@@ -321,11 +321,12 @@ def example_batch(model_config, batch_size: int, seed: int = 0):
   return groot_inputs.example_batch(model_config, batch_size, seed)
 
 
-def make_collate(model_config, data_config=None):
-  """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path."""
+def make_collate(model_config, data_config=None, *, inference: bool = False):
+  """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path;
+  `inference`: a policy's batch, which may take more rows than a training batch's fixed count."""
   aux_key = data_config.get("aux_state_key", None) if data_config is not None else None
   pixel_key = data_config.get("aux_pixel_key", None) if data_config is not None else None
-  return groot_inputs.make_collate(model_config, aux_key=aux_key, pixel_key=pixel_key)
+  return groot_inputs.make_collate(model_config, aux_key=aux_key, pixel_key=pixel_key, fit_rows=inference)
 
 
 SPEC = ModelSpec(create=create, example_batch=example_batch, trainable_filter=trainable_filter,

@@ -94,15 +94,17 @@ def assemble(model_config, prompts: Sequence[Sequence[int]], images: np.ndarray,
              actions: np.ndarray, action_masks: np.ndarray, embodiment_ids: np.ndarray, *,
              num_rows: int | None = None, seed: int = 0, pack: bool = True,
              aux_states: Sequence[np.ndarray | None] | None = None,
-             aux_pixels: Sequence[np.ndarray | None] | None = None) -> dict[str, np.ndarray]:
+             aux_pixels: Sequence[np.ndarray | None] | None = None, fit_rows: bool = False) -> dict[str, np.ndarray]:
   """Packs token prompts (image-context tokens marked by model_config.image_token_id) into rows;
-  pack=False puts each sample alone in its own row (the padded, unpacked layout)."""
+  pack=False puts each sample alone in its own row (the padded, unpacked layout). fit_rows: samples
+  that need more rows than rows_for get them (a policy's batch) instead of a training batch's error."""
   n = len(prompts)
   per_image = tokens_per_image(model_config)
   row_length = model_config.packing.row_length
   if pack:
     num_rows = rows_for(model_config, n) if num_rows is None else num_rows
     rows = pack_sequences([len(p) for p in prompts], row_length, buffer_size=max(n, 1), seed=seed)
+    num_rows = max(num_rows, len(rows)) if fit_rows else num_rows
   else:
     num_rows = n if num_rows is None else num_rows
     rows = [[i] for i in range(n)]
@@ -154,7 +156,8 @@ def prompt_ids(model_config, tokenizer: QwenTokenizer, task: str, num_images: in
 
 
 def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_rows: int | None = None,
-            seed: int = 0, aux_key: str | None = None, pixel_key: str | None = None) -> dict[str, np.ndarray]:
+            seed: int = 0, aux_key: str | None = None, pixel_key: str | None = None,
+            fit_rows: bool = False) -> dict[str, np.ndarray]:
   """Tokenises, pads and packs pipeline samples into one GR00T batch; `aux_key` names the samples'
   target of model.perception's estimate, `pixel_key` its detectors' keypoint labels."""
   c = model_config
@@ -185,17 +188,18 @@ def collate(samples: list[dict], model_config, tokenizer: QwenTokenizer, *, num_
   aux_pixels = [sample.get(pixel_key) for sample in samples] if pixel_key else None
   return assemble(c, prompts, images, np.stack(states), np.stack(actions), np.stack(masks),
                   np.asarray(embodiments), num_rows=num_rows, seed=seed, aux_states=aux_states,
-                  aux_pixels=aux_pixels)
+                  aux_pixels=aux_pixels, fit_rows=fit_rows)
 
 
-def make_collate(model_config, tokenizer: QwenTokenizer | None = None, *,
-                 aux_key: str | None = None, pixel_key: str | None = None) -> Callable[[list[dict]], dict]:
+def make_collate(model_config, tokenizer: QwenTokenizer | None = None, *, aux_key: str | None = None,
+                 pixel_key: str | None = None, fit_rows: bool = False) -> Callable[[list[dict]], dict]:
   """collate bound to a tokenizer: config.model.tokenizer_path's Qwen BPE, or bytes when it is empty."""
   tokenizer = tokenizer or load_tokenizer(model_config.tokenizer_path, model_config.llm.vocab_size)
   # The train job chooses an auto row from the dataset first (ejax.train.inputs); elsewhere (a policy
   # built from a config, not a checkpoint) the example batch's choice stands.
   model_config = example_config(model_config)
-  return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key, pixel_key=pixel_key)
+  return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key, pixel_key=pixel_key,
+                                 fit_rows=fit_rows)
 
 
 def _example_prompts(model_config, batch_size: int, rng: np.random.Generator) -> list[list[int]]:

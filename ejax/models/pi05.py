@@ -343,13 +343,15 @@ def example_batch(model_config, batch_size: int, seed: int = 0):
   return pi05_inputs.example_batch(model_config, batch_size, seed)
 
 
-def make_collate(model_config, data_config=None):
+def make_collate(model_config, data_config=None, *, inference: bool = False):
   """collate(list of pipeline samples) -> packed batch, tokenising with config.model.tokenizer_path
   (on ejax.sim's recorded demonstrations without one: a tokenizer built locally from the suites'
   instructions, ejax.models.paligemma_tokenizer.sim_suites_tokenizer); with model.perception, its targets
-  from data.aux_state_key / aux_pixel_key."""
+  from data.aux_state_key / aux_pixel_key. `inference`: a policy's batch, which may take more rows than
+  a training batch's fixed count."""
   data = data_config if data_config is not None else {}
-  keys = dict(aux_key=data.get("aux_state_key", None), pixel_key=data.get("aux_pixel_key", None))
+  keys = dict(aux_key=data.get("aux_state_key", None), pixel_key=data.get("aux_pixel_key", None),
+              fit_rows=inference)
   if not model_config.tokenizer_path and data_config is not None and data_config.get("name") == "sim_demos":
     from ejax.models.paligemma_tokenizer import PaligemmaTokenizer, sim_suites_tokenizer
     return pi05_inputs.make_collate(model_config, PaligemmaTokenizer(sim_suites_tokenizer(),

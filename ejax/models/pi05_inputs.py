@@ -105,10 +105,13 @@ def _limit_samples_per_row(rows: list[list[int]], lengths: Sequence[int], row_le
 
 def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Sequence[np.ndarray]],
              actions: np.ndarray, action_masks: np.ndarray, *, num_rows: int | None = None,
-             num_images: int | None = None, seed: int = 0, pack: bool = True) -> dict[str, np.ndarray]:
+             num_images: int | None = None, seed: int = 0, pack: bool = True,
+             fit_rows: bool = False) -> dict[str, np.ndarray]:
   """Lays out token prompts and per-sample lists of present images ([S, S, 3] uint8) in rows.
 
   pack=False puts each sample alone in its own row: the one-by-one layout tests compare against.
+  fit_rows: a batch whose samples need more rows than rows_for gets them (a policy's batch, whose
+  shape may vary) instead of the error a training batch, whose shape is fixed, gets.
   """
   c = model_config
   n = len(prompts)
@@ -119,6 +122,7 @@ def assemble(model_config, prompts: Sequence[np.ndarray], images: Sequence[Seque
     rows = pack_sequences(lengths, row_length, buffer_size=max(n, 1), seed=seed)
     rows = _limit_samples_per_row(rows, lengths, row_length, slots)
     num_rows = rows_for(c, n) if num_rows is None else num_rows
+    num_rows = max(num_rows, len(rows)) if fit_rows else num_rows
   else:
     for i, length in enumerate(lengths):
       if length > row_length:
@@ -201,7 +205,7 @@ def present_cameras(sample: dict) -> list[str]:
 
 def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *, num_rows: int | None = None,
             seed: int = 0, pack: bool = True, aux_key: str | None = None,
-            pixel_key: str | None = None) -> dict[str, np.ndarray]:
+            pixel_key: str | None = None, fit_rows: bool = False) -> dict[str, np.ndarray]:
   """Tokenises (task + discretised state), resizes, pads and packs pipeline samples into a batch; with
   model.perception also the state as a vector and the module's targets (`aux_key`, `pixel_key`)."""
   c = model_config
@@ -231,7 +235,8 @@ def collate(samples: list[dict], model_config, tokenizer: PaligemmaTokenizer, *,
     mask[:, :action.shape[1]] = real_steps[:, None]
     actions.append(_pad_to(action, c.action_dim, 1, "action_dim"))
     masks.append(mask)
-  batch = assemble(c, prompts, images, np.stack(actions), np.stack(masks), num_rows=num_rows, seed=seed, pack=pack)
+  batch = assemble(c, prompts, images, np.stack(actions), np.stack(masks), num_rows=num_rows, seed=seed, pack=pack,
+                   fit_rows=fit_rows)
   return with_perception(batch, c, np.stack(states), [s.get(aux_key) for s in samples] if aux_key else None,
                          [s.get(pixel_key) for s in samples] if pixel_key else None)
 
@@ -247,12 +252,13 @@ def with_perception(batch: dict, model_config, states: np.ndarray, aux_states=No
 
 
 def make_collate(model_config, tokenizer: PaligemmaTokenizer | None = None, *, aux_key: str | None = None,
-                 pixel_key: str | None = None) -> Callable[[list[dict]], dict]:
+                 pixel_key: str | None = None, fit_rows: bool = False) -> Callable[[list[dict]], dict]:
   # The train job chooses an auto row from the dataset first (ejax.train.inputs); elsewhere (a policy
   # built from a config, not a checkpoint) the example batch's choice stands.
   model_config = example_config(model_config)
   tokenizer = tokenizer or PaligemmaTokenizer(model_config.tokenizer_path, max_len=model_config.max_token_len)
-  return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key, pixel_key=pixel_key)
+  return lambda samples: collate(samples, model_config, tokenizer, aux_key=aux_key, pixel_key=pixel_key,
+                                 fit_rows=fit_rows)
 
 
 def example_cameras(model_config) -> int:

@@ -49,7 +49,9 @@ class CheckpointPolicy:
     if "action" in self.normalizer.params:
       self.action_dim = int(self.normalizer.params["action"][0].shape[0])
     spec = self.spec = get_model_spec(model_config.name)
-    self.collate = spec.make_collate(model_config, self.data) if spec.make_collate else _stack
+    # inference: a batch of observations may pack into more rows than a training batch's fixed count
+    # (its prompts are the envs' instructions, not a random draw): it gets them, at a recompile.
+    self.collate = spec.make_collate(model_config, self.data, inference=True) if spec.make_collate else _stack
     graphdef, state = nnx.split(model)
 
     @jax.jit

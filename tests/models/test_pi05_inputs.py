@@ -8,6 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
+from ejax.errors import BatchError
 from ejax.models import layers, pi05, pi05_inputs
 from ejax.models.paligemma_tokenizer import PaligemmaTokenizer, build_tokenizer, discretize_state, pi05_prompt
 
@@ -93,6 +94,30 @@ def test_collate_packs_prompts_and_skips_absent_cameras(config, tokenizer):
   assert batch["images"].shape == (6 * config.packing.max_images_per_sample, 32, 32, 3)
   with pytest.raises(ValueError, match="action_horizon"):
     pi05_inputs.collate([{**samples[1], "action": np.zeros((9, 3), np.float32)}], config, tokenizer)
+
+
+def test_a_policy_batch_takes_the_rows_it_needs_where_a_training_batch_stops(config, tokenizer):
+  """A training batch has rows_for rows (a fixed shape every host agrees on) and one error line when
+  its samples do not fit; a policy's batch (make_collate(..., fit_rows=True), the policy's inference
+  collate) takes the rows it needs instead: the 15 suites' 60 eval prompts needed 13 rows of 240 where
+  rows_for gave 12. Every sample still finds its own prompt in its row."""
+  demos = SmallDemos(config.action_horizon)
+  samples = [demos.sample(i) for i in range(6)]
+  per_image = pi05_inputs.patches_per_image(config)
+  lengths = [len(pi05_inputs.present_cameras(s)) * per_image
+             + len(tokenizer.tokenize_prompt(s["task"], np.pad(s["observation.state"], (0, 1)))) for s in samples]
+  narrow = config.copy_and_resolve_references()
+  narrow.packing.row_length = max(lengths) + 1      # about one sample a row: 6 rows where rows_for gives 3
+  assert pi05_inputs.rows_for(narrow, 6) == 3
+  with pytest.raises(BatchError, match="6 samples need .* rows of .* but the batch has 3"):
+    pi05_inputs.make_collate(narrow, tokenizer)(samples)
+  batch = pi05_inputs.make_collate(narrow, tokenizer, fit_rows=True)(samples)
+  assert batch["prefix_tokens"].shape[0] > 3
+  for i, sample in enumerate(samples):
+    row, slot = pi05_inputs.sample_rows(batch)[i], batch["sample_slot"][i]
+    in_row = batch["prefix_segment_ids"][row] == slot + 1
+    prompt = tokenizer.tokenize_prompt(sample["task"], np.pad(sample["observation.state"], (0, 1)))
+    np.testing.assert_array_equal(batch["prefix_tokens"][row][in_row & ~batch["prefix_is_image"][row]], prompt)
 
 
 def test_concatenated_local_batches_keep_rows_and_images_with_their_samples(config, tokenizer):

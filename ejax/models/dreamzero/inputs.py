@@ -218,9 +218,10 @@ def lerobot_collate(model_config, data_config):
   return collate
 
 
-def make_collate(model_config, data_config=None):
+def make_collate(model_config, data_config=None, *, inference: bool = False):
   """The collate of data.name: synthetic (the smoke-test world above) or a LeRobot dataset (lerobot,
-  sim_demos, or the policy's observations of a checkpoint trained on one)."""
+  sim_demos, or the policy's observations of a checkpoint trained on one). Nothing is packed, so a
+  policy's batch (`inference`) is laid out as a training batch."""
   name = data_config.get("name", "synthetic") if data_config is not None else "synthetic"
   if name == "synthetic":
     return synthetic_collate(model_config)
