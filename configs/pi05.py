@@ -29,8 +29,13 @@ Measured on a 2-core CPU shared with other jobs, on a 16-episode LeRobot v3 data
 video cameras, 3-dim state and action, 4 tasks): compile ~70 s, then 200 steps in ~15 s; the
 flow-matching loss fell from 1.93 (step 20) to 0.56 (step 200). tests/models/test_pi05_inputs.py
 trains the runlocal model on pipeline-schema samples and checks the loss falls below half.
-Arg string: `runlocal`, `suites` (GR00T's 15-task recipe, common.sim_suites_recipe), `steps=N`, `batch=N`,
-`horizon=N`, `dataset=PATH|sim`, `lora`, e.g.
+All 15 tasks with GR00T's longer recipe (common.sim_suites_recipe: 100 demos a task with missed grasps,
+detectors that see a neighbourhood, the calibrated cameras, two flow steps, 7000 steps):
+  python -m ejax.main --config=configs/pi05.py:suites --workdir=runs/pi05_suites
+  python -m ejax.main --config=configs/eval.py:runlocal,episodes=50 --config.eval.checkpoint=runs/pi05_suites/checkpoints
+Measured 2026-11-27 (2 cores, recording cached): training 23 min 39 s, then 67.1 % [63.6, 70.3] over 750
+unseen episodes (GR00T's `suites`: 81.3 %; BENCHMARKS.md, "pi0.5 on the 15 tasks").
+Arg string: `runlocal`, `suites`, `steps=N`, `batch=N`, `horizon=N`, `dataset=PATH|sim`, `lora`, e.g.
 configs/pi05.py:runlocal,steps=50. `runlocal,dataset=sim` trains on the GR00T quickstart's recorded
 ejax.sim demonstrations with a tokenizer built locally from the suites' instructions (nothing to
 download), and the eval job judges it like any checkpoint:
