@@ -46,7 +46,8 @@ issue 33), and the action expert reads the state continuously (model.continuous_
 the state vector, the module's slots written, joins every action token, as pi0 reads its state) with the
 prompt the instruction alone (model.discrete_state_input=False, openpi's switch). Measured 2026-11-27 on
 the 2 shared cores, demos cached, 2500 steps of batch 32 (the default): the two commands above, training
-7 min 26 s (19:20-19:28, load 7-8, five samples a row), then the eval command: 69 % [59.4, 77.2] over
+7 min 26 s (19:20-19:28, load 7-8, five samples a row; from a clean cache on idle cores, 21:35-21:41,
+4 min 58 s with the recording, the same result), then the eval command: 69 % [59.4, 77.2] over
 100 episodes (lifts 100 / 75 %, drawers 85 / 80 %, the pick-and-place 5 %); with --config.seed=1 56 %
 [46.2, 65.3] (6 min 19 s, load 4-7): together 62.5 % [55.6, 68.9] of 200. Earlier, 1500 steps: training
 9 min 15 s (18:54-19:04, load 11-12; compile 55 s, ~97 samples/s, five samples a row), flow loss ~0.31
