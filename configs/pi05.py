@@ -33,8 +33,9 @@ All 15 tasks with GR00T's longer recipe (common.sim_suites_recipe: 100 demos a t
 detectors that see a neighbourhood, the calibrated cameras, two flow steps, 7000 steps):
   python -m ejax.main --config=configs/pi05.py:suites --workdir=runs/pi05_suites
   python -m ejax.main --config=configs/eval.py:runlocal,episodes=50 --config.eval.checkpoint=runs/pi05_suites/checkpoints
-Measured 2026-11-27 (2 cores, recording cached): training 23 min 39 s, then 67.1 % [63.6, 70.3] over 750
-unseen episodes (GR00T's `suites`: 81.3 %; BENCHMARKS.md, "pi0.5 on the 15 tasks").
+Measured 2026-11-27 (2 cores, recording cached): training 22-24 min, then 67.1 % [63.6, 70.3] and, seed 1,
+66.8 % [63.4, 70.1] over 750 unseen episodes each (GR00T's `suites`: 81.3 %; BENCHMARKS.md, "pi0.5 on the
+15 tasks").
 Arg string: `runlocal`, `suites`, `steps=N`, `batch=N`, `horizon=N`, `dataset=PATH|sim`, `lora`, e.g.
 configs/pi05.py:runlocal,steps=50. `runlocal,dataset=sim` trains on the GR00T quickstart's recorded
 ejax.sim demonstrations with a tokenizer built locally from the suites' instructions (nothing to
