@@ -174,7 +174,6 @@ class DiT(nnx.Module):
     x = self.norm_out(x) * (1.0 + scale[:, None]) + shift[:, None]
     return self.proj_out_2(x)
 
-
   def stack_blocks(self) -> layers.StackedBlocks | None:
     """The blocks' weights as __call__'s scan reads them (None where they run as a loop): a sampling
     loop makes them once and passes them to every step."""

@@ -177,7 +177,8 @@ def stacking_in_a_sampling_loop(once: bool, devices=None) -> list[int]:
   module = hlo.parse(jax.jit(sample).lower(state, noise, vl).compile().as_text())
   assert max(module.runs.values()) >= 4 * 4    # the DiT's scan (4 pairs) inside the 4-step loop
   # The stacked weights: [4 pairs, ...] concatenates (the timestep embedding's sin|cos is one too).
-  return [runs for runs, _, shape, op, _ in hlo._instructions(module) if op == "concatenate" and shape.startswith("f32[4,")]
+  return [runs for runs, _, shape, op, _ in hlo._instructions(module)
+          if op == "concatenate" and shape.startswith("f32[4,")]
 
 
 def test_scanned_weights_are_stacked_once_per_call_not_once_per_denoising_step():
