@@ -204,6 +204,7 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
 
       profile = profile_steps(run_one, 3, profile_dir)
       print(describe_profile(profile), flush=True)
+  program = kernel_model(compiled)
   memory = compiled.memory_analysis()
   step_bytes = sum(int(getattr(memory, f"{name}_size_in_bytes", 0) or 0) for name in ("argument", "output", "temp"))
   step_bytes -= int(getattr(memory, "alias_size_in_bytes", 0) or 0)
@@ -222,7 +223,25 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
       model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
       model_flops_per_sample=per_sample_model, row_tokens=row_tokens, loss=loss,
       packing=dict(config.model.get("packing", {})), step_peak_gib=step_bytes / 2**30,
-      device_peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, **({"profile": profile} if profile else {}))
+      device_peak_gib=stats.get("peak_bytes_in_use", 0) / 2**30, **({"profile": profile} if profile else {}),
+      **({"kernels": program} if program else {}))
+
+
+def kernel_model(compiled) -> dict | None:
+  """On an H100 / H200: what the compiled step launches and the time its work allows
+  (ejax.parallel.gpu_program), printed beside the measured step so that a GPU run checks the model."""
+  kind = jax.devices()[0].device_kind
+  device = next((name for name in ("h200", "h100") if name in kind.lower()), None)
+  if device is None:
+    return None
+  from ejax.parallel import gpu_program
+  from ejax.train.compile_report import text_with_operand_shapes
+  try:
+    summary = gpu_program.read(text_with_operand_shapes(compiled)).summary(device)
+  except Exception as error:  # noqa: BLE001 (the model must not cost a GPU window its timings)
+    return {"error": f"{type(error).__name__}: {error}"[:300]}
+  return {key: summary[key] for key in ("device", "launches", "syncing_loops", "floor_seconds", "launch_seconds",
+                                        "estimate_seconds")}
 
 
 def describe(name: str, result: dict) -> str:
@@ -234,7 +253,14 @@ def describe(name: str, result: dict) -> str:
   return (f"  {name:<16} state {result['state_seconds']:6.1f} s  compile {result['compile_seconds']:6.1f} s  "
           f"step {result['step_ms']:8.1f} ms  {result['samples_per_second']:8.1f} samples/s  "
           f"{result['model_tflops']:7.1f} TFLOP/s  MFU {mfu:>7}  {row}({result['row_tokens']:.0f} tokens/sample)  "
-          f"step peak {result['step_peak_gib']:.1f} GiB")
+          f"step peak {result['step_peak_gib']:.1f} GiB" + _describe_kernels(result.get("kernels", {})))
+
+
+def _describe_kernels(kernels: dict) -> str:
+  if "launches" not in kernels:
+    return ""
+  return (f"\n  {'':<16} model of its program: {kernels['launches']:,} launches, floor "
+          f"{1e3 * kernels['floor_seconds']:.1f} ms, with launches {1e3 * kernels['estimate_seconds']:.1f} ms")
 
 
 def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str,

@@ -188,10 +188,13 @@ class FlowPolicy:
     return inputs if prepare is None else prepare(*inputs)
 
   def _velocity_fn(self, model: ActorCritic, observation: dict, context: dict | None = None):
+    # An actor's flow_constants (pi0.5: its expert's compute-dtype weights) are made here, once a call,
+    # not once a flow step.
+    constants = model.actor.flow_constants() if hasattr(model.actor, "flow_constants") else {}
     if context is not None:  # the actor's cached context (see `sample`): the flow alone
-      return lambda x, t: model.actor.velocity_from_context(x, t, context)
+      return lambda x, t: model.actor.velocity_from_context(x, t, context, **constants)
     inputs = self.velocity_inputs(model, observation)
-    return lambda x, t: model.actor.velocity(x, t, *inputs)
+    return lambda x, t: model.actor.velocity(x, t, *inputs, **constants)
 
   def _noise(self, rng: jax.Array, observation: dict) -> jax.Array:
     n = observation["observation.state"].shape[0]

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
-from ejax.models import perception
+from ejax.models import gemma, perception
 from ejax.models import pi05 as pi05_lib
 from ejax.models import pi05_inputs
 from ejax.models.perception.targets import targets as perception_targets
@@ -177,7 +177,13 @@ class Pi05Actor(nnx.Module):
   def context(self, batch: dict) -> dict:
     return jax.lax.stop_gradient(self._context(batch))
 
-  def velocity_from_context(self, noisy_actions: jax.Array, t: jax.Array, context: dict) -> jax.Array:
+  def flow_constants(self) -> dict:
+    """What every flow step reads and FlowPolicy makes once per call, outside the steps' loop: the
+    expert's compute-dtype weights (cast inside the loop, XLA:GPU would cast them every step)."""
+    return {"expert_weights": gemma.layer_weights(self.pi05.expert, self.pi05.dtype)}
+
+  def velocity_from_context(self, noisy_actions: jax.Array, t: jax.Array, context: dict,
+                            expert_weights: dict | None = None) -> jax.Array:
     """noisy_actions [n, h, action_dim], t [n] (openpi convention) -> velocity [n, h, action_dim]."""
     from ejax.models.gemma import KVCache
     n = noisy_actions.shape[0]
@@ -190,13 +196,14 @@ class Pi05Actor(nnx.Module):
     # One sample per row: the row count sample_rows reads from the prefix is n.
     layout = {key: context[key] for key in (*_SUFFIX_KEYS, "state") if key in context}
     layout["prefix_tokens"] = jnp.zeros((n, 0), jnp.int32)
-    return self.pi05.expert_velocity(layout, cache, seen, noisy_actions, t)
+    return self.pi05.expert_velocity(layout, cache, seen, noisy_actions, t, expert_weights=expert_weights)
 
   def prepare(self, batch: dict) -> tuple:
     return (self._context(batch),)
 
-  def velocity(self, noisy_actions: jax.Array, t: jax.Array, context: dict) -> jax.Array:
-    return self.velocity_from_context(noisy_actions, t, context)
+  def velocity(self, noisy_actions: jax.Array, t: jax.Array, context: dict,
+               expert_weights: dict | None = None) -> jax.Array:
+    return self.velocity_from_context(noisy_actions, t, context, expert_weights)
 
 
 def observations_for(sft_policy, instructions: Sequence[str]) -> Pi05Observations:

@@ -17,6 +17,8 @@ is not a flash kernel). `--target=h100` compiles the same step with XLA:GPU for 
   .venv-cuda/bin/python -m ejax.train.compile_report --target=h100 \
       --config=configs/pi05.py:lora --mesh=data=1 --per_device_batch=32
 
+and adds what the GPU program launches a step and the time floor its work allows (ejax/parallel/gpu_program.py).
+
 The batch: the config's global_batch_size is the batch of one 8-GPU node (the configs' launch
 line), so the global batch is global_batch_size / 8 samples per device (--per_device_batch to
 change it); a data shard of a tensor-parallel mesh holds the samples of its tensor-parallel GPUs.
@@ -34,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from ejax.parallel import aot_target, hlo
+from ejax.parallel import aot_target, gpu_program, hlo
 
 # XLA:CPU's default scheduler orders independent work for thread parallelism, not memory: it ran
 # all of pi0.5's rematerialised SigLIP forwards before their backwards (108 GB of temporaries per
@@ -153,8 +155,11 @@ def text_with_operand_shapes(compiled) -> str:
   """The optimized HLO with each operand's shape written beside its name. XLA:GPU's collectives are
   asynchronous (`all-gather-start`, `reduce-scatter-start`, ...), and ejax.parallel.hlo reads their
   buffer sizes from the operands, which `as_text()` writes as bare names."""
-  from jaxlib import _jax
-  options = _jax.HloPrintOptions()
+  try:
+    from jaxlib._jax import HloPrintOptions
+  except ImportError:  # jax >= 0.11 keeps the HLO bindings in jaxlib._hlo
+    from jaxlib._hlo import HloPrintOptions
+  options = HloPrintOptions()
   options.print_operand_shape = True
   return "\n".join(module.to_string(options) for module in compiled.runtime_executable().hlo_modules())
 
@@ -217,6 +222,7 @@ def report(config_path: str, mesh_sizes: dict[str, int], per_device_batch: int |
   found = hlo.collectives(text, mesh.size)
   cost = step.compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  kernels = None if target == "cpu" else gpu_program.read(text).summary(target)
   return dict(
       config=config_path, mesh={k: int(v) for k, v in mesh.shape.items()}, devices=mesh.size,
       global_batch=per_device * mesh.size, per_device_batch=per_device,
@@ -226,7 +232,7 @@ def report(config_path: str, mesh_sizes: dict[str, int], per_device_batch: int |
       matmul_flops_per_device=hlo.matmul_flops(text),
       xla_cost_analysis_flops_per_device=float((cost or {}).get("flops", 0.0)),
       lower_seconds=round(step.lower_seconds, 1), compile_seconds=round(step.compile_seconds, 1),
-      target=target, device_kind=mesh.devices.flat[0].device_kind, jax=jax.__version__)
+      target=target, device_kind=mesh.devices.flat[0].device_kind, jax=jax.__version__, kernels=kernels)
 
 
 TABLE_HEADER = ("| config | mesh | samples / device | state GiB: params + frozen + Adam + EMA | arguments GiB | "
@@ -286,6 +292,8 @@ def main(argv=None) -> None:
              "without a GPU): rerun with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (cuBLAS matmuls)")
   print(TABLE_HEADER)
   print(format_row(result))
+  if result["kernels"]:
+    print(gpu_program.format_line(result["kernels"]))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)

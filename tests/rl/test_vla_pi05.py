@@ -99,9 +99,12 @@ def test_in_jit_batch_is_what_the_train_collate_makes(policy, sft_policy):
 def test_prefix_runs_once_and_cached_log_probs_agree(policy, monkeypatch):
   obs = policy.select_observations(observations(4, seed=1))
   calls = {"prefix": 0, "expert": 0}
+  given_weights = []
 
   def counting(name, method):
     def wrapped(self, *args, **kwargs):
+      if name == "expert":  # the expert's compute-dtype weights come made, once a call (flow_constants)
+        given_weights.append(kwargs.get("expert_weights") is not None)
       out = method(self, *args, **kwargs)
       leaf = jax.tree.leaves(out)[0]
       # Counts executions, not traces: the expert runs inside the sampler's loop.
@@ -115,6 +118,7 @@ def test_prefix_runs_once_and_cached_log_probs_agree(policy, monkeypatch):
   jax.block_until_ready(sample)
   steps = policy.num_steps
   assert calls == {"prefix": 1, "expert": steps} and steps == 10
+  assert given_weights and all(given_weights)
   assert sample["chain"].shape == (4, steps + 1, HORIZON, ACTION_DIM) and sample["actions"].shape == (4, HORIZON, 4)
   context = sample["context"]
   assert context["k"].shape[:2] == (4, 2) and context["perception_state"].shape == (4, 26)

@@ -1,0 +1,214 @@
+"""What one call of a compiled XLA:GPU program launches, and the time floor its work allows.
+
+Read from the optimized HLO of a program compiled for compile-only GPUs (ejax/parallel/aot_target.py,
+`ejax.train.compile_report --target=h100`): every instruction of the entry computation and of the
+loop bodies it runs is a kernel launch, except the bookkeeping ones (parameter, tuple, bitcast, ...).
+A loop XLA counted (`known_trip_count`: a `lax.scan`) runs its body that many times. A loop whose
+trip count depends on data (the XLA attention path's tile loops, jax.random's rejection samplers)
+counts once here and costs more on a GPU: every iteration copies its condition to the host and waits
+for it (`syncing_loops`).
+
+Per kernel: the bytes it reads and writes (operands and result; an operand a fusion only slices counts
+its slices, a dynamic-update-slice in place counts the update) and, for cuBLAS GEMMs, 2 FLOPs per
+multiply-add. The floor of a kernel is max(FLOPs / peak, bytes / bandwidth); the program's floor is
+their sum. Pallas kernels (the attention and FP8 kernels) count their bytes only: their arithmetic
+depends on the mask's active tiles, which the program does not hold (ejax.train.flops counts it).
+`launch_seconds` prices every launch on top of the floor: the one full-size step timed on a GPU puts
+it at ~5 us a launch, its host-synchronised loops' waits included (LAUNCH_SECONDS).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+from ejax.parallel import hlo
+
+# Dense bf16 FLOP/s and HBM bytes/s (REFERENCE.md: H100 SXM and H200 datasheets).
+DEVICES = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12)}
+# A launch beyond its floor, from the one full-size step timed on a GPU (H200, 2026-11-27, BENCHMARKS.md
+# "Kernels a step"): (481.7 ms - its program's 80.2 ms floor) / its 80,438 launches.
+LAUNCH_SECONDS = 5.0e-6
+_FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "add-dependency")
+_CONTROL = ("while", "conditional", "call")
+_OPERAND_SHAPE = re.compile(r"([a-z][a-z0-9]*\[[0-9,]*\])(?:\{[^}]*\})?\s+%")
+
+
+@dataclasses.dataclass
+class Kernel:
+  kind: str    # gemm | pallas | fusion | copy | collective | other (the HLO op)
+  name: str
+  shape: str   # its result shape
+  runs: int    # launches a call of the program
+  flops: float  # a launch's (GEMMs only)
+  bytes: float  # a launch reads and writes
+
+  def floor_seconds(self, device: str) -> float:
+    peak, bandwidth = DEVICES[device]
+    return self.runs * max(self.flops / peak, self.bytes / bandwidth)
+
+
+@dataclasses.dataclass
+class Program:
+  kernels: list[Kernel]
+  syncing_loops: int  # executions of loops with a data-dependent trip count (each iteration waits for the host)
+
+  @property
+  def launches(self) -> int:
+    return sum(k.runs for k in self.kernels)
+
+  def summary(self, device: str = "h100", launch_seconds: float = LAUNCH_SECONDS, top: int = 10) -> dict:
+    """A JSON-able digest: launches, bytes, FLOPs and floor seconds per kind; the floor, the launch
+    cost, and the kernels with the largest floors."""
+    kinds: dict[str, dict[str, float]] = {}
+    for k in self.kernels:
+      row = kinds.setdefault(k.kind, dict(launches=0, bytes=0.0, flops=0.0, floor_seconds=0.0))
+      row["launches"] += k.runs
+      row["bytes"] += k.runs * k.bytes
+      row["flops"] += k.runs * k.flops
+      row["floor_seconds"] += k.floor_seconds(device)
+    floor = sum(row["floor_seconds"] for row in kinds.values())
+    largest = sorted(self.kernels, key=lambda k: -k.floor_seconds(device))[:top]
+    return dict(device=device, launches=self.launches, syncing_loops=self.syncing_loops, kinds=kinds,
+                floor_seconds=floor, launch_seconds=self.launches * launch_seconds,
+                estimate_seconds=floor + self.launches * launch_seconds,
+                largest=[dict(kind=k.kind, name=k.name, shape=k.shape, runs=k.runs,
+                              floor_ms=round(1e3 * k.floor_seconds(device), 3)) for k in largest])
+
+
+def _operand_text(rest: str) -> str:
+  """The operand list of an instruction: `rest` up to its call's closing parenthesis."""
+  depth = 1
+  for i, char in enumerate(rest):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      return rest[:i]
+  return rest
+
+
+@dataclasses.dataclass
+class _Body:
+  reads: dict[int, int | None]  # parameter index -> bytes read when it is only sliced, None: read whole
+  writes: int
+  has_dot: bool
+
+
+def _fusion_body(lines: list[str]) -> _Body:
+  instructions, params, root = {}, {}, None
+  for line in lines:
+    match = hlo._INSTRUCTION.match(line)
+    if not match:
+      continue
+    name, shape, op, rest = match.groups()
+    instructions[name] = (shape, op, re.findall(r"%([\w.\-]+)", _operand_text(rest)))
+    if op == "parameter":
+      params[int(re.match(r"\s*(\d+)", rest).group(1))] = name
+    if line.lstrip().startswith("ROOT"):
+      root = name
+  users = collections.defaultdict(list)
+  for name, (_, _, operands) in instructions.items():
+    for operand in operands:
+      users[operand].append(name)
+
+  def sliced_bytes(param: str) -> int | None:
+    total, pending = 0, [param]
+    while pending:
+      value = pending.pop()
+      for user in users[value]:
+        shape, op, operands = instructions[user]
+        if op == "bitcast":
+          pending.append(user)
+        elif op in ("dynamic-slice", "slice") and operands[0] == value:
+          total += hlo.shape_bytes(shape)
+        elif not (op == "dynamic-update-slice" and operands[0] == value):  # updated in place: not read
+          return None
+    return total
+
+  def written(name: str) -> int:
+    shape, op, operands = instructions[name]
+    if op == "tuple":
+      return sum(written(operand) for operand in operands)
+    if op == "bitcast":
+      return written(operands[0])
+    if op == "dynamic-update-slice":
+      return hlo.shape_bytes(instructions[operands[1]][0])
+    return hlo.shape_bytes(shape)
+
+  return _Body({i: sliced_bytes(p) for i, p in params.items()}, written(root) if root else 0,
+               any(op in ("dot", "convolution") for _, op, _ in instructions.values()))
+
+
+def _gemm_flops(result: str, operands: str, line: str) -> float:
+  lhs = hlo._dims(operands)
+  contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', line)
+  if not lhs or not contracting:
+    return 0.0
+  k = math.prod(lhs[int(i.strip('" '))] for i in contracting.group(1).split(",") if i.strip())
+  return 2.0 * math.prod(hlo._dims(result)) * k
+
+
+def read(hlo_text: str) -> Program:
+  """The kernels one call of the program (XLA:GPU's optimized HLO, operand shapes printed as
+  ejax.train.compile_report.text_with_operand_shapes writes it) launches."""
+  module = hlo.parse(hlo_text)
+  fused: set[str] = set()
+  for lines in module.bodies.values():
+    for line in lines:
+      match = hlo._INSTRUCTION.match(line)
+      if match and match.group(3) == "fusion":
+        fused.update(re.findall(r"calls=%?([\w.\-]+)", line))
+  bodies: dict[str, _Body] = {}
+  kernels, syncing = [], 0
+  for computation, lines in module.bodies.items():
+    runs = module.runs.get(computation, 0)
+    if computation in fused or not runs:
+      continue
+    for line in lines:
+      match = hlo._INSTRUCTION.match(line)
+      if not match:
+        continue
+      name, result, op, rest = match.groups()
+      if op in _FREE or op in _CONTROL:
+        syncing += runs if op == "while" and "known_trip_count" not in line else 0
+        continue
+      operands = _operand_text(rest)
+      flops, kind = 0.0, op
+      if op == "fusion":
+        body_name = re.search(r"calls=%?([\w.\-]+)", line).group(1)
+        if body_name not in bodies:
+          bodies[body_name] = _fusion_body(module.bodies.get(body_name, []))
+        body = bodies[body_name]
+        shapes = _OPERAND_SHAPE.findall(operands)
+        size = sum(hlo.shape_bytes(s) if body.reads.get(i) is None else body.reads[i] for i, s in enumerate(shapes))
+        size += body.writes
+        kind = "fusion"
+      elif op == "custom-call":
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        target = target.group(1) if target else ""
+        out = result
+        if "cublas" in target:  # (result, workspace): the workspace is scratch, not traffic
+          out = re.split(r",\s*s8\[", result)[0]
+          kind, flops = "gemm", _gemm_flops(out, operands, line)
+        else:
+          kind = "pallas" if "triton" in target else "custom-call"
+        size = hlo.shape_bytes(operands) + hlo.shape_bytes(out)
+      else:
+        kind = "collective" if op.removesuffix("-start").removesuffix("-done") in hlo.COLLECTIVES else op
+        size = hlo.shape_bytes(operands) + hlo.shape_bytes(result)
+      kernels.append(Kernel(kind, name, result[:80], runs, flops, float(size)))
+  return Program(kernels, syncing)
+
+
+def format_line(summary: dict) -> str:
+  """One line: launches by kind, syncing loops, the floor and the estimate with launches."""
+  kinds = summary["kinds"]
+  by_kind = ", ".join(f"{int(row['launches']):,} {kind}" for kind, row in
+                      sorted(kinds.items(), key=lambda item: -item[1]["launches"]))
+  parts = ", ".join(f"{kind} {1e3 * row['floor_seconds']:.1f}" for kind, row in
+                    sorted(kinds.items(), key=lambda item: -item[1]["floor_seconds"]) if row["floor_seconds"] > 5e-5)
+  return (f"kernels a step: {summary['launches']:,} ({by_kind}); host-synchronised loops "
+          f"{summary['syncing_loops']:,}; floor at {summary['device']} peak {1e3 * summary['floor_seconds']:.1f} ms "
+          f"({parts}); with launches {1e3 * summary['estimate_seconds']:.1f} ms")

@@ -1,0 +1,107 @@
+"""ejax.parallel.gpu_program: the kernels a compiled XLA:GPU program launches and its time floor,
+read from a hand-written module in XLA:GPU's printed form (operand shapes written, as
+compile_report prints it)."""
+
+import pytest
+
+from ejax.parallel import gpu_program
+
+MODULE = """
+HloModule jit_step, entry_computation_layout={(bf16[4,256,256]{2,1,0}, bf16[64,256]{1,0})->bf16[64,256]{1,0}}
+
+%fused_slice (param_0: bf16[4,256,256], param_1: s32[]) -> bf16[256,256] {
+  %param_0 = bf16[4,256,256]{2,1,0} parameter(0)
+  %param_1 = s32[] parameter(1)
+  %constant_0 = s32[] constant(0)
+  %dynamic-slice.1 = bf16[1,256,256]{2,1,0} dynamic-slice(bf16[4,256,256]{2,1,0} %param_0, s32[] %param_1, s32[] %constant_0, s32[] %constant_0), dynamic_slice_sizes={1,256,256}
+  ROOT %bitcast.1 = bf16[256,256]{1,0} bitcast(bf16[1,256,256]{2,1,0} %dynamic-slice.1)
+}
+
+%fused_gelu (param_0.1: bf16[64,256]) -> bf16[64,256] {
+  %param_0.1 = bf16[64,256]{1,0} parameter(0)
+  ROOT %tanh.1 = bf16[64,256]{1,0} tanh(bf16[64,256]{1,0} %param_0.1)
+}
+
+%body (p: (s32[], bf16[64,256], bf16[4,256,256])) -> (s32[], bf16[64,256], bf16[4,256,256]) {
+  %p = (s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element((s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) %p), index=0
+  %x = bf16[64,256]{1,0} get-tuple-element((s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) %p), index=1
+  %w = bf16[4,256,256]{2,1,0} get-tuple-element((s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) %p), index=2
+  %slice_fusion = bf16[256,256]{1,0} fusion(bf16[4,256,256]{2,1,0} %w, s32[] %i), kind=kLoop, calls=%fused_slice
+  %gemm = (bf16[64,256]{1,0}, s8[4194304]{0}) custom-call(bf16[64,256]{1,0} %x, bf16[256,256]{1,0} %slice_fusion), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %y = bf16[64,256]{1,0} get-tuple-element((bf16[64,256]{1,0}, s8[4194304]{0}) %gemm), index=0
+  %gelu = bf16[64,256]{1,0} fusion(bf16[64,256]{1,0} %y), kind=kLoop, calls=%fused_gelu
+  %one = s32[] constant(1)
+  %next = s32[] add(s32[] %i, s32[] %one)
+  ROOT %t = (s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) tuple(s32[] %next, bf16[64,256]{1,0} %gelu, bf16[4,256,256]{2,1,0} %w)
+}
+
+%cond (p.1: (s32[], bf16[64,256], bf16[4,256,256])) -> pred[] {
+  %p.1 = (s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element((s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) %p.1), index=0
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(s32[] %i.1, s32[] %four), direction=LT
+}
+
+%search_body (q: (s32[])) -> (s32[]) {
+  %q = (s32[]) parameter(0)
+  %j = s32[] get-tuple-element((s32[]) %q), index=0
+  %two = s32[] constant(2)
+  %j2 = s32[] multiply(s32[] %j, s32[] %two)
+  ROOT %u = (s32[]) tuple(s32[] %j2)
+}
+
+%search_cond (q.1: (s32[])) -> pred[] {
+  %q.1 = (s32[]) parameter(0)
+  %j.1 = s32[] get-tuple-element((s32[]) %q.1), index=0
+  %big = s32[] constant(1000)
+  ROOT %lt.1 = pred[] compare(s32[] %j.1, s32[] %big), direction=LT
+}
+
+ENTRY %main (w.1: bf16[4,256,256], x.1: bf16[64,256]) -> bf16[64,256] {
+  %w.1 = bf16[4,256,256]{2,1,0} parameter(0)
+  %x.1 = bf16[64,256]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) tuple(s32[] %zero, bf16[64,256]{1,0} %x.1, bf16[4,256,256]{2,1,0} %w.1)
+  %loop = (s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) while((s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) %init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %one.1 = s32[] constant(1)
+  %sinit = (s32[]) tuple(s32[] %one.1)
+  %search = (s32[]) while((s32[]) %sinit), condition=%search_cond, body=%search_body
+  %h = bf16[64,256]{1,0} get-tuple-element((s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) %loop), index=1
+  %attn = (bf16[64,256]{1,0}) custom-call(bf16[64,256]{1,0} %h), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %out = bf16[64,256]{1,0} get-tuple-element((bf16[64,256]{1,0}) %attn), index=0
+}
+"""
+
+
+def test_kernels_count_loop_trips_sliced_reads_and_gemm_flops():
+  program = gpu_program.read(MODULE)
+  launches = {(k.kind, k.name): k for k in program.kernels}
+  # The counted loop's body runs 4 times: its slice, GEMM and GELU; the data-dependent search loop's
+  # multiply and both conditions' compares once per call as written (a search loop's body counts once).
+  assert launches[("gemm", "gemm")].runs == 4 and launches[("fusion", "gelu")].runs == 4
+  assert launches[("compare", "lt")].runs == 4 and launches[("multiply", "j2")].runs == 1
+  assert program.syncing_loops == 1  # the search loop: its trip count depends on data
+  gemm = launches[("gemm", "gemm")]
+  assert gemm.flops == 2 * 64 * 256 * 256
+  assert gemm.bytes == 2 * (64 * 256 + 256 * 256 + 64 * 256)  # its workspace is not traffic
+  # The slice fusion reads one layer of the stacked weight, not all four, and writes it.
+  assert launches[("fusion", "slice_fusion")].bytes == 2 * 256 * 256 + 4 + 2 * 256 * 256
+  assert launches[("pallas", "attn")].runs == 1 and launches[("pallas", "attn")].flops == 0
+  assert program.launches == 4 * 4 + 4 + 1 + 1 + 1  # body x4, cond x4, search body + cond, the Pallas call
+
+
+def test_summary_floor_is_the_larger_of_flops_and_bytes_per_kernel():
+  program = gpu_program.read(MODULE)
+  summary = program.summary("h100", launch_seconds=1e-6)
+  peak, bandwidth = gpu_program.DEVICES["h100"]
+  gemm = summary["kinds"]["gemm"]
+  assert gemm["launches"] == 4 and gemm["flops"] == 4 * 2 * 64 * 256 * 256
+  # A 64-row GEMM moves more bytes than the time its FLOPs take: its floor is the memory's.
+  assert gemm["floor_seconds"] == pytest.approx(gemm["bytes"] / bandwidth)
+  assert gemm["bytes"] / bandwidth > gemm["flops"] / peak
+  assert summary["floor_seconds"] == pytest.approx(sum(k["floor_seconds"] for k in summary["kinds"].values()))
+  assert summary["estimate_seconds"] == pytest.approx(summary["floor_seconds"] + program.launches * 1e-6)
+  assert summary["largest"][0]["kind"] in ("gemm", "fusion")
+  line = gpu_program.format_line(summary)
+  assert line.startswith(f"kernels a step: {program.launches} (") and "host-synchronised loops 1" in line
