@@ -8,8 +8,9 @@ LayerNorm in the VL transformer; ff is Linear -> GELU(tanh) -> dropout -> Linear
 Even DiT blocks cross-attend to the VL tokens, odd blocks self-attend.
 
 Packed VL tokens: the VL stream is packed rows [rows, L, d] with segment ids; the action head
-runs per sample [n, T, d]. A cross-attention block projects keys/values once per row, gathers
-each sample's row, and masks keys to the sample's own segment (the original attends to padding).
+runs per sample [n, T, d]. A cross-attention block projects keys/values once per row and attends
+each sample's queries to its own segment of its row (packed_cross_attention; the original attends
+to padding).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ejax.kernels.attention import attention, with_attention_impl
 from ejax.models import layers
 from ejax.parallel import constrain
 from ejax.parallel.axes import ACT_BATCH, ACT_EMBED, ACT_LEN, EMBED, IN_FEATURES, MLP
-from ejax.parallel.shard_local import take_rows
+from ejax.parallel.shard_local import batch_shards, take_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,34 @@ class AdaLayerNorm(nnx.Module):
     return self.norm(x) * (1.0 + scale[:, None]) + shift[:, None]
 
 
+def packed_cross_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, sample_row: jax.Array,
+                           sample_segment: jax.Array, vl_segment_ids: jax.Array) -> jax.Array:
+  """Each sample's queries q [n, T, H, D] against its own segment of its packed row: k, v [rows, L, H, D],
+  vl_segment_ids [rows, L]; the sample's row and segment in sample_row, sample_segment [n].
+
+  One varlen attention over each batch shard's samples and rows laid end to end: a query carries its
+  sample's (row, segment) as its segment id and a key its token's, so the mask keeps every sample to
+  its own segment and the kernels skip the tiles between. The queries go in (row, segment) order,
+  which keeps a tile's samples within a few key tiles. Gathering each sample's whole row instead (a
+  per-sample copy of its row's keys: at full size [32, 2,176, 32 heads, 64] a layer, and f32
+  gradients of that size) was GR00T's largest single cost on a GPU (BENCHMARKS.md "Kernels a step").
+  """
+  n, t = q.shape[:2]
+  rows, length = k.shape[:2]
+  stride = length + 1  # segment ids of a row are 1..L: (row, segment) -> row * (L + 1) + segment >= 1
+  sample_ids = (sample_row * stride + sample_segment).astype(jnp.int32)
+  token_ids = jnp.where(vl_segment_ids > 0, jnp.arange(rows, dtype=jnp.int32)[:, None] * stride + vl_segment_ids, 0)
+  # Sorted by row, each shard's samples stay in the shard (the trainer packs a shard's samples into its
+  # own rows), so the permutation is a shard-local take_rows.
+  order = jnp.argsort(sample_ids)
+  shards = batch_shards(n, rows)
+  per_shard = lambda x: x.reshape(shards, -1, *x.shape[2:])
+  q_ids = jnp.broadcast_to(sample_ids[order][:, None], (n, t))
+  out = attention(per_shard(take_rows(q, order)), per_shard(k), per_shard(v),
+                  q_segment_ids=per_shard(q_ids), kv_segment_ids=per_shard(token_ids))
+  return take_rows(out.reshape(q.shape), jnp.argsort(order))
+
+
 class TransformerBlock(nnx.Module):
   """One block; `ada_norm` for the DiT, `cross_attention_dim` for blocks reading the VL tokens."""
 
@@ -124,12 +153,9 @@ class TransformerBlock(nnx.Module):
     rngs = [None] * 3 if rng is None else list(jax.random.split(rng, 3))
     h = self._norm1(x, temb)
     if self.is_cross:
-      q = self.attn1.q_proj(h)
-      # One projection per row, gathered per sample on the sample's own device (shard_local).
-      k = take_rows(self.attn1.k_proj(vl_tokens), sample_row)
-      v = take_rows(self.attn1.v_proj(vl_tokens), sample_row)
-      q_segments = jnp.broadcast_to(sample_segment[:, None], h.shape[:2])
-      out = attention(q, k, v, q_segment_ids=q_segments, kv_segment_ids=take_rows(vl_segment_ids, sample_row))
+      # One key / value projection per row; each sample reads its own segment of its row.
+      out = packed_cross_attention(self.attn1.q_proj(h), self.attn1.k_proj(vl_tokens), self.attn1.v_proj(vl_tokens),
+                                   sample_row=sample_row, sample_segment=sample_segment, vl_segment_ids=vl_segment_ids)
       attn_out = self.attn1.o_proj(out)
     else:
       attn_out = self.attn1(h, q_segment_ids=segment_ids)

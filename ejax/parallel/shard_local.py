@@ -14,6 +14,8 @@ clamped neighbours here: the trainer never feeds one (tests/parallel/test_shard_
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -32,6 +34,16 @@ def _batch_axes(*leading_sizes: int):
   if axes is None or any((spec[0] if len(spec) else None) != axes for spec in specs):
     return None
   return mesh, axes
+
+
+def batch_shards(*leading_sizes: int) -> int:
+  """The devices arrays of these leading (batch) sizes are split over by the active sharding context,
+  as take_rows splits them; 1 without a context or where the split does not divide every size."""
+  sharded = _batch_axes(*leading_sizes)
+  if sharded is None:
+    return 1
+  mesh, axes = sharded
+  return math.prod(mesh.shape[name] for name in ((axes,) if isinstance(axes, str) else axes))
 
 
 def _shard_start(axes, local_size: int) -> jax.Array:
