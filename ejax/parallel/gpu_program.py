@@ -9,10 +9,11 @@ counts once here and costs more on a GPU: every iteration copies its condition t
 for it (`syncing_loops`).
 
 Per kernel: the bytes it reads and writes (operands and result; an operand a fusion only slices counts
-its slices, a dynamic-update-slice in place counts the update) and, for cuBLAS GEMMs, 2 FLOPs per
-multiply-add. The floor of a kernel is max(FLOPs / peak, bytes / bandwidth); the program's floor is
-their sum. Pallas kernels (the attention and FP8 kernels) count their bytes only: their arithmetic
-depends on the mask's active tiles, which the program does not hold (ejax.train.flops counts it).
+its slices, a dynamic-update-slice in place counts the update) and, for GEMMs (cuBLAS calls and
+fusions holding a dot, XLA's Triton GEMMs), 2 FLOPs per multiply-add. The floor of a kernel is
+max(FLOPs / peak, bytes / bandwidth); the program's floor is their sum. Pallas kernels (the attention
+and FP8 kernels) count their bytes only: their arithmetic depends on the mask's active tiles, which
+the program does not hold (ejax.train.flops counts it).
 `launch_seconds` prices every launch on top of the floor: the one full-size step timed on a GPU puts
 it at ~5 us a launch, its host-synchronised loops' waits included (LAUNCH_SECONDS).
 """
@@ -43,7 +44,7 @@ class Kernel:
   name: str
   shape: str   # its result shape
   runs: int    # launches a call of the program
-  flops: float  # a launch's (GEMMs only)
+  flops: float  # a launch's (GEMMs only: cuBLAS calls, fusions holding a dot)
   bytes: float  # a launch reads and writes
 
   def floor_seconds(self, device: str) -> float:
@@ -93,16 +94,17 @@ def _operand_text(rest: str) -> str:
 class _Body:
   reads: dict[int, int | None]  # parameter index -> bytes read when it is only sliced, None: read whole
   writes: int
-  has_dot: bool
+  flops: float  # its dots' (a GEMM fusion: XLA's Triton GEMMs, where cuBLAS does not take the dot)
 
 
 def _fusion_body(lines: list[str]) -> _Body:
-  instructions, params, root = {}, {}, None
+  instructions, params, root, lines_by_name = {}, {}, None, {}
   for line in lines:
     match = hlo._INSTRUCTION.match(line)
     if not match:
       continue
     name, shape, op, rest = match.groups()
+    lines_by_name[name] = line
     instructions[name] = (shape, op, re.findall(r"%([\w.\-]+)", _operand_text(rest)))
     if op == "parameter":
       params[int(re.match(r"\s*(\d+)", rest).group(1))] = name
@@ -127,6 +129,12 @@ def _fusion_body(lines: list[str]) -> _Body:
           return None
     return total
 
+  def dot_flops(shape: str, operands: list[str], line: str) -> float:
+    lhs = hlo._dims(instructions[operands[0]][0]) if operands and operands[0] in instructions else []
+    contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+    k = math.prod(lhs[int(i)] for i in contracting.group(1).split(",") if i) if contracting and lhs else 1
+    return 2.0 * math.prod(hlo._dims(shape)) * k
+
   def written(name: str) -> int:
     shape, op, operands = instructions[name]
     if op == "tuple":
@@ -137,8 +145,9 @@ def _fusion_body(lines: list[str]) -> _Body:
       return hlo.shape_bytes(instructions[operands[1]][0])
     return hlo.shape_bytes(shape)
 
-  return _Body({i: sliced_bytes(p) for i, p in params.items()}, written(root) if root else 0,
-               any(op in ("dot", "convolution") for _, op, _ in instructions.values()))
+  flops = sum(dot_flops(shape, operands, lines_by_name[name]) for name, (shape, op, operands) in instructions.items()
+              if op == "dot")
+  return _Body({i: sliced_bytes(p) for i, p in params.items()}, written(root) if root else 0, flops)
 
 
 def _gemm_flops(result: str, operands: str, line: str) -> float:
@@ -184,7 +193,7 @@ def read(hlo_text: str) -> Program:
         shapes = _OPERAND_SHAPE.findall(operands)
         size = sum(hlo.shape_bytes(s) if body.reads.get(i) is None else body.reads[i] for i, s in enumerate(shapes))
         size += body.writes
-        kind = "fusion"
+        kind, flops = ("gemm", body.flops) if body.flops else ("fusion", 0.0)
       elif op == "custom-call":
         target = re.search(r'custom_call_target="([^"]+)"', line)
         target = target.group(1) if target else ""

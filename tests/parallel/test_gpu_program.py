@@ -22,6 +22,12 @@ HloModule jit_step, entry_computation_layout={(bf16[4,256,256]{2,1,0}, bf16[64,2
   ROOT %tanh.1 = bf16[64,256]{1,0} tanh(bf16[64,256]{1,0} %param_0.1)
 }
 
+%triton_gemm (param_0.2: bf16[64,256], param_1.2: bf16[256,128]) -> bf16[64,128] {
+  %param_0.2 = bf16[64,256]{1,0} parameter(0)
+  %param_1.2 = bf16[256,128]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,128]{1,0} dot(bf16[64,256]{1,0} %param_0.2, bf16[256,128]{1,0} %param_1.2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
 %body (p: (s32[], bf16[64,256], bf16[4,256,256])) -> (s32[], bf16[64,256], bf16[4,256,256]) {
   %p = (s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) parameter(0)
   %i = s32[] get-tuple-element((s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) %p), index=0
@@ -68,6 +74,8 @@ ENTRY %main (w.1: bf16[4,256,256], x.1: bf16[64,256]) -> bf16[64,256] {
   %sinit = (s32[]) tuple(s32[] %one.1)
   %search = (s32[]) while((s32[]) %sinit), condition=%search_cond, body=%search_body
   %h = bf16[64,256]{1,0} get-tuple-element((s32[], bf16[64,256]{1,0}, bf16[4,256,256]{2,1,0}) %loop), index=1
+  %proj = bf16[256,128]{1,0} constant({...})
+  %head = bf16[64,128]{1,0} fusion(bf16[64,256]{1,0} %h, bf16[256,128]{1,0} %proj), kind=kCustom, calls=%triton_gemm
   %attn = (bf16[64,256]{1,0}) custom-call(bf16[64,256]{1,0} %h), custom_call_target="__gpu$xla.gpu.triton"
   ROOT %out = bf16[64,256]{1,0} get-tuple-element((bf16[64,256]{1,0}) %attn), index=0
 }
@@ -88,7 +96,10 @@ def test_kernels_count_loop_trips_sliced_reads_and_gemm_flops():
   # The slice fusion reads one layer of the stacked weight, not all four, and writes it.
   assert launches[("fusion", "slice_fusion")].bytes == 2 * 256 * 256 + 4 + 2 * 256 * 256
   assert launches[("pallas", "attn")].runs == 1 and launches[("pallas", "attn")].flops == 0
-  assert program.launches == 4 * 4 + 4 + 1 + 1 + 1  # body x4, cond x4, search body + cond, the Pallas call
+  # A fusion holding a dot (XLA's Triton GEMM) is a GEMM: its dot's FLOPs.
+  assert launches[("gemm", "head")].flops == 2 * 64 * 128 * 256
+  assert launches[("gemm", "head")].bytes == 2 * (64 * 256 + 256 * 128 + 64 * 128)
+  assert program.launches == 4 * 4 + 4 + 1 + 1 + 1 + 1  # body x4, cond x4, search body + cond, GEMM, Pallas
 
 
 def test_summary_floor_is_the_larger_of_flops_and_bytes_per_kernel():
@@ -96,7 +107,7 @@ def test_summary_floor_is_the_larger_of_flops_and_bytes_per_kernel():
   summary = program.summary("h100", launch_seconds=1e-6)
   peak, bandwidth = gpu_program.DEVICES["h100"]
   gemm = summary["kinds"]["gemm"]
-  assert gemm["launches"] == 4 and gemm["flops"] == 4 * 2 * 64 * 256 * 256
+  assert gemm["launches"] == 5 and gemm["flops"] == 4 * 2 * 64 * 256 * 256 + 2 * 64 * 128 * 256
   # A 64-row GEMM moves more bytes than the time its FLOPs take: its floor is the memory's.
   assert gemm["floor_seconds"] == pytest.approx(gemm["bytes"] / bandwidth)
   assert gemm["bytes"] / bandwidth > gemm["flops"] / peak
