@@ -12,7 +12,8 @@ reach at its block size.
 On GPU it then measures every route side by side in TFLOP/s, forward and forward+backward, with the
 FLOPs counted over the (query, key) pairs the mask allows (4 * pairs * head_dim * heads forward,
 3.5x that with the backward): ejax's Triton-backend kernel ("pallas"), tokamax's Mosaic GPU kernel
-("tokamax"; "tokamax_fwd": its forward with ejax's backward), cuDNN over the segments as offsets
+("tokamax"; "tokamax_fwd": its forward with ejax's Triton backward; "mosaic": its forward with ejax's
+Mosaic GPU backward, whose loops are bounded by each query's key range), cuDNN over the segments as offsets
 ("cudnn_packed": causal rows only, it has no block-causal form), cuDNN with the dense mask ("cudnn")
 and the XLA loop ("xla"), on the VLA rows (block-causal) and on the same rows as causal LM segments. `--sweep` adds tile / launch settings of
 ejax's kernel and tokamax configs. An arm that fails prints its error and the others go on;
@@ -52,7 +53,7 @@ PALLAS_SWEEP = (BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3),
 # tokamax SM90 configs beside its own heuristics (which pick a persistent kernel for these masks).
 TOKAMAX_SWEEP = (dict(block_q=64, block_kv=128, num_stages=2, persistent=False),)
 # Arms also timed on the causal rows (the rest, baselines and the sweep, on the VLA rows only).
-CAUSAL_ARMS = ("pallas", "tokamax", "tokamax_fwd", "cudnn_packed")
+CAUSAL_ARMS = ("pallas", "tokamax", "tokamax_fwd", "mosaic", "cudnn_packed")
 
 
 def vla_lengths(num_samples: int, rng: np.random.Generator) -> np.ndarray:
@@ -108,7 +109,7 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
   if not (on_gpu or all_arms):
     return []
   listed = [("pallas", "pallas", {}), ("tokamax", "tokamax", {}), ("tokamax_fwd", "tokamax_fwd", {}),
-            ("cudnn_packed", "cudnn_packed", {}),
+            ("mosaic", "mosaic", {}), ("cudnn_packed", "cudnn_packed", {}),
             ("cudnn (dense mask)", "cudnn", {}), ("xla", "xla", {})]
   if sweep:
     for blocks in PALLAS_SWEEP:
@@ -232,10 +233,10 @@ def main():
     save()
 
   # TFLOP/s over the pairs each mask allows; forward+backward is 3.5x the forward's matmul FLOPs.
-  best = {}
+  best, first_grads = {}, {}
   listed = arms(on_gpu, args.sweep, args.all_arms)
   if not listed:
-    print("GPU TFLOP/s (pallas, tokamax, cudnn_packed, cudnn, xla): pending: no GPU")
+    print("GPU TFLOP/s (pallas, tokamax, tokamax_fwd, mosaic, cudnn_packed, cudnn, xla): pending: no GPU")
   for mask_kind in args.masks.split(",") if listed else ():
     pairs = allowed_pairs(host_masks[mask_kind], args.rows, args.row_length)
     flops = 4.0 * pairs * args.head_dim * args.heads
@@ -254,8 +255,14 @@ def main():
         seconds_train = timed(train, q, k, v, repeats=args.repeats)
         entry.update(forward_ms=1e3 * seconds_fwd, train_ms=1e3 * seconds_train,
                      forward_tflops=flops / seconds_fwd / 1e12, train_tflops=3.5 * flops / seconds_train / 1e12)
+        # Gradients against the first arm's (ejax's tested Pallas kernel): a fast arm must also be right.
+        grads = jax.device_get(train(q, k, v)[1])
+        first_grads.setdefault(mask_kind, grads)
+        entry["grad_error"] = max(float(np.abs(np.float32(g) - np.float32(r)).max() / np.abs(np.float32(r)).max())
+                                  for g, r in zip(grads, first_grads[mask_kind]))
         print(f"  {label:44s} forward {entry['forward_tflops']:6.1f} TFLOP/s ({entry['forward_ms']:7.2f} ms)   "
-              f"forward+backward {entry['train_tflops']:6.1f} TFLOP/s ({entry['train_ms']:7.2f} ms)")
+              f"forward+backward {entry['train_tflops']:6.1f} TFLOP/s ({entry['train_ms']:7.2f} ms)   "
+              f"grads vs the first arm {entry['grad_error']:.1e}")
         for figure in ("forward_tflops", "train_tflops"):
           if entry[figure] > best.get(figure, (0.0,))[0]:
             best[figure] = (entry[figure], f"{label} ({mask_kind})")

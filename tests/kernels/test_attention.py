@@ -315,6 +315,11 @@ def test_new_impls_refuse_clearly():
   if not tokamax_gpu.available():
     with pytest.raises(ValueError, match="impl='tokamax'.*use impl='auto'"):
       flash_attention(q, q, q, impl="tokamax")
+    with pytest.raises(ValueError, match="impl='mosaic'.*use impl='auto'"):
+      flash_attention(q, q, q, impl="mosaic")
+  else:  # the Mosaic GPU backward takes 16-bit floats only
+    with pytest.raises(ValueError, match="impl='mosaic'.*bf16/f16.*float32"):
+      flash_attention(q, q, q, impl="mosaic")
 
 
 def test_block_sizes_carry_launch_settings():

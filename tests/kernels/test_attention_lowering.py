@@ -71,7 +71,8 @@ def test_triton_launch_settings_reach_every_kernel(forbid_fallbacks):
 
 @pytest.mark.skipif(not tokamax_gpu.available(), reason=tokamax_gpu.unavailable_reason())
 @pytest.mark.parametrize("impl,mask_kind", [("tokamax", "bidirectional"), ("tokamax", "causal"),
-                                            ("tokamax", "block_causal"), ("tokamax_fwd", "block_causal")])
+                                            ("tokamax", "block_causal"), ("tokamax_fwd", "block_causal"),
+                                            ("mosaic", "block_causal"), ("mosaic", "causal")])
 def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, monkeypatch, impl, mask_kind):
   import tokamax
   from jax._src.pallas.triton import gpu_info
@@ -88,6 +89,7 @@ def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, monkeypatch, imp
     module = lower_for_cuda(_loss(impl, mask_kind, tokamax_config=config), *_args())
   calls = custom_calls(module)
   # tokamax: its forward and its backward's dQ and dK/dV kernels; tokamax_fwd: its forward only, the
-  # backward is ejax's (Triton) as in the fallback branch.
-  assert calls["mosaic_gpu_v2"] == (3 if impl == "tokamax" else 1)
+  # backward is ejax's (Triton) as in the fallback branch; mosaic: its forward and ejax's Mosaic GPU
+  # dQ and dK/dV kernels (mosaic_backward.py).
+  assert calls["mosaic_gpu_v2"] == (1 if impl == "tokamax_fwd" else 3)
   assert set(triton_kernels(module)) == ATTENTION_KERNELS

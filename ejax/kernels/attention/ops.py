@@ -13,9 +13,12 @@ impl:
   tokamax's XLA op (tests).
 - "tokamax_fwd": tokamax's forward with ejax's backward (Pallas on GPU): tokamax's SM90 backward skips
   causal blocks only, so over packed rows it does the dense row's work; ejax's skips by segment.
+- "mosaic": tokamax's forward with ejax's Mosaic GPU backward (mosaic_backward.py: wgmma + TMA, its
+  loops bounded by the key ranges); needs what tokamax needs. Off GPU the backward runs in Mosaic GPU
+  interpret mode (tests).
 - "cudnn_packed": cuDNN flash attention over the segments as offsets (cudnn_packed.py); GPU (Hopper)
   only, self-attention with the "bidirectional" or "causal" mask kind.
-  The three run where the rows are packed (each segment contiguous, order keys rising along it); a batch
+  The four run where the rows are packed (each segment contiguous, order keys rising along it); a batch
   that is not runs ejax's own kernel instead (a `lax.cond` on a check made on device), so every impl
   gives reference.py's answer.
 - "auto": on a Hopper GPU `HOPPER_AUTO` where it applies, else pallas on GPU when the kernel supports
@@ -34,14 +37,15 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ejax.kernels import platform
-from ejax.kernels.attention import cudnn_packed, intervals, pallas_gpu, tokamax_gpu, xla
+from ejax.kernels.attention import cudnn_packed, intervals, mosaic_backward, pallas_gpu, tokamax_gpu, xla
 from ejax.kernels.attention.reference import MASK_KINDS, attention_mask, attention_reference
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           BlockSizes, MaskInputs, normalise_mask, pad_to_blocks)
 from ejax.parallel.axes import ACT_BATCH, ACT_HEADS
 from ejax.parallel.rules import current_context, logical_to_spec
 
-IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd", "cudnn_packed")
+IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd", "mosaic", "cudnn_packed")
+_TOKAMAX_IMPLS = ("tokamax", "tokamax_fwd", "mosaic")
 # What "auto" runs on a Hopper GPU (compute capability 9.x) where that impl applies (else "pallas"):
 # set from benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128 (BENCHMARKS.md):
 # on an H200 (2026-11-27) forward / forward+backward tokamax_fwd 153 / 90, tokamax 125 / 69, pallas 59 / 73.
@@ -108,15 +112,33 @@ def _tokamax_forward(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *m
 
 
 def _tokamax_forward_fwd(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *mask):
-  config, on_gpu = options
+  config, on_gpu, _ = options
   ranges = intervals.KeyRanges(k_start, k_end, has_keys, jnp.bool_(True))
   out, lse = tokamax_gpu.forward_with_lse(q, k, v, ranges, scale=plan.scale, on_gpu=on_gpu, config=config)
-  return out, (q, k, v, MaskInputs(*mask), out, lse)
+  return out, (q, k, v, (k_start, k_end, has_keys), MaskInputs(*mask), out, lse)
+
+
+def _mosaic_backward(plan: _Plan, q, k, v, ranges, out, lse, d_out):
+  """mosaic_backward's kernels on copies padded to whole tiles (padded queries see no key)."""
+  k_start, k_end, has_keys = ranges
+  q_len, kv_len = q.shape[1], k.shape[1]
+  tile = mosaic_backward.COMPUTE_WGS * 64
+  q_pad, kv_pad = -q_len % tile, -kv_len % tile
+  rows = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+  k_start = rows(jnp.where(has_keys, k_start, 0), q_pad)
+  k_end = rows(jnp.where(has_keys, k_end, 0), q_pad)
+  lse = jnp.pad(lse, [(0, 0), (0, 0), (0, q_pad)])
+  dq, dk, dv = mosaic_backward.backward(rows(q, q_pad), rows(k, kv_pad), rows(v, kv_pad), rows(out, q_pad),
+                                        lse, rows(d_out, q_pad), k_start, k_end, scale=plan.scale)
+  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
 
 
 def _tokamax_forward_bwd(plan: _Plan, options, residuals, d_out):
-  """ejax's blockwise backward from tokamax's out and lse, on block-padded copies."""
-  q, k, v, mask, out, lse = residuals
+  """ejax's backward from tokamax's out and lse: the Mosaic GPU kernels over the key ranges
+  (impl "mosaic"), or the blockwise one over the mask on block-padded copies ("tokamax_fwd")."""
+  q, k, v, ranges, mask, out, lse = residuals
+  if options[2] == "mosaic":
+    return _mosaic_backward(plan, q, k, v, ranges, out, lse, d_out) + (None,) * (3 + len(mask))
   q_len, kv_len = q.shape[1], k.shape[1]
   q_p, k_p, v_p, mask_p = pad_to_blocks(q, k, v, mask, plan.blocks)
   q_pad = q_p.shape[1] - q_len
@@ -184,7 +206,7 @@ def _hopper() -> bool:
 
 def _applies(impl: str, q, k, mask_kind: str) -> bool:
   """Whether `impl` takes this case on a GPU (shapes, mask kind, installed libraries)."""
-  if mask_kind in _OWN_KERNEL_ONLY and impl in ("tokamax", "tokamax_fwd", "cudnn_packed"):
+  if mask_kind in _OWN_KERNEL_ONLY and impl in (*_TOKAMAX_IMPLS, "cudnn_packed"):
     return False
   if impl == "pallas":
     return pallas_gpu.supports(q, k)
@@ -192,6 +214,9 @@ def _applies(impl: str, q, k, mask_kind: str) -> bool:
     return tokamax_gpu.available() and q.dtype in (jnp.bfloat16, jnp.float16)
   if impl == "tokamax_fwd":
     return _applies("tokamax", q, k, mask_kind) and pallas_gpu.supports(q, k)
+  if impl == "mosaic":
+    return (_applies("tokamax", q, k, mask_kind) and mosaic_backward.available() is None
+            and mosaic_backward.head_dim_fits(q.shape[-1]))
   if impl == "cudnn_packed":
     return (mask_kind in cudnn_packed.MASK_KINDS and q.shape[1] == k.shape[1]
             and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and q.dtype in (jnp.bfloat16, jnp.float16))
@@ -248,7 +273,18 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
     valid = ranges.valid
     blocks = (block_sizes or (GPU_BLOCK_SIZES if on_gpu else CPU_BLOCK_SIZES)).fitted(q_len, kv_len)
     plan = _Plan("pallas" if on_gpu else "xla", ordered, scale, blocks, False)
-    fast = lambda q, k, v: _tokamax_forward(plan, (tokamax_config, on_gpu), q, k, v, ranges.k_start,
+    fast = lambda q, k, v: _tokamax_forward(plan, (tokamax_config, on_gpu, "ejax"), q, k, v, ranges.k_start,
+                                            ranges.k_end, ranges.has_keys, *mask)
+  elif impl == "mosaic":
+    if not _applies(impl, q, k, mask_kind):
+      missing = mosaic_backward.available()
+      raise ValueError(f"attention impl='mosaic': {missing}; use impl='auto'" if missing else
+                       f"attention impl='mosaic' runs a Mosaic GPU backward that takes bf16/f16 and head_dim "
+                       f"up to 192, got {q.dtype} and {q.shape[-1]}; use impl='auto'")
+    ranges = intervals.key_ranges(mask, ordered)
+    valid = ranges.valid
+    plan = _Plan("mosaic", ordered, scale, CPU_BLOCK_SIZES, False)
+    fast = lambda q, k, v: _tokamax_forward(plan, (tokamax_config, on_gpu, "mosaic"), q, k, v, ranges.k_start,
                                             ranges.k_end, ranges.has_keys, *mask)
   else:
     segments = intervals.packed_segments(mask, ordered, cudnn_packed.MAX_SEGMENTS)
@@ -262,13 +298,14 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
 
 def _kernel_head_dim(q, impl: str) -> int:
   """The head size the GPU kernels run `q` at: its own, or the next one they support when the call
-  would take a GPU kernel (impl pallas / tokamax / tokamax_fwd, or auto on a GPU) and they lack it."""
+  would take a GPU kernel (impl pallas / tokamax / tokamax_fwd / mosaic, or auto on a GPU) and they
+  lack it. The Mosaic GPU backward takes multiples of 64 (128-byte swizzled rows)."""
   head_dim = q.shape[-1]
-  wants_kernel = impl in ("pallas", "tokamax", "tokamax_fwd") or (impl == "auto" and platform.on_gpu())
-  if (not wants_kernel or head_dim in pallas_gpu.SUPPORTED_HEAD_DIMS or head_dim > pallas_gpu.SUPPORTED_HEAD_DIMS[-1]
-      or not jnp.issubdtype(q.dtype, jnp.floating)):
+  wants_kernel = impl in ("pallas", *_TOKAMAX_IMPLS) or (impl == "auto" and platform.on_gpu())
+  if not wants_kernel or head_dim > pallas_gpu.SUPPORTED_HEAD_DIMS[-1] or not jnp.issubdtype(q.dtype, jnp.floating):
     return head_dim
-  return next(d for d in pallas_gpu.SUPPORTED_HEAD_DIMS if d > head_dim)
+  sizes = (64, 128, 192) if impl == "mosaic" else pallas_gpu.SUPPORTED_HEAD_DIMS
+  return next((d for d in sizes if d >= head_dim), head_dim)
 
 
 def flash_attention(
@@ -318,7 +355,7 @@ def flash_attention(
     return attention_reference(q, k, v, scale=scale, **mask_kwargs)
   if impl == "cudnn":
     return _cudnn_attention(q, k, v, scale, **mask_kwargs)
-  if impl in ("tokamax", "tokamax_fwd", "cudnn_packed"):
+  if impl in (*_TOKAMAX_IMPLS, "cudnn_packed"):
     return _external_attention(impl, q, k, v, mask_kind, mask_kwargs, scale, block_sizes, interpret,
                                tokamax_config)
   if impl == "pallas" and not pallas_gpu.supports(q, k):

@@ -1,0 +1,348 @@
+"""Attention backward as Pallas Mosaic GPU kernels (wgmma + TMA, Hopper) over per-query key ranges.
+
+The backward of `impl="mosaic"` (ops.py): tokamax's Mosaic GPU forward gives out and lse, these two
+kernels give dQ and dK/dV. tokamax's own SM90 backward masks each query's key range element-wise but
+bounds its loops only for causal masks, so over packed rows it does the dense row's work; ejax's
+Triton backward skips by segment but runs at ~75 TFLOP/s on an H200 (BENCHMARKS.md). These kernels
+bound every loop by the ranges: a dQ tile visits only the kv tiles its queries' ranges touch, a dK/dV
+tile only the q blocks whose ranges reach it (tile bounds computed in XLA, read by the kernel).
+
+Layout (as in jax's Mosaic GPU attention example): three warpgroups a CTA, two computing 64-row
+halves of a 128-row tile and one issuing the TMA copies of the streamed operand into a ring of
+`stages` shared-memory slots; the compute warpgroups hand a slot back with an arrive on its "free"
+barrier. The scores are recomputed in both kernels (7 matmuls a tile pair, as FlashAttention-2).
+
+Inputs are ejax's: q [batch, q_len, heads, d], k / v [batch, kv_len, kv_heads, d] (bf16 / f16),
+lse [batch, heads, q_len] f32 (natural log, 0 where a query sees no key), per query k_start / k_end
+[batch, q_len] (an empty range where it sees none). q_len and kv_len must be multiples of 128 (ops.py
+pads them), d a multiple of 64 up to 192 (shared memory). Off GPU the kernels run in Mosaic GPU
+interpret mode (jax >= 0.11; tests), which has no wgmma from registers: there `mma` is a jnp dot.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ejax.kernels import platform
+
+COMPUTE_WGS = 2
+LOG2E = math.log2(math.e)
+
+
+def available() -> str | None:
+  """None where this jax has Pallas Mosaic GPU with interpret mode, else why not."""
+  try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F401
+    plgpu.InterpretGPUParams  # noqa: B018 (jax >= 0.11)
+    plgpu.broadcasted_iota  # noqa: B018
+  except (ImportError, AttributeError) as error:
+    return f"Pallas Mosaic GPU (jax >= 0.11) is missing here: {type(error).__name__}: {error}"
+  return None
+
+
+SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a CTA
+
+
+def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> int:
+  """Shared memory of the larger kernel: its own two tiles and the ring of streamed tiles (16-bit)."""
+  dq = 2 * (2 * COMPUTE_WGS * block_q + 2 * stages * block_kv) * head_dim
+  dkv = 2 * (2 * COMPUTE_WGS * block_kv + 2 * stages * block_q) * head_dim + stages * 4 * block_q * 4
+  return max(dq, dkv)
+
+
+def head_dim_fits(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bool:
+  """128-byte swizzled rows (a multiple of 64 elements) within a CTA's shared memory: up to 192."""
+  return head_dim % 64 == 0 and smem_bytes(head_dim, block_q, block_kv, stages) <= SMEM_BYTES
+
+
+def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bool:
+  """Whether the kernels take these operands as they are (ops.py pads lengths first)."""
+  return (available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
+          and head_dim_fits(q.shape[-1], block_q, block_kv, stages)
+          and q.shape[1] % (COMPUTE_WGS * block_q) == 0 and k.shape[1] % (COMPUTE_WGS * block_kv) == 0)
+
+
+def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
+  """Loop bounds [lo, hi) a CTA, int32 [batch, tiles]: the kv tiles (of block_kv keys) each dQ tile of
+  2 * block_q queries visits, and the q blocks (of block_q) each dK/dV tile of 2 * block_kv keys visits.
+  Both are spans, so any query layout is right; on packed rows they are tight."""
+  batch = k_start.shape[0]
+  nonempty = k_end > k_start
+  big = jnp.iinfo(jnp.int32).max
+
+  def span(tile):  # min start, max end over each tile of queries, empty queries left out
+    lo = jnp.where(nonempty, k_start, big).reshape(batch, -1, tile).min(-1)
+    hi = jnp.where(nonempty, k_end, 0).reshape(batch, -1, tile).max(-1)
+    return lo, hi
+
+  lo, hi = span(COMPUTE_WGS * block_q)
+  kv_lo = jnp.where(hi > 0, lo // block_kv, 0)
+  kv_hi = jnp.where(hi > 0, -(-hi // block_kv), 0)
+
+  # q block i reaches kv tile j when some query's range meets the tile's keys [j * t, (j + 1) * t).
+  lo, hi = span(block_q)
+  tile_kv = COMPUTE_WGS * block_kv
+  starts = jnp.arange(kv_len // tile_kv, dtype=jnp.int32) * tile_kv
+  meets = (lo[:, :, None] < starts + tile_kv) & (hi[:, :, None] > starts)
+  blocks = jnp.arange(lo.shape[1], dtype=jnp.int32)[None, :, None]
+  q_hi = jnp.max(jnp.where(meets, blocks + 1, 0), axis=1)
+  q_lo = jnp.where(q_hi > 0, jnp.min(jnp.where(meets, blocks, lo.shape[1]), axis=1), 0)
+  return tuple(x.astype(jnp.int32) for x in (kv_lo, kv_hi, q_lo, q_hi))
+
+
+def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q: int = 64,
+             block_kv: int = 64, stages: int = 2, interpret: bool | None = None):
+  """(dq, dk, dv) of attention over each query's key range [k_start, k_end)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  batch, q_len, heads, head_dim = q.shape
+  _, kv_len, kv_heads, _ = k.shape
+  if not supports(q, k, block_q, block_kv, stages):
+    raise ValueError(f"mosaic attention backward: needs bf16/f16, head_dim a multiple of 64 (<= 192), "
+                     f"q_len a multiple of {COMPUTE_WGS * block_q} and kv_len of {COMPUTE_WGS * block_kv}; "
+                     f"got {q.dtype}, q {q.shape}, k {k.shape}" + (f" ({available()})" if available() else ""))
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  groups = heads // kv_heads
+  dtype = q.dtype
+  k, v, d_out = k.astype(dtype), v.astype(dtype), d_out.astype(dtype)
+
+  # Per query, for both kernels: lse and delta (log2 units), k_start and k_end, as f32 rows
+  # [batch, heads, 4, q_len] (indices below 2^24 are exact in f32): one TMA a q block.
+  delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), d_out.astype(jnp.float32))
+  ranges = jnp.broadcast_to(jnp.stack([k_start, k_end], 1).astype(jnp.float32)[:, None],
+                            (batch, heads, 2, q_len))
+  rows = jnp.concatenate([jnp.stack([lse.astype(jnp.float32) * LOG2E, delta], 2), ranges], 2)
+
+  kv_lo, kv_hi, qb_lo, qb_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
+  tile_kv = COMPUTE_WGS * block_kv
+
+  tiling = plgpu.TilingTransform((8, 64))
+  swizzle = plgpu.SwizzleTransform(128)
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a [m, n] WGMMA array
+  col_layout = plgpu.Layout.WGMMA.reduce(0)  # a value per column
+  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), num_threads=COMPUTE_WGS + 1,
+                thread_name="wg")
+  if interpret:
+    params["interpret"] = plgpu.InterpretGPUParams()
+  # jax 0.11 says out_type / scratch_types, 0.9 out_shape / scratch_shapes (with 0.9's CUDA plugin the
+  # backward builds into a program for a compile-only H100 here).
+  new_names = "out_type" in inspect.signature(plgpu.kernel).parameters
+  out_name, scratch_name = ("out_type", "scratch_types") if new_names else ("out_shape", "scratch_shapes")
+  c = scale * LOG2E
+
+  def mma(acc, lhs, rhs):
+    """acc + lhs @ rhs (lhs in registers, rhs in shared memory) on the tensor cores, waited for.
+    Interpret mode runs neither a register operand nor an accumulator-initialised wgmma (run_state),
+    so there the same sum is a dot of the values."""
+    if interpret:
+      return acc + jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
+
+    def accumulate(ref):
+      plgpu.wgmma(ref, lhs, rhs)
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
+
+  def tiles(count, rows_):  # `count` [rows_, head_dim] tiles in wgmma's swizzled layout
+    return plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
+
+  # ---- dQ: a CTA per (head, 128 queries, batch); K and V stream through the ring. ----
+  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, dq_ref,
+                q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, k_bar, v_bar, k_free, v_free):
+    b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+    wg = lax.axis_index("wg")
+    hk = lax.div(h, jnp.array(groups, h.dtype))
+    lo, hi = lo_ref[b, qi], hi_ref[b, qi]
+    steps = hi - lo
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      base = qi * (COMPUTE_WGS * block_q) + wg * block_q
+      rows_q = pl.ds(base, block_q)
+      q_s, do_s = q_smem.at[wg], do_smem.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows_q, h], q_s, q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows_q, h], do_s, do_bar.at[wg])
+      info = [plgpu.load(rows_ref.at[b, h, i, rows_q], (), layout=row_layout, optimized=False)
+              for i in range(4)]
+      lse2, delta_, start, end = info
+      plgpu.barrier_wait(q_bar.at[wg])
+      plgpu.barrier_wait(do_bar.at[wg])
+      shape = (block_q, block_kv)
+      row = lambda x: lax.broadcast_in_dim(x, shape, [0])
+
+      def step(i, dq_acc):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        def scores(s_ref, dp_ref):
+          plgpu.wgmma(s_ref, q_s, k_smem.at[slot].T)
+          plgpu.wgmma(dp_ref, do_s, v_smem.at[slot].T)
+          plgpu.wgmma_wait(0)
+          return s_ref[...], dp_ref[...]
+
+        acc = plgpu.ACC(shape, jnp.float32)
+        s, dp = pl.run_scoped(scores, acc, acc)
+        plgpu.barrier_arrive(v_free.at[slot])
+        key = ((lo + i) * block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
+               ).astype(jnp.float32)
+        p = jnp.exp2(s * c - row(lse2))
+        p = jnp.where((key >= row(start)) & (key < row(end)), p, 0.0)
+        ds = p * (dp - row(delta_))
+
+        dq_acc = mma(dq_acc, ds.astype(dtype), k_smem.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        return dq_acc
+
+      dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+      dq = lax.fori_loop(0, steps, step, dq)
+      q_s[...] = (dq * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows_q, h])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def fetch(i, slot):
+        keys = pl.ds((lo + i) * block_kv, block_kv)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(i < steps)(functools.partial(fetch, i, i))
+
+      @pl.loop(0, lax.max(steps - stages, 0))
+      def _refill(i):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_free.at[slot])
+        plgpu.barrier_wait(v_free.at[slot])
+        fetch(i + stages, slot)
+
+      @pl.loop(lax.max(steps - stages, 0), steps)
+      def _drain(i):  # observe the last frees too: each barrier phase is waited for once
+        plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
+        plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
+
+  dq = plgpu.kernel(
+      dq_kernel, **{out_name: jax.ShapeDtypeStruct(q.shape, dtype)},
+      **{scratch_name: [tiles(COMPUTE_WGS, block_q)] * 2 + [tiles(stages, block_kv)] * 2
+      + [plgpu.Barrier(num_barriers=COMPUTE_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 2
+      + [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)] * 2},
+      grid=(heads, q_len // (COMPUTE_WGS * block_q), batch), grid_names=("heads", "q_tiles", "batch"),
+      **params)(q, k, v, d_out, rows, kv_lo, kv_hi)
+
+  # ---- dK, dV: a CTA per (q head, 128 keys, batch); Q, dO and the rows stream through the ring. ----
+  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, dk_ref, dv_ref,
+                 k_smem, v_smem, q_smem, do_smem, rows_smem, k_bar, v_bar, q_bar, do_bar, rows_bar,
+                 q_free, do_free, rows_free):
+    b, h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_tiles")
+    wg = lax.axis_index("wg")
+    hk = lax.div(h, jnp.array(groups, h.dtype))
+    lo, hi = lo_ref[b, ki], hi_ref[b, ki]
+    steps = hi - lo
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      base = ki * tile_kv + wg * block_kv
+      keys = pl.ds(base, block_kv)
+      k_s, v_s = k_smem.at[wg], v_smem.at[wg]
+      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_s, k_bar.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_s, v_bar.at[wg])
+      plgpu.barrier_wait(k_bar.at[wg])
+      plgpu.barrier_wait(v_bar.at[wg])
+      shape = (block_kv, block_q)
+      col = lambda x: lax.broadcast_in_dim(x, shape, [1])
+      key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
+
+      def step(i, carry):
+        dk_acc, dv_acc = carry
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(q_bar.at[slot])
+        plgpu.barrier_wait(rows_bar.at[slot])
+        lse2, delta_, start, end = [plgpu.load(rows_smem.at[slot, j], (), layout=col_layout)
+                                    for j in range(4)]
+        plgpu.barrier_arrive(rows_free.at[slot])
+
+        def scores_t(s_ref):
+          plgpu.wgmma(s_ref, k_s, q_smem.at[slot].T)
+          plgpu.wgmma_wait(0)
+          return s_ref[...]
+
+        s_t = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
+        p_t = jnp.exp2(s_t * c - col(lse2))
+        p_t = jnp.where((key >= col(start)) & (key < col(end)), p_t, 0.0)
+        plgpu.barrier_wait(do_bar.at[slot])
+
+        dv_acc = mma(dv_acc, p_t.astype(dtype), do_smem.at[slot])
+
+        def dp_t(dp_ref):
+          plgpu.wgmma(dp_ref, v_s, do_smem.at[slot].T)
+          plgpu.wgmma_wait(0)
+          return dp_ref[...]
+
+        ds_t = p_t * (pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)) - col(delta_))
+        plgpu.barrier_arrive(do_free.at[slot])
+        dk_acc = mma(dk_acc, ds_t.astype(dtype), q_smem.at[slot])
+        plgpu.barrier_arrive(q_free.at[slot])
+        return dk_acc, dv_acc
+
+      zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), wgmma_layout)
+      dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
+      k_s[...] = (dk * scale).astype(dtype)
+      v_s[...] = dv.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, keys, h])
+      plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, keys, h])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def fetch(i, slot):
+        queries = pl.ds((lo + i) * block_q, block_q)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, queries, h], q_smem.at[slot], q_bar.at[slot])
+        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_bar.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, queries, h], do_smem.at[slot], do_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(i < steps)(functools.partial(fetch, i, i))
+
+      @pl.loop(0, lax.max(steps - stages, 0))
+      def _refill(i):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(q_free.at[slot])
+        plgpu.barrier_wait(rows_free.at[slot])
+        plgpu.barrier_wait(do_free.at[slot])
+        fetch(i + stages, slot)
+
+      @pl.loop(lax.max(steps - stages, 0), steps)
+      def _drain(i):
+        for free in (q_free, rows_free, do_free):
+          plgpu.barrier_wait(free.at[lax.rem(i, stages)])
+
+  per_head = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), dtype)
+  dk, dv = plgpu.kernel(
+      dkv_kernel, **{out_name: (per_head, per_head)},
+      **{scratch_name: [tiles(COMPUTE_WGS, block_kv)] * 2 + [tiles(stages, block_q)] * 2
+      + [plgpu.SMEM((stages, 4, block_q), jnp.float32)]
+      + [plgpu.Barrier(num_barriers=COMPUTE_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 3
+      + [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)] * 3},
+      grid=(heads, kv_len // tile_kv, batch), grid_names=("heads", "kv_tiles", "batch"),
+      **params)(q, k, v, d_out, rows, qb_lo, qb_hi)
+  if groups > 1:  # each kv head's gradient is the sum over the q heads that read it
+    grouped = lambda x: x.reshape(batch, kv_len, kv_heads, groups, head_dim).astype(jnp.float32).sum(3)
+    dk, dv = grouped(dk).astype(dtype), grouped(dv).astype(dtype)
+  return dq, dk, dv

@@ -1,0 +1,153 @@
+"""ejax's Mosaic GPU attention backward (mosaic_backward.py, impl "mosaic") against the reference.
+
+The kernels run in Mosaic GPU interpret mode on this CPU (jax >= 0.11: .ci/jax011-tests; on the pinned
+jax they skip). The loop bounds are plain jnp and are checked everywhere: every tile pair the mask
+allows is visited, and on packed rows nothing else is.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejax.kernels.attention import attention_reference, flash_attention, mosaic_backward, tokamax_gpu
+from ejax.kernels.attention.mosaic_backward import COMPUTE_WGS, _tile_bounds
+
+MOSAIC = pytest.mark.skipif(mosaic_backward.available() is not None, reason=str(mosaic_backward.available()))
+# impl "mosaic" takes tokamax's forward.
+MOSAIC_OP = pytest.mark.skipif(not tokamax_gpu.available() or mosaic_backward.available() is not None,
+                               reason=tokamax_gpu.unavailable_reason() or str(mosaic_backward.available()))
+
+
+def _ranges(layout: str, length: int, rng: np.random.Generator):
+  """Per query [k_start, k_end) of one row: packed block-causal segments, or the same with the
+  segments shuffled and padding between them (ranges not monotone in the query)."""
+  lengths = rng.integers(20, 90, size=length // 20)
+  starts = np.concatenate([[0], np.cumsum(lengths)])
+  k_start, k_end = np.zeros(length, np.int32), np.zeros(length, np.int32)
+  order = rng.permutation(len(lengths)) if layout == "shuffled" else np.arange(len(lengths))
+  gap = 7 if layout == "shuffled" else 0
+  offset = 0
+  for i in order:
+    n = int(lengths[i])
+    if offset + n + gap > length - 10:
+      break
+    offset += gap
+    index = np.arange(offset, offset + n)
+    k_start[index] = offset
+    k_end[index] = np.minimum(offset + n, offset + (np.arange(n) // 16 + 1) * 16)  # blocks of 16
+    offset += n
+  del starts
+  return k_start, k_end
+
+
+def _allowed(k_start, k_end, kv_len):
+  keys = np.arange(kv_len)
+  return (keys[None, :] >= k_start[:, None]) & (keys[None, :] < k_end[:, None])
+
+
+@pytest.mark.parametrize("layout", ["packed", "shuffled"])
+def test_tile_bounds_visit_every_allowed_tile_and_on_packed_rows_only_those(layout):
+  rng = np.random.default_rng(0)
+  length, block_q, block_kv = 512, 64, 64
+  rows = [_ranges(layout, length, rng) for _ in range(2)]
+  k_start = jnp.asarray(np.stack([r[0] for r in rows]))
+  k_end = jnp.asarray(np.stack([r[1] for r in rows]))
+  kv_lo, kv_hi, q_lo, q_hi = map(np.asarray, _tile_bounds(k_start, k_end, length, block_q=block_q, block_kv=block_kv))
+  tile_q, tile_kv = COMPUTE_WGS * block_q, COMPUTE_WGS * block_kv
+  for b, (start, end) in enumerate(rows):
+    allowed = _allowed(start, end, length)
+    # dQ: a CTA of tile_q queries visits kv blocks [kv_lo, kv_hi) of block_kv keys.
+    for i in range(length // tile_q):
+      active = np.flatnonzero(allowed[i * tile_q:(i + 1) * tile_q].reshape(tile_q, -1, block_kv).any((0, 2)))
+      visited = np.arange(kv_lo[b, i], kv_hi[b, i])
+      assert set(active) <= set(visited), (b, i)
+      if layout == "packed":
+        assert len(active) == len(visited), (b, i)  # a tile's ranges form one span on packed rows
+    # dK/dV: a CTA of tile_kv keys visits q blocks [q_lo, q_hi) of block_q queries.
+    for j in range(length // tile_kv):
+      active = np.flatnonzero(allowed[:, j * tile_kv:(j + 1) * tile_kv].reshape(-1, block_q, tile_kv).any((1, 2)))
+      visited = np.arange(q_lo[b, j], q_hi[b, j])
+      assert set(active) <= set(visited), (b, j)
+      if layout == "packed":
+        assert len(active) == len(visited), (b, j)
+  # The packed rows skip most of the work: the visited tile pairs are far fewer than the dense row's.
+  if layout == "packed":
+    assert (kv_hi - kv_lo).sum() < 0.5 * kv_hi.size * (length // block_kv)
+
+
+def _reference_grads(q, k, v, d_out, k_start, k_end, scale):
+  """out, lse and (dq, dk, dv) in fp32 of attention over the ranges, by autodiff of dense jnp."""
+  groups = q.shape[2] // k.shape[2]
+  allowed = jnp.asarray(np.stack([_allowed(s, e, k.shape[1]) for s, e in zip(k_start, k_end)]))
+
+  def attend(q, k, v):
+    k, v = jnp.repeat(k, groups, 2), jnp.repeat(v, groups, 2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = jnp.where(allowed[:, None], s, -jnp.inf)
+    m = jnp.max(s, -1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    total = p.sum(-1, keepdims=True)
+    lse = jnp.where(total[..., 0] > 0, m[..., 0] + jnp.log(jnp.maximum(total[..., 0], 1e-30)), 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p / jnp.maximum(total, 1e-30), v), lse
+
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  (out, lse), pullback = jax.vjp(attend, *f32)
+  return out, lse, pullback((d_out.astype(jnp.float32), jnp.zeros_like(lse)))
+
+
+@MOSAIC
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 2, 1), (128, 2, 2)])
+def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_heads):
+  rng = np.random.default_rng(1)
+  length = 256
+  rows = [_ranges(layout, length, rng) for layout in ("packed", "shuffled")]
+  k_start = np.stack([r[0] for r in rows])
+  k_end = np.stack([r[1] for r in rows])
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q, d_out = normal(2, length, heads, head_dim), normal(2, length, heads, head_dim)
+  k, v = normal(2, length, kv_heads, head_dim), normal(2, length, kv_heads, head_dim)
+  scale = head_dim**-0.5
+  out, lse, want = _reference_grads(q, k, v, d_out, k_start, k_end, scale)
+  got = mosaic_backward.backward(q, k, v, out.astype(jnp.bfloat16), lse, d_out, jnp.asarray(k_start),
+                                 jnp.asarray(k_end), scale=scale)
+  for name, g, w, primal in zip("qkv", got, want, (q, k, v)):
+    assert g.shape == primal.shape and g.dtype == primal.dtype, name
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=2e-2 * float(jnp.abs(w).max()),
+                               err_msg=f"d{name}")
+  # Queries that see no key (padding) get exact zeros.
+  empty = k_end <= k_start
+  assert empty.any() and not np.asarray(got[0], np.float32)[empty].any()
+
+
+@MOSAIC_OP
+@pytest.mark.parametrize("mask_kind", ["bidirectional", "causal", "block_causal"])
+def test_impl_mosaic_values_and_gradients_through_the_op(mask_kind):
+  """impl="mosaic" (tokamax's forward, the Mosaic GPU backward) on packed rows of odd length with a
+  head size the kernel pads (32 -> 64) and grouped kv heads: the reference's answer."""
+  rng = np.random.default_rng(2)
+  batch, length, heads, kv_heads, head_dim = 2, 200, 4, 2, 32
+  segment_ids = np.zeros((batch, length), np.int32)
+  segment_ids[0, :90], segment_ids[0, 90:190] = 1, 2
+  segment_ids[1, 10:120], segment_ids[1, 120:] = 1, 2
+  order = np.tile(np.arange(length) // 16, (batch, 1))
+  kwargs = dict(mask_kind=mask_kind, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+  if mask_kind == "causal":
+    kwargs.update(q_positions=np.tile(np.arange(length), (batch, 1)), kv_positions=np.tile(np.arange(length), (batch, 1)))
+  if mask_kind == "block_causal":
+    kwargs.update(q_block_ids=order, kv_block_ids=order)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q, d_out = normal(batch, length, heads, head_dim), normal(batch, length, heads, head_dim)
+  k, v = normal(batch, length, kv_heads, head_dim), normal(batch, length, kv_heads, head_dim)
+
+  def grads(attend, *args):
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+
+  value, got = grads(lambda q, k, v: flash_attention(q, k, v, impl="mosaic", **kwargs), q, k, v)
+  want_value, want = grads(lambda q, k, v: attention_reference(q, k, v, **kwargs),
+                           *(x.astype(jnp.float32) for x in (q, k, v)))
+  np.testing.assert_allclose(value, want_value, rtol=2e-2)
+  for name, g, w in zip("qkv", got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.abs(w).max()), err_msg=f"d{name}")
