@@ -75,3 +75,28 @@ def cudnn_h100(monkeypatch):
   that cuDNN produces. The compute capability is read from the backend and
   reads as pre-Hopper here, which only tightens cuDNN's shape limits."""
   monkeypatch.setattr("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", lambda: 90800)
+
+
+@pytest.fixture
+def tokamax_h100(monkeypatch):
+  """Lowering tokamax's kernels from a CPU host as for an H100: tokamax reads the compute capability
+  from the device, its persistent kernels size their grid from the device's core count (132 SMs), and
+  jax >= 0.11's Triton lowering (the fallback branch) asks for the GPU's description. Yields a
+  non-persistent tokamax config for calls that pass one. Needs tokamax (Python >= 3.12, jax >= 0.11.1)."""
+  import types
+
+  import tokamax
+  from jax._src.pallas.triton import gpu_info
+  from tokamax._src import gpu_utils
+  from tokamax._src import mosaic_gpu as tokamax_mosaic_gpu
+
+  from ejax.kernels.attention import tokamax_gpu
+
+  monkeypatch.setattr(gpu_utils, "_compute_capability", lambda device=None: 9.0)
+  h100_device = types.SimpleNamespace(core_count=132)
+  monkeypatch.setattr(tokamax_mosaic_gpu, "backend", types.SimpleNamespace(get_default_device=lambda: h100_device))
+  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  monkeypatch.setattr("jax._src.pallas.triton.pallas_call_registration.gpu_info_lib.get_gpu_info", lambda: h100)
+  with tokamax.config.cross_compile(True):
+    yield tokamax_gpu.sm90_config(persistent=False)
+

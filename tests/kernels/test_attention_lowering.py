@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 from ejax.kernels.attention import BlockSizes, flash_attention, tokamax_gpu
-from tests.cuda_lowering import TRITON, custom_calls, forbid_fallbacks, lower_for_cuda, triton_kernels  # noqa: F401
+from tests.cuda_lowering import (TRITON, custom_calls, forbid_fallbacks, lower_for_cuda,  # noqa: F401
+                                 tokamax_h100, triton_kernels)
 
 ATTENTION_KERNELS = {"ejax_varlen_attention_fwd", "ejax_varlen_attention_dq", "ejax_varlen_attention_dkv"}
 CUDNN_PACKED = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
@@ -73,20 +74,8 @@ def test_triton_launch_settings_reach_every_kernel(forbid_fallbacks):
 @pytest.mark.parametrize("impl,mask_kind", [("tokamax", "bidirectional"), ("tokamax", "causal"),
                                             ("tokamax", "block_causal"), ("tokamax_fwd", "block_causal"),
                                             ("mosaic", "block_causal"), ("mosaic", "causal")])
-def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, monkeypatch, impl, mask_kind):
-  import tokamax
-  from jax._src.pallas.triton import gpu_info
-  from tokamax._src import gpu_utils
-
-  # Lowering from a CPU host: tokamax reads the compute capability from the device (an H100 here),
-  # and jax >= 0.11's Triton lowering (the other branch) asks for the GPU's description.
-  monkeypatch.setattr(gpu_utils, "_compute_capability", lambda device=None: 9.0)
-  h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-  monkeypatch.setattr("jax._src.pallas.triton.pallas_call_registration.gpu_info_lib.get_gpu_info", lambda: h100)
-  # A persistent kernel sizes its grid from the device's core count, which a CPU has not.
-  config = tokamax_gpu.sm90_config(persistent=False)
-  with tokamax.config.cross_compile(True):
-    module = lower_for_cuda(_loss(impl, mask_kind, tokamax_config=config), *_args())
+def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, tokamax_h100, impl, mask_kind):
+  module = lower_for_cuda(_loss(impl, mask_kind, tokamax_config=tokamax_h100), *_args())
   calls = custom_calls(module)
   # tokamax: its forward and its backward's dQ and dK/dV kernels; tokamax_fwd: its forward only, the
   # backward is ejax's (Triton) as in the fallback branch; mosaic: its forward and ejax's Mosaic GPU

@@ -17,7 +17,9 @@ from ejax.parallel.data import batch_sharding
 from ejax.train.optim import make_optimizer
 from ejax.train.state import abstract_train_state, model_parts
 from ejax.train.step import jit_train_step, make_train_step
-from tests.cuda_lowering import TRITON, custom_calls, forbid_fallbacks, lower_for_cuda, triton_kernels  # noqa: F401
+from ejax.kernels.attention import mosaic_backward, tokamax_gpu
+from tests.cuda_lowering import (TRITON, custom_calls, forbid_fallbacks, lower_for_cuda,  # noqa: F401
+                                 tokamax_h100, triton_kernels)
 from tests.train.helpers import load_config
 
 ATTENTION = {"ejax_varlen_attention_fwd"}
@@ -91,3 +93,19 @@ def test_full_size_groot_runs_every_attention_in_the_gpu_kernels(forbid_fallback
   module = _lowered_train_step(load_config("configs/groot.py"))
   assert set(custom_calls(module)) == {TRITON}
   assert set(triton_kernels(module)) == ATTENTION_GRAD
+
+
+@pytest.mark.skipif(not tokamax_gpu.available() or mosaic_backward.available() is not None,
+                    reason=tokamax_gpu.unavailable_reason() or str(mosaic_backward.available()))
+def test_groot_train_step_lowers_with_the_mosaic_attention_route(forbid_fallbacks, tokamax_h100):
+  """model.attention_impl="mosaic": every attention of the step (SigLIP, the LLM, the DiT's self- and
+  packed cross-attention) runs tokamax's forward and ejax's Mosaic GPU backward, with ejax's Triton
+  kernels only as the branch for batches whose mask is not key ranges."""
+  config = load_config("configs/groot.py", "runlocal")
+  config.model.update(attention_impl="mosaic", dtype="bfloat16")  # the kernels take 16-bit floats
+  module = _lowered_train_step(config)
+  calls = custom_calls(module)
+  assert set(calls) == {TRITON, "mosaic_gpu_v2"}
+  assert calls["mosaic_gpu_v2"] >= 3  # a forward, a dQ and a dK/dV kernel at least (export dedups)
+  assert set(triton_kernels(module)) == ATTENTION_GRAD
+

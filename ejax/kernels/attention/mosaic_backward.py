@@ -15,7 +15,7 @@ barrier. The scores are recomputed in both kernels (7 matmuls a tile pair, as Fl
 Inputs are ejax's: q [batch, q_len, heads, d], k / v [batch, kv_len, kv_heads, d] (bf16 / f16),
 lse [batch, heads, q_len] f32 (natural log, 0 where a query sees no key), per query k_start / k_end
 [batch, q_len] (an empty range where it sees none). q_len and kv_len must be multiples of 128 (ops.py
-pads them), d a multiple of 64 up to 192 (shared memory). Off GPU the kernels run in Mosaic GPU
+pads them), d 64 or 128 (registers). Off GPU the kernels run in Mosaic GPU
 interpret mode (jax >= 0.11; tests), which has no wgmma from registers: there `mma` is a jnp dot.
 """
 
@@ -56,9 +56,16 @@ def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int
   return max(dq, dkv)
 
 
+# Registers bound the head size first: a dK/dV warpgroup holds two f32 [64, head_dim] accumulators and
+# two f32 [64, 64] score tiles: 192 of its 232 registers a thread at 128, 256 at 192.
+MAX_HEAD_DIM = 128
+
+
 def head_dim_fits(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bool:
-  """128-byte swizzled rows (a multiple of 64 elements) within a CTA's shared memory: up to 192."""
-  return head_dim % 64 == 0 and smem_bytes(head_dim, block_q, block_kv, stages) <= SMEM_BYTES
+  """128-byte swizzled rows (a multiple of 64 elements), the accumulators in registers and the tiles
+  in a CTA's shared memory: 64 or 128."""
+  return (head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM
+          and smem_bytes(head_dim, block_q, block_kv, stages) <= SMEM_BYTES)
 
 
 def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bool:
@@ -105,7 +112,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
   if not supports(q, k, block_q, block_kv, stages):
-    raise ValueError(f"mosaic attention backward: needs bf16/f16, head_dim a multiple of 64 (<= 192), "
+    raise ValueError(f"mosaic attention backward: needs bf16/f16, head_dim 64 or 128, "
                      f"q_len a multiple of {COMPUTE_WGS * block_q} and kv_len of {COMPUTE_WGS * block_kv}; "
                      f"got {q.dtype}, q {q.shape}, k {k.shape}" + (f" ({available()})" if available() else ""))
   if interpret is None:
@@ -264,7 +271,6 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       plgpu.barrier_wait(v_bar.at[wg])
       shape = (block_kv, block_q)
       col = lambda x: lax.broadcast_in_dim(x, shape, [1])
-      key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
 
       def step(i, carry):
         dk_acc, dv_acc = carry
@@ -282,6 +288,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
         s_t = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
         p_t = jnp.exp2(s_t * c - col(lse2))
+        # Made in the loop, not held across it: registers are what this warpgroup runs short of.
+        key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
         p_t = jnp.where((key >= col(start)) & (key < col(end)), p_t, 0.0)
         plgpu.barrier_wait(do_bar.at[slot])
 

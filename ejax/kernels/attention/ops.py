@@ -280,7 +280,7 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
       missing = mosaic_backward.available()
       raise ValueError(f"attention impl='mosaic': {missing}; use impl='auto'" if missing else
                        f"attention impl='mosaic' runs a Mosaic GPU backward that takes bf16/f16 and head_dim "
-                       f"up to 192, got {q.dtype} and {q.shape[-1]}; use impl='auto'")
+                       f"up to {mosaic_backward.MAX_HEAD_DIM}, got {q.dtype} and {q.shape[-1]}; use impl='auto'")
     ranges = intervals.key_ranges(mask, ordered)
     valid = ranges.valid
     plan = _Plan("mosaic", ordered, scale, CPU_BLOCK_SIZES, False)
@@ -301,10 +301,11 @@ def _kernel_head_dim(q, impl: str) -> int:
   would take a GPU kernel (impl pallas / tokamax / tokamax_fwd / mosaic, or auto on a GPU) and they
   lack it. The Mosaic GPU backward takes multiples of 64 (128-byte swizzled rows)."""
   head_dim = q.shape[-1]
+  impl = _SCOPED_IMPL.get() if impl == "auto" else impl  # a model's attention_impl (default_impl)
   wants_kernel = impl in ("pallas", *_TOKAMAX_IMPLS) or (impl == "auto" and platform.on_gpu())
   if not wants_kernel or head_dim > pallas_gpu.SUPPORTED_HEAD_DIMS[-1] or not jnp.issubdtype(q.dtype, jnp.floating):
     return head_dim
-  sizes = (64, 128, 192) if impl == "mosaic" else pallas_gpu.SUPPORTED_HEAD_DIMS
+  sizes = (64, mosaic_backward.MAX_HEAD_DIM) if impl == "mosaic" else pallas_gpu.SUPPORTED_HEAD_DIMS
   return next((d for d in sizes if d >= head_dim), head_dim)
 
 
