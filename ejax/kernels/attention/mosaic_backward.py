@@ -129,6 +129,10 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   rows = jnp.concatenate([jnp.stack([lse.astype(jnp.float32) * LOG2E, delta], 2), ranges], 2)
 
   kv_lo, kv_hi, qb_lo, qb_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
+  # Per q block: keys [inner_lo, inner_hi) are in every one of its queries' ranges; a tile inside them
+  # skips the element-wise mask (most tiles of long segments). A query with no key empties it.
+  inner_lo = k_start.reshape(batch, -1, block_q).max(-1).astype(jnp.int32)
+  inner_hi = k_end.reshape(batch, -1, block_q).min(-1).astype(jnp.int32)
   tile_kv = COMPUTE_WGS * block_kv
 
   tiling = plgpu.TilingTransform((8, 64))
@@ -162,7 +166,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
     return plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
 
   # ---- dQ: a CTA per (head, 128 queries, batch); K and V stream through the ring. ----
-  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, dq_ref,
+  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, inner_lo_ref, inner_hi_ref, dq_ref,
                 q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, k_bar, v_bar, k_free, v_free):
     b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
@@ -181,6 +185,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       info = [plgpu.load(rows_ref.at[b, h, i, rows_q], (), layout=row_layout, optimized=False)
               for i in range(4)]
       lse2, delta_, start, end = info
+      inner_lo, inner_hi = inner_lo_ref[b, base // block_q], inner_hi_ref[b, base // block_q]
       plgpu.barrier_wait(q_bar.at[wg])
       plgpu.barrier_wait(do_bar.at[wg])
       shape = (block_q, block_kv)
@@ -200,10 +205,14 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         acc = plgpu.ACC(shape, jnp.float32)
         s, dp = pl.run_scoped(scores, acc, acc)
         plgpu.barrier_arrive(v_free.at[slot])
-        key = ((lo + i) * block_kv + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)
-               ).astype(jnp.float32)
         p = jnp.exp2(s * c - row(lse2))
-        p = jnp.where((key >= row(start)) & (key < row(end)), p, 0.0)
+        kv_base = (lo + i) * block_kv
+
+        def mask(p):
+          key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
+          return jnp.where((key >= row(start)) & (key < row(end)), p, 0.0)
+
+        p = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
         ds = p * (dp - row(delta_))
 
         dq_acc = mma(dq_acc, ds.astype(dtype), k_smem.at[slot])
@@ -247,10 +256,10 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       + [plgpu.Barrier(num_barriers=COMPUTE_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 2
       + [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)] * 2},
       grid=(heads, q_len // (COMPUTE_WGS * block_q), batch), grid_names=("heads", "q_tiles", "batch"),
-      **params)(q, k, v, d_out, rows, kv_lo, kv_hi)
+      **params)(q, k, v, d_out, rows, kv_lo, kv_hi, inner_lo, inner_hi)
 
   # ---- dK, dV: a CTA per (q head, 128 keys, batch); Q, dO and the rows stream through the ring. ----
-  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, dk_ref, dv_ref,
+  def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, inner_lo_ref, inner_hi_ref, dk_ref, dv_ref,
                  k_smem, v_smem, q_smem, do_smem, rows_smem, k_bar, v_bar, q_bar, do_bar, rows_bar,
                  q_free, do_free, rows_free):
     b, h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_tiles")
@@ -288,9 +297,14 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
         s_t = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
         p_t = jnp.exp2(s_t * c - col(lse2))
-        # Made in the loop, not held across it: registers are what this warpgroup runs short of.
-        key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
-        p_t = jnp.where((key >= col(start)) & (key < col(end)), p_t, 0.0)
+
+        def mask(p_t):  # the iota made here, not held across the loop: registers run short
+          key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
+          return jnp.where((key >= col(start)) & (key < col(end)), p_t, 0.0)
+
+        block = lo + i
+        inside = (base >= inner_lo_ref[b, block]) & (base + block_kv <= inner_hi_ref[b, block])
+        p_t = lax.cond(inside, lambda p_t: p_t, mask, p_t)
         plgpu.barrier_wait(do_bar.at[slot])
 
         dv_acc = mma(dv_acc, p_t.astype(dtype), do_smem.at[slot])
@@ -349,7 +363,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       + [plgpu.Barrier(num_barriers=COMPUTE_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 3
       + [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)] * 3},
       grid=(heads, kv_len // tile_kv, batch), grid_names=("heads", "kv_tiles", "batch"),
-      **params)(q, k, v, d_out, rows, qb_lo, qb_hi)
+      **params)(q, k, v, d_out, rows, qb_lo, qb_hi, inner_lo, inner_hi)
   if groups > 1:  # each kv head's gradient is the sum over the q heads that read it
     grouped = lambda x: x.reshape(batch, kv_len, kv_heads, groups, head_dim).astype(jnp.float32).sum(3)
     dk, dv = grouped(dk).astype(dtype), grouped(dv).astype(dtype)
