@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ejax.data.packing import pack_sequences
-from ejax.kernels.attention import (BlockSizes, attention_mask, flash_attention, intervals, ops,
-                                    tokamax_gpu)
+from ejax.kernels.attention import (BlockSizes, attention_mask, flash_attention, intervals, mosaic_backward,
+                                    ops, tokamax_gpu)
 from ejax.kernels.attention.ops import choose_impl
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           MaskInputs, active_fraction, normalise_mask)
@@ -126,6 +126,22 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
   return listed
 
 
+def mosaic_work(mask: dict, pairs: int) -> str:
+  """The pairs the "mosaic" backward's tile loops visit on these rows (mosaic_backward.visited_pairs)."""
+  rows, row_length = mask["q_segment_ids"].shape
+  names = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "q_block_ids", "kv_block_ids")
+  arrays = {name: jnp.asarray(mask[name]) if name in mask else None for name in names}
+  inputs, ordered = normalise_mask(rows, row_length, row_length, mask["mask_kind"], **arrays)
+  ranges = intervals.key_ranges(inputs, ordered)
+  if not bool(ranges.valid) or row_length % (mosaic_backward.COMPUTE_WGS * 64):
+    return "the mosaic backward does not take these rows"
+  k_start = jnp.where(ranges.has_keys, ranges.k_start, 0)
+  k_end = jnp.where(ranges.has_keys, ranges.k_end, 0)
+  dq, dkv = mosaic_backward.visited_pairs(k_start, k_end, row_length)
+  return (f"the mosaic backward visits {dq / 1e6:.1f}M (dQ) / {dkv / 1e6:.1f}M (dK/dV) pairs, "
+          f"{pairs / max(dq, dkv):.0%} allowed; the dense rows are {rows * row_length**2 / 1e6:.0f}M")
+
+
 def unchecked_tokamax(q, k, v, mask: dict, on_gpu: bool):
   """tokamax on the key ranges without ops.py's layout check (valid here: the rows are packed)."""
   names = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "q_block_ids", "kv_block_ids")
@@ -184,6 +200,8 @@ def main():
         f"padding {float((segment_ids == 0).mean()):.1%}")
   print(f"ideal FLOP ratio (row_length^2 / sum len^2): {ideal:.2f}x; tile-granular ratio at "
         f"{blocks.block_q}x{blocks.block_kv} tiles: {tile_ratio:.2f}x")
+  for mask_kind, host_mask in host_masks.items():
+    print(f"{mask_kind} rows: {mosaic_work(host_mask, allowed_pairs(host_mask, args.rows, args.row_length))}")
   report = dict(device=device, jax=jax.__version__, dtype=jnp.dtype(dtype).name, args=vars(args),
                 segments=len(segment_lengths), segment_pairs=segment_pairs, ideal_ratio=ideal,
                 tile_ratio=tile_ratio, tile_blocks=[blocks.block_q, blocks.block_kv],

@@ -208,8 +208,10 @@ def test_scanned_weights_are_stacked_once_per_call_not_once_per_denoising_step()
   jaxpr = jax.make_jaxpr(lambda noise: sample(model, noise, True))(noise)
   (loop,) = [eqn for eqn in jaxpr.eqns if eqn.primitive.name in ("while", "scan")]   # fori_loop: a scan
   body = str(loop.params.get("jaxpr", loop.params.get("body_jaxpr")))
-  assert not [line for line in body.splitlines() if "concatenate" in line and "f32[4," in line]
-  outside = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "concatenate" and eqn.outvars[0].aval.shape[0] == 4]
+  # jnp.stack is a concatenate in jax 0.9's jaxprs and a `stack` primitive in 0.11's.
+  stacking = ("concatenate", "stack")
+  assert not [line for line in body.splitlines() if any(f" {p}[" in line for p in stacking) and "f32[4," in line]
+  outside = [eqn for eqn in jaxpr.eqns if eqn.primitive.name in stacking and eqn.outvars[0].aval.shape[0] == 4]
   assert len(outside) >= 8, "expected the stacked weights before the loop"
   # As XLA:CPU compiles it, each stacking runs once a call both ways.
   for once in (True, False):

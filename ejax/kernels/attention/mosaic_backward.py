@@ -103,6 +103,14 @@ def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
   return tuple(x.astype(jnp.int32) for x in (kv_lo, kv_hi, q_lo, q_hi))
 
 
+def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int = 64) -> tuple[int, int]:
+  """(query, key) pairs the dQ and the dK/dV kernel compute for these ranges (their tile loops)."""
+  kv_lo, kv_hi, q_lo, q_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
+  dq = int(jnp.sum(kv_hi - kv_lo)) * COMPUTE_WGS * block_q * block_kv
+  dkv = int(jnp.sum(q_hi - q_lo)) * COMPUTE_WGS * block_kv * block_q
+  return dq, dkv
+
+
 def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q: int = 64,
              block_kv: int = 64, stages: int = 2, interpret: bool | None = None):
   """(dq, dk, dv) of attention over each query's key range [k_start, k_end)."""
