@@ -94,7 +94,8 @@ def _operand_text(rest: str) -> str:
 class _Body:
   reads: dict[int, int | None]  # parameter index -> bytes read when it is only sliced, None: read whole
   writes: int
-  flops: float  # its dots' (a GEMM fusion: XLA's Triton GEMMs, where cuBLAS does not take the dot)
+  flops: float  # its GEMMs' (XLA's Triton GEMMs where cuBLAS does not take the dot; cuBLAS calls
+  #               in XLA's dynamic-slice fusions, which read a stacked weight at an offset)
 
 
 def _fusion_body(lines: list[str]) -> _Body:
@@ -143,11 +144,26 @@ def _fusion_body(lines: list[str]) -> _Body:
       return written(operands[0])
     if op == "dynamic-update-slice":
       return hlo.shape_bytes(instructions[operands[1]][0])
+    if op == "custom-call" and "cublas" in lines_by_name[name]:
+      return hlo.shape_bytes(_without_workspace(shape))
     return hlo.shape_bytes(shape)
 
-  flops = sum(dot_flops(shape, operands, lines_by_name[name]) for name, (shape, op, operands) in instructions.items()
-              if op == "dot")
+  def gemm_flops(name: str) -> float:
+    shape, op, _ = instructions[name]
+    line = lines_by_name[name]
+    if op == "dot":
+      return dot_flops(shape, instructions[name][2], line)
+    if op == "custom-call" and "cublas" in line:  # XLA's dynamic-slice fusion: cuBLAS reads at an offset
+      return _gemm_flops(_without_workspace(shape), _operand_text(hlo._INSTRUCTION.match(line).group(4)), line)
+    return 0.0
+
+  flops = sum(gemm_flops(name) for name in instructions)
   return _Body({i: sliced_bytes(p) for i, p in params.items()}, written(root) if root else 0, flops)
+
+
+def _without_workspace(result: str) -> str:
+  """A cuBLAS call's (result, workspace) without the workspace: scratch, not traffic."""
+  return re.split(r",\s*s8\[", result)[0]
 
 
 def _gemm_flops(result: str, operands: str, line: str) -> float:
@@ -198,8 +214,8 @@ def read(hlo_text: str) -> Program:
         target = re.search(r'custom_call_target="([^"]+)"', line)
         target = target.group(1) if target else ""
         out = result
-        if "cublas" in target:  # (result, workspace): the workspace is scratch, not traffic
-          out = re.split(r",\s*s8\[", result)[0]
+        if "cublas" in target:
+          out = _without_workspace(result)
           kind, flops = "gemm", _gemm_flops(out, operands, line)
         else:
           kind = "pallas" if "triton" in target else "custom-call"

@@ -116,3 +116,37 @@ def test_summary_floor_is_the_larger_of_flops_and_bytes_per_kernel():
   assert summary["largest"][0]["kind"] in ("gemm", "fusion")
   line = gpu_program.format_line(summary)
   assert line.startswith(f"kernels a step: {program.launches} (") and "host-synchronised loops 1" in line
+
+
+# XLA's dynamic-slice fusion (--xla_gpu_enable_dynamic_slice_fusion): the cuBLAS call reads one layer
+# of a stacked weight at an offset, inside a custom fusion, with no copy of the slice.
+DYNAMIC_SLICE_FUSION = """
+HloModule jit_step, entry_computation_layout={(bf16[4,256,256]{2,1,0}, bf16[64,256]{1,0}, s32[])->bf16[64,256]{1,0}}
+
+%dynamic-slice-fusion (p0: bf16[4,256,256], p1: s32[], p2: s32[], p3: bf16[64,256]) -> (bf16[64,256], s8[4194304]) {
+  %p3 = bf16[64,256]{1,0} parameter(3)
+  %p0 = bf16[4,256,256]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = s32[] parameter(2)
+  %dynamic-slice.1 = bf16[1,256,256]{2,1,0} dynamic-slice(bf16[4,256,256]{2,1,0} %p0, s32[] %p1, s32[] %p2, s32[] %p2), dynamic_slice_sizes={1,256,256}
+  %bitcast.1 = bf16[256,256]{1,0} bitcast(bf16[1,256,256]{2,1,0} %dynamic-slice.1)
+  ROOT %custom-call.1 = (bf16[64,256]{1,0}, s8[4194304]{0}) custom-call(bf16[64,256]{1,0} %p3, bf16[256,256]{1,0} %bitcast.1), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+}
+
+ENTRY %main (w: bf16[4,256,256], x: bf16[64,256], i: s32[]) -> bf16[64,256] {
+  %w = bf16[4,256,256]{2,1,0} parameter(0)
+  %x = bf16[64,256]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %address_computation = (bf16[64,256]{1,0}, s8[4194304]{0}) fusion(bf16[4,256,256]{2,1,0} %w, s32[] %i, s32[] %zero, bf16[64,256]{1,0} %x), kind=kCustom, calls=%dynamic-slice-fusion
+  ROOT %y = bf16[64,256]{1,0} get-tuple-element((bf16[64,256]{1,0}, s8[4194304]{0}) %address_computation), index=0
+}
+"""
+
+
+def test_a_cublas_call_in_a_dynamic_slice_fusion_is_a_gemm_reading_one_layer():
+  (kernel,) = gpu_program.read(DYNAMIC_SLICE_FUSION).kernels
+  assert (kernel.kind, kernel.runs) == ("gemm", 1)
+  assert kernel.flops == 2 * 64 * 256 * 256
+  # One layer of the stacked weight, the activations, the result; not the workspace.
+  assert kernel.bytes == 2 * (256 * 256 + 64 * 256 + 64 * 256) + 2 * 4
