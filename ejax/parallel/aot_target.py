@@ -15,6 +15,12 @@ The plugin must be the version of the jaxlib it loads into. A separate venv that
   echo "$PWD/.venv/lib/python3.11/site-packages" > .venv-cuda/lib/python3.11/site-packages/ejax.pth
   .venv-cuda/bin/pip install "jax-cuda12-plugin[with-cuda]==0.9.2"    # ejax's pinned jax
   .venv-cuda/bin/python -m ejax.train.compile_report --target=h100 ...   # from the repo root
+
+For the jax the GPU machines carry (0.11.2), the same over .venv-jax011 (.ci/jax011-venv):
+
+  python3.12 -m venv .venv-cuda011
+  echo "$PWD/.venv-jax011/lib/python3.12/site-packages" > .venv-cuda011/lib/python3.12/site-packages/ejax.pth
+  .venv-cuda011/bin/pip install "jax-cuda12-plugin[with-cuda]==0.11.2"
 """
 
 from __future__ import annotations

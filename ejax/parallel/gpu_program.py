@@ -35,6 +35,8 @@ LAUNCH_SECONDS = 5.0e-6
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency")
 _CONTROL = ("while", "conditional", "call")
+# A fusion is one kernel; jaxlib 0.11's XLA:GPU also runs some as async pairs (fusion-start / -done).
+_FUSIONS = ("fusion", "fusion-start")
 _OPERAND_SHAPE = re.compile(r"([a-z][a-z0-9]*\[[0-9,]*\])(?:\{[^}]*\})?\s+%")
 
 
@@ -183,7 +185,7 @@ def read(hlo_text: str) -> Program:
   for lines in module.bodies.values():
     for line in lines:
       match = hlo._INSTRUCTION.match(line)
-      if match and match.group(3) == "fusion":
+      if match and match.group(3) in _FUSIONS:
         fused.update(re.findall(r"calls=%?([\w.\-]+)", line))
   bodies: dict[str, _Body] = {}
   kernels, syncing = [], 0
@@ -196,12 +198,12 @@ def read(hlo_text: str) -> Program:
       if not match:
         continue
       name, result, op, rest = match.groups()
-      if op in _FREE or op in _CONTROL:
+      if op in _FREE or op in _CONTROL or op == "fusion-done":  # an async fusion counts at its start
         syncing += runs if op == "while" and "known_trip_count" not in line else 0
         continue
       operands = _operand_text(rest)
       flops, kind = 0.0, op
-      if op == "fusion":
+      if op in _FUSIONS:
         body_name = re.search(r"calls=%?([\w.\-]+)", line).group(1)
         if body_name not in bodies:
           bodies[body_name] = _fusion_body(module.bodies.get(body_name, []))
