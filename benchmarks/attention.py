@@ -140,7 +140,7 @@ def mosaic_work(mask: dict, pairs: int) -> str:
   arrays = {name: jnp.asarray(mask[name]) if name in mask else None for name in names}
   inputs, ordered = normalise_mask(rows, row_length, row_length, mask["mask_kind"], **arrays)
   ranges = intervals.key_ranges(inputs, ordered)
-  if not bool(ranges.valid) or row_length % (mosaic_backward.COMPUTE_WGS * 64):
+  if not bool(ranges.valid) or row_length % mosaic_backward.LENGTH_MULTIPLE:
     return "the mosaic backward does not take these rows"
   k_start = jnp.where(ranges.has_keys, ranges.k_start, 0)
   k_end = jnp.where(ranges.has_keys, ranges.k_end, 0)

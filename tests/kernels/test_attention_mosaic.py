@@ -5,13 +5,20 @@ jax they skip). The loop bounds are plain jnp and are checked everywhere: every 
 allows is visited, and on packed rows nothing else is.
 """
 
+import os
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ejax.kernels.attention import attention_reference, flash_attention, mosaic_backward, tokamax_gpu
-from ejax.kernels.attention.mosaic_backward import COMPUTE_WGS, _tile_bounds
+from ejax.kernels.attention.mosaic_backward import DKV_WGS, DQ_WGS, _tile_bounds
+from ejax.parallel import aot_target
+from tests.train.helpers import REPO
 
 MOSAIC = pytest.mark.skipif(mosaic_backward.available() is not None, reason=str(mosaic_backward.available()))
 # impl "mosaic" takes tokamax's forward.
@@ -54,7 +61,7 @@ def test_tile_bounds_visit_every_allowed_tile_and_on_packed_rows_only_those(layo
   k_start = jnp.asarray(np.stack([r[0] for r in rows]))
   k_end = jnp.asarray(np.stack([r[1] for r in rows]))
   kv_lo, kv_hi, q_lo, q_hi = map(np.asarray, _tile_bounds(k_start, k_end, length, block_q=block_q, block_kv=block_kv))
-  tile_q, tile_kv = COMPUTE_WGS * block_q, COMPUTE_WGS * block_kv
+  tile_q, tile_kv = DQ_WGS * block_q, DKV_WGS * block_kv
   for b, (start, end) in enumerate(rows):
     allowed = _allowed(start, end, length)
     # dQ: a CTA of tile_q queries visits kv blocks [kv_lo, kv_hi) of block_kv keys.
@@ -152,3 +159,38 @@ def test_impl_mosaic_values_and_gradients_through_the_op(mask_kind):
   np.testing.assert_allclose(value, want_value, rtol=2e-2)
   for name, g, w in zip("qkv", got, want):
     np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.abs(w).max()), err_msg=f"d{name}")
+
+
+# ptxas's verdict on the kernels as the GPU machines' jax builds them. Mosaic GPU compiles a kernel to
+# PTX and SASS when it lowers; with JAX's CUDA plugin (jax >= 0.11: .venv-cuda011, see
+# ejax/parallel/aot_target.py) that runs here against a compile-only H100.
+_PTXAS = """
+import sys
+from ejax.parallel import aot_target
+aot_target.run_jax_on_cpu()
+import jax, jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+from ejax.kernels.attention import mosaic_backward
+device = aot_target.compile_only_devices("h100", 1)[0]
+head_dim = int(sys.argv[1])
+arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
+x = arg((2, 512, 4, head_dim), jnp.bfloat16)
+ids = arg((2, 512), jnp.int32)
+backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False))
+backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+"""
+
+
+@MOSAIC
+@pytest.mark.skipif(not aot_target.cuda_plugin_installed(),
+                    reason="JAX's CUDA plugin is not installed (see ejax/parallel/aot_target.py)")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
+  done = subprocess.run([sys.executable, "-c", _PTXAS, str(head_dim)], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, "MOSAIC_GPU_DUMP_PTXAS": "1", "XLA_FLAGS": ""}, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  report = done.stdout + done.stderr
+  kernels = re.findall(r"Compiling entry function '(\w+)'", report)
+  assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel"} <= set(kernels), report[-2000:]
+  spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+  assert spills and all(stores == loads == "0" for stores, loads in spills), report[-3000:]

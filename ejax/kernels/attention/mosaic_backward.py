@@ -7,10 +7,9 @@ Triton backward skips by segment but runs at ~75 TFLOP/s on an H200 (BENCHMARKS.
 bound every loop by the ranges: a dQ tile visits only the kv tiles its queries' ranges touch, a dK/dV
 tile only the q blocks whose ranges reach it (tile bounds computed in XLA, read by the kernel).
 
-Layout (as in jax's Mosaic GPU attention example): three warpgroups a CTA, two computing 64-row
-halves of a 128-row tile and one issuing the TMA copies of the streamed operand into a ring of
-`stages` shared-memory slots; the compute warpgroups hand a slot back with an arrive on its "free"
-barrier. The scores are recomputed in both kernels (7 matmuls a tile pair, as FlashAttention-2).
+Layout (as in jax's Mosaic GPU attention example): a warpgroup issues the TMA copies of the streamed
+operand into a ring of `stages` shared-memory slots, and compute warpgroups of 64 rows each (two in
+dQ, one in dK/dV: DQ_WGS, DKV_WGS) hand a slot back with an arrive on its "free" barrier. The scores are recomputed in both kernels (7 matmuls a tile pair, as FlashAttention-2).
 
 Inputs are ejax's: q [batch, q_len, heads, d], k / v [batch, kv_len, kv_heads, d] (bf16 / f16),
 lse [batch, heads, q_len] f32 (natural log, 0 where a query sees no key), per query k_start / k_end
@@ -31,7 +30,20 @@ from jax import lax
 
 from ejax.kernels import platform
 
-COMPUTE_WGS = 2
+# Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
+# score tiles fit the 168 registers a thread of a 384-thread CTA). dK/dV: one, so a thread may use
+# 255: with two, ptxas spilled (256 bytes a thread; MOSAIC_GPU_DUMP_PTXAS, compile-only H100, jaxlib
+# 0.11.2) for its two accumulators and three score tiles.
+DQ_WGS = 2
+DKV_WGS = 1
+LENGTH_MULTIPLE = 128  # q_len and kv_len: whole CTA tiles of both kernels (ops.py pads to it)
+MEMORY_REGISTERS = 40  # a thread of the copying warpgroup (setmaxnreg); the compute ones share the rest
+
+
+def compute_registers(compute_wgs: int) -> int:
+  """Registers a compute thread raises itself to: the SM's 64K over 128-thread warpgroups, less the
+  copying warpgroup's, shared out, at most 256, in steps of 8 (as jax's warp-specialized pipeline)."""
+  return int(min(256, (512 - MEMORY_REGISTERS) / compute_wgs) // 8 * 8)
 LOG2E = math.log2(math.e)
 
 
@@ -51,13 +63,13 @@ SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a CTA
 
 def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> int:
   """Shared memory of the larger kernel: its own two tiles and the ring of streamed tiles (16-bit)."""
-  dq = 2 * (2 * COMPUTE_WGS * block_q + 2 * stages * block_kv) * head_dim
-  dkv = 2 * (2 * COMPUTE_WGS * block_kv + 2 * stages * block_q) * head_dim + stages * 4 * block_q * 4
+  dq = 2 * (2 * DQ_WGS * block_q + 2 * stages * block_kv) * head_dim
+  dkv = 2 * (2 * DKV_WGS * block_kv + 2 * stages * block_q) * head_dim + stages * 4 * block_q * 4
   return max(dq, dkv)
 
 
 # Registers bound the head size first: a dK/dV warpgroup holds two f32 [64, head_dim] accumulators and
-# two f32 [64, 64] score tiles: 192 of its 232 registers a thread at 128, 256 at 192.
+# two f32 [64, 64] score tiles: 192 of its 256 registers a thread at 128, all 256 at 192.
 MAX_HEAD_DIM = 128
 
 
@@ -72,7 +84,8 @@ def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bo
   """Whether the kernels take these operands as they are (ops.py pads lengths first)."""
   return (available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
           and head_dim_fits(q.shape[-1], block_q, block_kv, stages)
-          and q.shape[1] % (COMPUTE_WGS * block_q) == 0 and k.shape[1] % (COMPUTE_WGS * block_kv) == 0)
+          and q.shape[1] % LENGTH_MULTIPLE == 0 and k.shape[1] % LENGTH_MULTIPLE == 0
+          and LENGTH_MULTIPLE % (DQ_WGS * block_q) == 0 and LENGTH_MULTIPLE % (DKV_WGS * block_kv) == 0)
 
 
 def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
@@ -88,13 +101,13 @@ def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
     hi = jnp.where(nonempty, k_end, 0).reshape(batch, -1, tile).max(-1)
     return lo, hi
 
-  lo, hi = span(COMPUTE_WGS * block_q)
+  lo, hi = span(DQ_WGS * block_q)
   kv_lo = jnp.where(hi > 0, lo // block_kv, 0)
   kv_hi = jnp.where(hi > 0, -(-hi // block_kv), 0)
 
   # q block i reaches kv tile j when some query's range meets the tile's keys [j * t, (j + 1) * t).
   lo, hi = span(block_q)
-  tile_kv = COMPUTE_WGS * block_kv
+  tile_kv = DKV_WGS * block_kv
   starts = jnp.arange(kv_len // tile_kv, dtype=jnp.int32) * tile_kv
   meets = (lo[:, :, None] < starts + tile_kv) & (hi[:, :, None] > starts)
   blocks = jnp.arange(lo.shape[1], dtype=jnp.int32)[None, :, None]
@@ -106,8 +119,8 @@ def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
 def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int = 64) -> tuple[int, int]:
   """(query, key) pairs the dQ and the dK/dV kernel compute for these ranges (their tile loops)."""
   kv_lo, kv_hi, q_lo, q_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
-  dq = int(jnp.sum(kv_hi - kv_lo)) * COMPUTE_WGS * block_q * block_kv
-  dkv = int(jnp.sum(q_hi - q_lo)) * COMPUTE_WGS * block_kv * block_q
+  dq = int(jnp.sum(kv_hi - kv_lo)) * DQ_WGS * block_q * block_kv
+  dkv = int(jnp.sum(q_hi - q_lo)) * DKV_WGS * block_kv * block_q
   return dq, dkv
 
 
@@ -121,7 +134,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   _, kv_len, kv_heads, _ = k.shape
   if not supports(q, k, block_q, block_kv, stages):
     raise ValueError(f"mosaic attention backward: needs bf16/f16, head_dim 64 or 128, "
-                     f"q_len a multiple of {COMPUTE_WGS * block_q} and kv_len of {COMPUTE_WGS * block_kv}; "
+                     f"q_len and kv_len multiples of {LENGTH_MULTIPLE}; "
                      f"got {q.dtype}, q {q.shape}, k {k.shape}" + (f" ({available()})" if available() else ""))
   if interpret is None:
     interpret = not platform.on_gpu()
@@ -141,15 +154,14 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   # skips the element-wise mask (most tiles of long segments). A query with no key empties it.
   inner_lo = k_start.reshape(batch, -1, block_q).max(-1).astype(jnp.int32)
   inner_hi = k_end.reshape(batch, -1, block_q).min(-1).astype(jnp.int32)
-  tile_kv = COMPUTE_WGS * block_kv
+  tile_kv = DKV_WGS * block_kv
 
   tiling = plgpu.TilingTransform((8, 64))
   swizzle = plgpu.SwizzleTransform(128)
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a [m, n] WGMMA array
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # a value per column
-  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), num_threads=COMPUTE_WGS + 1,
-                thread_name="wg")
+  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), thread_name="wg")
   if interpret:
     params["interpret"] = plgpu.InterpretGPUParams()
   # jax 0.11 says out_type / scratch_types, 0.9 out_shape / scratch_shapes (with 0.9's CUDA plugin the
@@ -182,10 +194,10 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
     lo, hi = lo_ref[b, qi], hi_ref[b, qi]
     steps = hi - lo
 
-    @pl.when(wg < COMPUTE_WGS)
+    @pl.when(wg < DQ_WGS)
     def _compute():
-      plgpu.set_max_registers(232, action="increase")
-      base = qi * (COMPUTE_WGS * block_q) + wg * block_q
+      plgpu.set_max_registers(compute_registers(DQ_WGS), action="increase")
+      base = qi * (DQ_WGS * block_q) + wg * block_q
       rows_q = pl.ds(base, block_q)
       q_s, do_s = q_smem.at[wg], do_smem.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows_q, h], q_s, q_bar.at[wg])
@@ -234,9 +246,9 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows_q, h])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg == DQ_WGS)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
       def fetch(i, slot):
         keys = pl.ds((lo + i) * block_kv, block_kv)
@@ -260,11 +272,11 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
   dq = plgpu.kernel(
       dq_kernel, **{out_name: jax.ShapeDtypeStruct(q.shape, dtype)},
-      **{scratch_name: [tiles(COMPUTE_WGS, block_q)] * 2 + [tiles(stages, block_kv)] * 2
-      + [plgpu.Barrier(num_barriers=COMPUTE_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 2
-      + [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)] * 2},
-      grid=(heads, q_len // (COMPUTE_WGS * block_q), batch), grid_names=("heads", "q_tiles", "batch"),
-      **params)(q, k, v, d_out, rows, kv_lo, kv_hi, inner_lo, inner_hi)
+      **{scratch_name: [tiles(DQ_WGS, block_q)] * 2 + [tiles(stages, block_kv)] * 2
+      + [plgpu.Barrier(num_barriers=DQ_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 2
+      + [plgpu.Barrier(num_arrivals=DQ_WGS, num_barriers=stages)] * 2},
+      grid=(heads, q_len // (DQ_WGS * block_q), batch), grid_names=("heads", "q_tiles", "batch"),
+      num_threads=DQ_WGS + 1, **params)(q, k, v, d_out, rows, kv_lo, kv_hi, inner_lo, inner_hi)
 
   # ---- dK, dV: a CTA per (q head, 128 keys, batch); Q, dO and the rows stream through the ring. ----
   def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, inner_lo_ref, inner_hi_ref, dk_ref, dv_ref,
@@ -276,9 +288,9 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
     lo, hi = lo_ref[b, ki], hi_ref[b, ki]
     steps = hi - lo
 
-    @pl.when(wg < COMPUTE_WGS)
+    @pl.when(wg < DKV_WGS)
     def _compute():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(compute_registers(DKV_WGS), action="increase")
       base = ki * tile_kv + wg * block_kv
       keys = pl.ds(base, block_kv)
       k_s, v_s = k_smem.at[wg], v_smem.at[wg]
@@ -293,10 +305,6 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         dk_acc, dv_acc = carry
         slot = lax.rem(i, stages)
         plgpu.barrier_wait(q_bar.at[slot])
-        plgpu.barrier_wait(rows_bar.at[slot])
-        lse2, delta_, start, end = [plgpu.load(rows_smem.at[slot, j], (), layout=col_layout)
-                                    for j in range(4)]
-        plgpu.barrier_arrive(rows_free.at[slot])
 
         def scores_t(s_ref):
           plgpu.wgmma(s_ref, k_s, q_smem.at[slot].T)
@@ -304,11 +312,15 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           return s_ref[...]
 
         s_t = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
-        p_t = jnp.exp2(s_t * c - col(lse2))
+        # The per-query rows are read from shared memory where they are used, not held in registers
+        # across the step: the dK/dV warpgroup is the one that runs short of them.
+        row = lambda j: col(plgpu.load(rows_smem.at[slot, j], (), layout=col_layout))
+        plgpu.barrier_wait(rows_bar.at[slot])
+        p_t = jnp.exp2(s_t * c - row(0))
 
-        def mask(p_t):  # the iota made here, not held across the loop: registers run short
+        def mask(p_t):
           key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
-          return jnp.where((key >= col(start)) & (key < col(end)), p_t, 0.0)
+          return jnp.where((key >= row(2)) & (key < row(3)), p_t, 0.0)
 
         block = lo + i
         inside = (base >= inner_lo_ref[b, block]) & (base + block_kv <= inner_hi_ref[b, block])
@@ -322,7 +334,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           plgpu.wgmma_wait(0)
           return dp_ref[...]
 
-        ds_t = p_t * (pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)) - col(delta_))
+        ds_t = p_t * (pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)) - row(1))
+        plgpu.barrier_arrive(rows_free.at[slot])
         plgpu.barrier_arrive(do_free.at[slot])
         dk_acc = mma(dk_acc, ds_t.astype(dtype), q_smem.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
@@ -337,9 +350,9 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, keys, h])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg == DKV_WGS)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
       def fetch(i, slot):
         queries = pl.ds((lo + i) * block_q, block_q)
@@ -366,12 +379,12 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   per_head = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), dtype)
   dk, dv = plgpu.kernel(
       dkv_kernel, **{out_name: (per_head, per_head)},
-      **{scratch_name: [tiles(COMPUTE_WGS, block_kv)] * 2 + [tiles(stages, block_q)] * 2
+      **{scratch_name: [tiles(DKV_WGS, block_kv)] * 2 + [tiles(stages, block_q)] * 2
       + [plgpu.SMEM((stages, 4, block_q), jnp.float32)]
-      + [plgpu.Barrier(num_barriers=COMPUTE_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 3
-      + [plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages)] * 3},
+      + [plgpu.Barrier(num_barriers=DKV_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 3
+      + [plgpu.Barrier(num_arrivals=DKV_WGS, num_barriers=stages)] * 3},
       grid=(heads, kv_len // tile_kv, batch), grid_names=("heads", "kv_tiles", "batch"),
-      **params)(q, k, v, d_out, rows, qb_lo, qb_hi, inner_lo, inner_hi)
+      num_threads=DKV_WGS + 1, **params)(q, k, v, d_out, rows, qb_lo, qb_hi, inner_lo, inner_hi)
   if groups > 1:  # each kv head's gradient is the sum over the q heads that read it
     grouped = lambda x: x.reshape(batch, kv_len, kv_heads, groups, head_dim).astype(jnp.float32).sum(3)
     dk, dv = grouped(dk).astype(dtype), grouped(dv).astype(dtype)

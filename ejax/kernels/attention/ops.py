@@ -122,7 +122,7 @@ def _mosaic_backward(plan: _Plan, q, k, v, ranges, out, lse, d_out):
   """mosaic_backward's kernels on copies padded to whole tiles (padded queries see no key)."""
   k_start, k_end, has_keys = ranges
   q_len, kv_len = q.shape[1], k.shape[1]
-  tile = mosaic_backward.COMPUTE_WGS * 64
+  tile = mosaic_backward.LENGTH_MULTIPLE
   q_pad, kv_pad = -q_len % tile, -kv_len % tile
   rows = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
   k_start = rows(jnp.where(has_keys, k_start, 0), q_pad)
