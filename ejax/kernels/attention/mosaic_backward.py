@@ -182,6 +182,24 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
 
+  def feed_ring(fetch, frees, steps):
+    """The copying warpgroup's loop: fetch(i, slot) puts step i's tiles in ring slot i % stages once
+    the compute warpgroups have freed it (an arrive on each barrier of `frees` at that slot)."""
+    for i in range(stages):
+      pl.when(i < steps)(functools.partial(fetch, i, i))
+
+    @pl.loop(0, lax.max(steps - stages, 0))
+    def _refill(i):
+      slot = lax.rem(i, stages)
+      for free in frees:
+        plgpu.barrier_wait(free.at[slot])
+      fetch(i + stages, slot)
+
+    @pl.loop(lax.max(steps - stages, 0), steps)
+    def _drain(i):  # observe the last frees too: each barrier phase is waited for once
+      for free in frees:
+        plgpu.barrier_wait(free.at[lax.rem(i, stages)])
+
   def tiles(count, rows_):  # `count` [rows_, head_dim] tiles in wgmma's swizzled layout
     return plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
 
@@ -255,20 +273,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
 
-      for i in range(stages):
-        pl.when(i < steps)(functools.partial(fetch, i, i))
-
-      @pl.loop(0, lax.max(steps - stages, 0))
-      def _refill(i):
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        fetch(i + stages, slot)
-
-      @pl.loop(lax.max(steps - stages, 0), steps)
-      def _drain(i):  # observe the last frees too: each barrier phase is waited for once
-        plgpu.barrier_wait(k_free.at[lax.rem(i, stages)])
-        plgpu.barrier_wait(v_free.at[lax.rem(i, stages)])
+      feed_ring(fetch, (k_free, v_free), steps)
 
   dq = plgpu.kernel(
       dq_kernel, **{out_name: jax.ShapeDtypeStruct(q.shape, dtype)},
@@ -360,21 +365,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_bar.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[b, queries, h], do_smem.at[slot], do_bar.at[slot])
 
-      for i in range(stages):
-        pl.when(i < steps)(functools.partial(fetch, i, i))
-
-      @pl.loop(0, lax.max(steps - stages, 0))
-      def _refill(i):
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(q_free.at[slot])
-        plgpu.barrier_wait(rows_free.at[slot])
-        plgpu.barrier_wait(do_free.at[slot])
-        fetch(i + stages, slot)
-
-      @pl.loop(lax.max(steps - stages, 0), steps)
-      def _drain(i):
-        for free in (q_free, rows_free, do_free):
-          plgpu.barrier_wait(free.at[lax.rem(i, stages)])
+      feed_ring(fetch, (q_free, rows_free, do_free), steps)
 
   per_head = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), dtype)
   dk, dv = plgpu.kernel(
