@@ -25,17 +25,21 @@ import re
 import statistics
 import time
 
-# First match wins; matched against the HLO op name (or the kernel name when the trace has none).
+# First match wins; matched against the HLO op name, or the kernel name when the trace has none or the
+# op is a CUDA graph (XLA's command buffers, `command_buffer_N`, run many kernels under one op name).
 KINDS = (
     ("collective", re.compile(r"all-gather|all-reduce|reduce-scatter|all-to-all|collective|nccl", re.I)),
-    ("attention", re.compile(r"attention|flash|varlen|mha|fmha|cudnn.*sdpa|tokamax", re.I)),
-    ("matmul", re.compile(r"\bdot|gemm|matmul|cublas|wgmma|xmma|cutlass|convolution|einsum", re.I)),
+    ("attention", re.compile(r"attention|flash|varlen|mha|fmha|cudnn.*sdpa|tokamax|dkv_kernel|dq_kernel", re.I)),
+    ("matmul", re.compile(r"\bdot|gemm|matmul|cublas|nvjet|wgmma|xmma|cutlass|convolution|einsum", re.I)),
     ("copy", re.compile(r"copy|transpose|memcpy|memset|dynamic-update-slice|concatenate|broadcast", re.I)),
     ("fusion", re.compile(r"fusion|reduce|loop_|input_", re.I)),
 )
 
 
-def kind_of(name: str) -> str:
+def kind_of(name: str, hlo_op: str = "") -> str:
+  """The kind of a kernel `name` that the trace ties to HLO op `hlo_op`."""
+  if hlo_op and not hlo_op.startswith("command_buffer"):
+    name = hlo_op
   for kind, pattern in KINDS:
     if pattern.search(name):
       return kind
@@ -98,7 +102,7 @@ def summarize(events: list[dict], steps: int, step_seconds: list[float]) -> dict
     totals[key][1] += 1
   by_kind: dict[str, float] = collections.defaultdict(float)
   for (name, hlo), (ms, _) in totals.items():
-    by_kind[kind_of(hlo or name)] += ms / steps
+    by_kind[kind_of(name, hlo)] += ms / steps
   top = sorted(totals.items(), key=lambda item: -item[1][0])[:25]
   return dict(
       steps=steps,
@@ -106,7 +110,7 @@ def summarize(events: list[dict], steps: int, step_seconds: list[float]) -> dict
       device_busy_ms=sum(ms for ms, _ in totals.values()) / steps,
       distinct_ops=len(totals),
       by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-      top=[dict(name=name[:160], hlo_op=hlo[:120], kind=kind_of(hlo or name), calls=calls / steps,
+      top=[dict(name=name[:160], hlo_op=hlo[:120], kind=kind_of(name, hlo), calls=calls / steps,
                 ms_per_step=ms / steps) for (name, hlo), (ms, calls) in top])
 
 

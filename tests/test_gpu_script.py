@@ -64,3 +64,16 @@ def test_profile_summary_counts_innermost_device_ops_once():
   assert summary["by_kind"] == {"matmul": 0.6, "fusion": 0.2, "collective": 0.1}
   assert summary["top"][0] == dict(name="sm90_xmma_gemm_bf16", hlo_op="dot.1", kind="matmul", calls=1.0,
                                    ms_per_step=0.6)
+
+
+def test_profile_summary_reads_kernel_names_inside_cuda_graphs():
+  """jaxlib 0.11 runs most of a step as CUDA graphs: every kernel's HLO op is `command_buffer_N`, so the
+  kind comes from the kernel's name (as on the 2026-11-28 H200 trace, where all of it read "other")."""
+  from benchmarks.profile_summary import summarize
+  meta = [dict(ph="M", name="process_name", pid=2, args=dict(name="/device:GPU:0"))]
+  names = ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "dkv_kernel_mosaic_gpu_kernel",
+           "flash_attention_sm90_mosaic_gpu_kernel", "loop_select_fusion_13", "loop_concatenate_fusion_8")
+  ops = [dict(ph="X", pid=2, tid=7, ts=1000 * i, dur=500, name=name, args=dict(hlo_op="command_buffer_207"))
+         for i, name in enumerate(names)]
+  summary = summarize(meta + ops, steps=1, step_seconds=[0.005])
+  assert summary["by_kind"] == {"attention": 1.0, "copy": 0.5, "matmul": 0.5, "fusion": 0.5}

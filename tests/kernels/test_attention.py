@@ -299,11 +299,14 @@ def test_auto_on_hopper_takes_the_measured_impl_where_it_applies(monkeypatch):
   q = jnp.zeros((1, 1024, 2, 64), jnp.bfloat16)
   monkeypatch.setattr(ops.platform, "on_gpu", lambda: True)
   monkeypatch.setattr(ops, "_hopper", lambda: True)
-  monkeypatch.setattr(ops, "HOPPER_AUTO", "cudnn_packed")
+  monkeypatch.setattr(ops, "HOPPER_AUTO", ("cudnn_packed",))
   assert choose_impl(q, q, mask_kind="causal") == "cudnn_packed"
   assert choose_impl(q, q, mask_kind="block_causal") == "pallas"  # no cuDNN form: ejax's kernel
-  monkeypatch.setattr(ops, "HOPPER_AUTO", "tokamax")
+  monkeypatch.setattr(ops, "HOPPER_AUTO", ("tokamax",))
   assert choose_impl(q, q) == ("tokamax" if tokamax_gpu.available() else "pallas")
+  monkeypatch.setattr(ops, "HOPPER_AUTO", ("cudnn_packed", "tokamax"))  # the first that applies
+  assert choose_impl(q, q, mask_kind="causal") == "cudnn_packed"
+  assert choose_impl(q, q, mask_kind="block_causal") == ("tokamax" if tokamax_gpu.available() else "pallas")
   monkeypatch.setattr(ops, "_hopper", lambda: False)
   assert choose_impl(q, q) == "pallas"
 

@@ -34,6 +34,24 @@ def test_sample_time_ranges_and_means():
   np.testing.assert_allclose(float(o.mean()), 0.6 * 0.999 + 0.001, atol=0.01)
 
 
+def test_time_draws_follow_beta_without_loops():
+  """Beta(1.5, 1) by its inverse CDF: the same law as jax.random.beta (Kolmogorov-Smirnov against the
+  CDF x ** 1.5 and against jax's own draws), and no while loop in the program (a GPU host sync)."""
+  draws = np.sort(np.asarray(flow.beta_alpha_one(jax.random.key(3), 1.5, (20000,))))
+  cdf = draws ** 1.5
+  ks = np.max(np.maximum(np.arange(1, draws.size + 1) / draws.size - cdf, cdf - np.arange(draws.size) / draws.size))
+  assert ks < 1.63 / np.sqrt(draws.size)  # 1 % level
+  theirs = np.sort(np.asarray(jax.random.beta(jax.random.key(4), 1.5, 1.0, (20000,))))
+  both = np.sort(np.concatenate([draws, theirs]))
+  gap = np.abs(np.searchsorted(draws, both, "right") - np.searchsorted(theirs, both, "right")).max() / draws.size
+  assert gap < 1.63 * np.sqrt(2 / draws.size)
+  assert draws.min() > 0 and draws.max() <= 1
+  jaxpr = lambda fn: str(jax.make_jaxpr(fn)(jax.random.key(0)))  # random_gamma lowers to a while loop
+  ours = jaxpr(lambda key: flow.sample_time(key, 8, convention="groot"))
+  assert "random_gamma" not in ours and "while" not in ours
+  assert "random_gamma" in jaxpr(lambda key: jax.random.beta(key, 1.5, 1.0, (8,)))
+
+
 def test_interpolate_conventions_mirror_each_other():
   noise = jax.random.normal(jax.random.key(2), (N, HORIZON, DIM))
   actions = _target()

@@ -21,7 +21,7 @@ impl:
   The four run where the rows are packed (each segment contiguous, order keys rising along it); a batch
   that is not runs ejax's own kernel instead (a `lax.cond` on a check made on device), so every impl
   gives reference.py's answer.
-- "auto": on a Hopper GPU `HOPPER_AUTO` where it applies, else pallas on GPU when the kernel supports
+- "auto": on a Hopper GPU the first of `HOPPER_AUTO` that applies, else pallas on GPU when the kernel supports
   the shapes, else xla; dense reference for tiny shapes off GPU, where loop overhead would dominate.
 """
 
@@ -46,10 +46,11 @@ from ejax.parallel.rules import current_context, logical_to_spec
 
 IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd", "mosaic", "cudnn_packed")
 _TOKAMAX_IMPLS = ("tokamax", "tokamax_fwd", "mosaic")
-# What "auto" runs on a Hopper GPU (compute capability 9.x) where that impl applies (else "pallas"):
-# set from benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128 (BENCHMARKS.md):
-# on an H200 (2026-11-27) forward / forward+backward tokamax_fwd 153 / 90, tokamax 125 / 69, pallas 59 / 73.
-HOPPER_AUTO = "tokamax_fwd"
+# What "auto" runs on a Hopper GPU (compute capability 9.x): the first of these that applies (else
+# "pallas"), ordered by benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128
+# (BENCHMARKS.md): on an H200 (2026-11-28) forward / forward+backward mosaic 150 / 166, tokamax_fwd
+# 152 / 91, tokamax 135 / 68, pallas 64 / 73. mosaic takes head sizes 64 and 128; pi0.5's 256 goes on.
+HOPPER_AUTO = ("mosaic", "tokamax_fwd")
 # Below this many (query, key) pairs per head the dense reference is the fastest path off GPU.
 _TINY_PAIRS = 256 * 256
 
@@ -232,8 +233,10 @@ def choose_impl(q, k, impl: str = "auto", mask_kind: str = "bidirectional") -> s
   if impl != "auto":
     return impl
   if platform.on_gpu():
-    if _hopper() and _applies(HOPPER_AUTO, q, k, mask_kind):
-      return HOPPER_AUTO
+    if _hopper():
+      chosen = next((impl for impl in HOPPER_AUTO if _applies(impl, q, k, mask_kind)), None)
+      if chosen:
+        return chosen
     return "pallas" if pallas_gpu.supports(q, k) else "xla"
   return "reference" if q.shape[1] * k.shape[1] <= _TINY_PAIRS else "xla"
 
