@@ -253,7 +253,7 @@ def kernel_model(compiled) -> dict | None:
   except Exception as error:  # noqa: BLE001 (the model must not cost a GPU window its timings)
     return {"error": f"{type(error).__name__}: {error}"[:300]}
   return {key: summary[key] for key in ("device", "launches", "syncing_loops", "floor_seconds", "launch_seconds",
-                                        "estimate_seconds")}
+                                        "estimate_seconds", "calibrated_seconds")}
 
 
 def describe(name: str, result: dict) -> str:
@@ -273,7 +273,8 @@ def _describe_kernels(kernels: dict) -> str:
   if "launches" not in kernels:
     return ""
   return (f"\n  {'':<16} model of its program: {kernels['launches']:,} launches, floor "
-          f"{1e3 * kernels['floor_seconds']:.1f} ms, with launches {1e3 * kernels['estimate_seconds']:.1f} ms")
+          f"{1e3 * kernels['floor_seconds']:.1f} ms, with launches {1e3 * kernels['estimate_seconds']:.1f} ms, "
+          f"as the timed GR00T step ran {1e3 * kernels['calibrated_seconds']:.1f} ms")
 
 
 def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str,

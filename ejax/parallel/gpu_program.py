@@ -29,9 +29,16 @@ from ejax.parallel import hlo
 
 # Dense bf16 FLOP/s and HBM bytes/s (REFERENCE.md: H100 SXM and H200 datasheets).
 DEVICES = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12)}
-# A launch beyond its floor, from the one full-size step timed on a GPU (H200, 2026-11-27, BENCHMARKS.md
+# A launch beyond its floor, from the first full-size step timed on a GPU (H200, 2026-11-27, BENCHMARKS.md
 # "Kernels a step"): (481.7 ms - its program's 80.2 ms floor) / its 80,438 launches.
 LAUNCH_SECONDS = 5.0e-6
+# The model measured against the step whose kernels it reads (GR00T-N1.5, H200, jax 0.11.2, 2026-11-28):
+# the device was busy 102.8 ms a step against a floor of 62.6 ms (kernels at 1 / 1.64 of the datasheet's
+# rates), and the trainer's step took 114.8 ms: 12.0 ms of gaps over 4,431 launches, 2.7 us each.
+# `calibrated_seconds` prices a program so; one step's calibration, which a GEMM-heavier program
+# (pi0.5, DreamZero) may beat.
+KERNEL_EFFICIENCY = 1.64
+GAP_SECONDS = 2.7e-6
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency")
 _CONTROL = ("while", "conditional", "call")
@@ -78,6 +85,7 @@ class Program:
     return dict(device=device, launches=self.launches, syncing_loops=self.syncing_loops, kinds=kinds,
                 floor_seconds=floor, launch_seconds=self.launches * launch_seconds,
                 estimate_seconds=floor + self.launches * launch_seconds,
+                calibrated_seconds=floor * KERNEL_EFFICIENCY + self.launches * GAP_SECONDS,
                 largest=[dict(kind=k.kind, name=k.name, shape=k.shape, runs=k.runs,
                               floor_ms=round(1e3 * k.floor_seconds(device), 3)) for k in largest])
 
@@ -238,4 +246,5 @@ def format_line(summary: dict) -> str:
                     sorted(kinds.items(), key=lambda item: -item[1]["floor_seconds"]) if row["floor_seconds"] > 5e-5)
   return (f"kernels a step: {summary['launches']:,} ({by_kind}); host-synchronised loops "
           f"{summary['syncing_loops']:,}; floor at {summary['device']} peak {1e3 * summary['floor_seconds']:.1f} ms "
-          f"({parts}); with launches {1e3 * summary['estimate_seconds']:.1f} ms")
+          f"({parts}); with launches {1e3 * summary['estimate_seconds']:.1f} ms; as the timed GR00T step ran "
+          f"{1e3 * summary['calibrated_seconds']:.1f} ms")

@@ -113,6 +113,8 @@ def test_summary_floor_is_the_larger_of_flops_and_bytes_per_kernel():
   assert gemm["bytes"] / bandwidth > gemm["flops"] / peak
   assert summary["floor_seconds"] == pytest.approx(sum(k["floor_seconds"] for k in summary["kinds"].values()))
   assert summary["estimate_seconds"] == pytest.approx(summary["floor_seconds"] + program.launches * 1e-6)
+  assert summary["calibrated_seconds"] == pytest.approx(summary["floor_seconds"] * gpu_program.KERNEL_EFFICIENCY
+                                                        + program.launches * gpu_program.GAP_SECONDS)
   assert summary["largest"][0]["kind"] in ("gemm", "fusion")
   line = gpu_program.format_line(summary)
   assert line.startswith(f"kernels a step: {program.launches} (") and "host-synchronised loops 1" in line
