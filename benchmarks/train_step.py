@@ -217,6 +217,9 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
       profile = profile_steps(run_one, 3, profile_dir)
       print(describe_profile(profile), flush=True)
   program = kernel_model(compiled)
+  if profile and program and "floor_ms_by_kind" in program:
+    profile["measured_vs_floor"] = measured_vs_floor(profile, program)
+    print(f"  {profile['measured_vs_floor']}", flush=True)
   memory = compiled.memory_analysis()
   step_bytes = sum(int(getattr(memory, f"{name}_size_in_bytes", 0) or 0) for name in ("argument", "output", "temp"))
   step_bytes -= int(getattr(memory, "alias_size_in_bytes", 0) or 0)
@@ -252,8 +255,26 @@ def kernel_model(compiled) -> dict | None:
     summary = gpu_program.read(text_with_operand_shapes(compiled)).summary(device)
   except Exception as error:  # noqa: BLE001 (the model must not cost a GPU window its timings)
     return {"error": f"{type(error).__name__}: {error}"[:300]}
-  return {key: summary[key] for key in ("device", "launches", "syncing_loops", "floor_seconds", "launch_seconds",
-                                        "estimate_seconds", "calibrated_seconds")}
+  out = {key: summary[key] for key in ("device", "launches", "syncing_loops", "floor_seconds", "launch_seconds",
+                                       "estimate_seconds", "calibrated_seconds")}
+  out["floor_ms_by_kind"] = {kind: 1e3 * row["floor_seconds"] for kind, row in summary["kinds"].items()}
+  return out
+
+
+# The profile's kinds (benchmarks/profile_summary.py) that the kernel model's kinds correspond to.
+PROFILE_KINDS = {"gemm": ("matmul",), "pallas": ("attention",), "fusion": ("fusion",), "copy": ("copy",)}
+
+
+def measured_vs_floor(profile: dict, kernels: dict) -> str:
+  """Per kind of kernel: ms a step in the profile beside the kernel model's floor (where the step's
+  time goes past what its work allows)."""
+  floors, measured = kernels.get("floor_ms_by_kind", {}), profile.get("by_kind", {})
+  parts = []
+  for kind, names in PROFILE_KINDS.items():
+    ms = sum(measured.get(name, 0.0) for name in names)
+    if kind in floors or ms:
+      parts.append(f"{kind} {ms:.1f} / {floors.get(kind, 0.0):.1f}")
+  return "measured / floor ms a step: " + ", ".join(parts)
 
 
 def describe(name: str, result: dict) -> str:

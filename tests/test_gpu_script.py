@@ -77,3 +77,10 @@ def test_profile_summary_reads_kernel_names_inside_cuda_graphs():
          for i, name in enumerate(names)]
   summary = summarize(meta + ops, steps=1, step_seconds=[0.005])
   assert summary["by_kind"] == {"attention": 1.0, "copy": 0.5, "matmul": 0.5, "fusion": 0.5}
+
+
+def test_train_step_sets_the_profile_beside_the_kernel_models_floor():
+  from benchmarks.train_step import measured_vs_floor
+  line = measured_vs_floor({"by_kind": {"matmul": 60.0, "attention": 8.0, "fusion": 30.0, "other": 1.0}},
+                           {"floor_ms_by_kind": {"gemm": 39.5, "fusion": 22.5, "pallas": 2.8}})
+  assert line == "measured / floor ms a step: gemm 60.0 / 39.5, pallas 8.0 / 2.8, fusion 30.0 / 22.5"
