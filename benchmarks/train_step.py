@@ -6,6 +6,7 @@ what the train job builds (ejax.train.state.create_train_state, ejax.train.step.
 feeds it the model's own example batch, in arms timed back to back in one process:
   configured   the config as it is
   padded       one sample a row, the row as long as the longest sample (rounded up to 128)
+  seed_padded  one sample a row of the seed's fixed shape (every camera slot, the prompt padded to 200)
   best_fit     samples a row and row length chosen from the batch's lengths (ejax.data.row_plan)
   fp8_<impl>   GR00T's DiT feed-forward through each FP8 route (model.fp8, model.fp8_impl)
   attn_<impl>  the configured layout with model.attention_impl=<impl>, for each implementation
@@ -53,7 +54,7 @@ GOAL_MFU = 40.0
 NAMES = {"groot": "GR00T-N1.5", "pi05": "pi0.5", "dreamzero": "DreamZero"}
 CONFIGS = {"groot": "configs/groot.py", "pi05": "configs/pi05.py", "dreamzero": "configs/dreamzero.py"}
 UNPACKED = ("dreamzero",)   # models whose batch has no packed rows (no layout arms)
-ALL_ARMS = ("configured", "padded", "best_fit", "fp8", "attn", "unscanned")
+ALL_ARMS = ("configured", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned")
 
 
 def load_config(path: str, arg: str | None):
@@ -96,7 +97,7 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
     return arm_config, arm.batch
 
   for arm in arms:
-    if arm in ("configured", "padded", "best_fit"):
+    if arm in ("configured", "padded", "seed_padded", "best_fit"):
       if arm == "best_fit" and _same_layout(layouts["best_fit"], layouts["configured"]):
         print(f"  best_fit: the configured row ({layouts['configured'].row_length} x "
               f"{layouts['configured'].samples_per_row}) is already the best fit for these samples")
@@ -317,12 +318,15 @@ def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, o
     if json_path:
       with open(json_path, "w") as f:
         json.dump(out, f, indent=1)
-  padded, packed = results.get("padded", {}), [results.get(a, {}) for a in ("configured", "best_fit")]
-  if "samples_per_second" in padded:
-    for arm, result in zip(("configured", "best_fit"), packed):
+  for baseline in ("padded", "seed_padded"):
+    padded = results.get(baseline, {})
+    if "samples_per_second" not in padded:
+      continue
+    for arm in ("configured", "best_fit"):
+      result = results.get(arm, {})
       if "samples_per_second" in result:
         bound = padded["model_flops_per_sample"] / result["model_flops_per_sample"]
-        print(f"  {arm}/padded: {result['samples_per_second'] / padded['samples_per_second']:.2f}x "
+        print(f"  {arm}/{baseline}: {result['samples_per_second'] / padded['samples_per_second']:.2f}x "
               f"(FLOP bound {bound:.2f}x)")
 
 
