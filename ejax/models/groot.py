@@ -130,11 +130,15 @@ class GrootBackbone(nnx.Module):
 
   def __init__(self, config: GrootConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    blocks = dict(remat=config.remat, attention_impl=config.attention_impl, scan_layers=config.scan_layers)
-    self.vision = SiglipVisionTransformer(config.vision, **blocks, **common)
+    blocks = dict(remat=config.remat, attention_impl=config.attention_impl)
+    # A frozen tower's blocks run unrolled: a scan would stack (copy) their weights every step though
+    # they never change, and forward-only blocks compile quickly (full size, a compile-only H100: 402
+    # fewer launches and 0.4 ms less floor a step, the step's compile 2.6 s longer; BENCHMARKS.md).
+    self.vision = SiglipVisionTransformer(config.vision, **blocks, scan_layers=config.scan_layers and config.tune_visual,
+                                          **common)
     self.connector = MLPConnector(config.vision.width, config.llm.width, num_layers=config.connector.num_layers,
                                   use_pixel_shuffle=config.connector.use_pixel_shuffle, **common)
-    self.llm = Qwen3(config.llm, **blocks, **common)
+    self.llm = Qwen3(config.llm, **blocks, scan_layers=config.scan_layers and config.tune_llm, **common)
     self.image_token_id = config.image_token_id
     self.vision_image_size = config.vision.image_size
 

@@ -82,6 +82,18 @@ def test_trainable_filter_freezes_llm_and_vision(model_and_config):
   assert any("/vision/" in p for p in trainable2) and not any("/llm/" in p for p in trainable2)
 
 
+def test_frozen_towers_run_unrolled_and_trained_ones_scanned():
+  """A scan stacks its blocks' weights every step: worth it for trained blocks (one block compiled),
+  a copy of unchanging weights for frozen ones, which run unrolled."""
+  c = tiny_config()
+  c.vision.depth = c.llm.num_layers = layers.MIN_SCANNED
+  c.tune_visual = True
+  model = nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0)))
+  assert model.backbone.vision.scan_layers and not model.backbone.llm.scan_layers
+  c.scan_layers = False
+  assert not nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0))).backbone.vision.scan_layers
+
+
 def _released_counts():
   """Parameter counts written out from the released GR00T-N1.5-3B shapes (config.json + Eagle 2.5)."""
   lin = lambda i, o: i * o + o
