@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 CONVENTIONS = ("groot", "openpi")
 BETA_ALPHA = 1.5
-BETA_BETA = 1.0
+BETA_BETA = 1.0  # sample_time draws by beta_alpha_one, which holds for Beta(alpha, 1) only
 GROOT_NOISE_S = 0.999
 GROOT_TIMESTEP_BUCKETS = 1000
 
@@ -43,7 +43,6 @@ def beta_alpha_one(rng: jax.Array, alpha: float, shape: tuple[int, ...]) -> jax.
   """Beta(alpha, 1) draws by inverting its CDF, x ** alpha: u ** (1 / alpha) for uniform u. The same
   distribution as jax.random.beta(rng, alpha, 1.0), without its gamma draws' rejection loops: on a
   GPU each of their iterations waits for the host (a data-dependent while loop)."""
-  assert BETA_BETA == 1.0, "the inverse-CDF draw holds for Beta(alpha, 1) only"
   u = jax.random.uniform(rng, shape, jnp.float32, minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
   return u ** (1.0 / alpha)
 
@@ -51,7 +50,7 @@ def beta_alpha_one(rng: jax.Array, alpha: float, shape: tuple[int, ...]) -> jax.
 def sample_time(rng: jax.Array, batch_size: int, *, convention: str) -> jax.Array:
   """Training times [batch_size] in the convention's own time, float32."""
   _check(convention)
-  s = beta_alpha_one(rng, BETA_ALPHA, (batch_size,))
+  s = beta_alpha_one(rng, BETA_ALPHA, (batch_size,))  # Beta(BETA_ALPHA, BETA_BETA = 1)
   if convention == "groot":
     return (GROOT_NOISE_S - s) / GROOT_NOISE_S
   return s * 0.999 + 0.001
