@@ -15,6 +15,9 @@ skipping what no longer fits the total budget, and writes all.json and most figu
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
   serve       benchmarks/serve.py: served vs in-process chunks per second
+  dreamzero   benchmarks/train_step.py --models dreamzero --dit_layers 2,6: the 5B's step at two DiT
+              depths one GPU holds, extrapolated to its 30 blocks (issue 32); last, so a window that
+              has the others recorded runs it with `--only dreamzero`
 
   python benchmarks/download_wheels.py        # here, once: the wheels into .whl/ (git-ignored)
   python benchmarks/gpu.py --out $OUT/gpu     # there: ~9 minutes, then record BENCHMARKS.md
@@ -87,6 +90,8 @@ FIGURES = (
     Figure("serve", ("benchmarks/serve.py", "--seconds", "3", "--rounds", "1"),
            ("benchmarks/serve.py", "--clients", "1", "2", "--seconds", "0.5", "--rounds", "1"), 35, json_flag=False,
            own_file=False, smoke_limit=180),  # at CPU size its compile alone took 63 s at load 9
+    Figure("dreamzero", ("benchmarks/train_step.py", "--models", "dreamzero", "--dit_layers", "2,6", "--steps", "3"),
+           ("benchmarks/train_step.py", "--models", "dreamzero", "--dit_layers", "1,2", "--steps", "1"), 240),
 )
 
 

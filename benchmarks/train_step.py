@@ -330,6 +330,39 @@ def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, o
               f"(FLOP bound {bound:.2f}x)")
 
 
+def dreamzero_by_depth(depths: list[int], per_device_batch: int, steps: int, out: dict, json_path: str) -> str:
+  """DreamZero's configured step at each DiT depth (what one GPU holds), a straight line through the
+  step times against depth, and the full depth's samples/s from it (issue 32: goal 8 a GPU for the 5B;
+  RLinf 4.44)."""
+  full = model_config_for("dreamzero").model.dit.num_layers
+  samples = per_device_batch * jax.device_count()
+  results = out.setdefault("dreamzero", {})
+  print(f"DreamZero ({'runlocal' if on_cpu() else '5B'}), {samples} samples a step, DiT cut to {depths} of "
+        f"{full} blocks, on {jax.device_count()} x {jax.devices()[0].device_kind}:", flush=True)
+  for depth in depths:
+    arm_config, example = unpacked_arm_configs(model_config_for("dreamzero", depth), ["configured"], samples)["configured"]
+    try:
+      results[f"blocks_{depth}"] = run_arm(arm_config, example, steps)
+    except Exception as error:  # noqa: BLE001 (memory: a shallower depth may still have run)
+      results[f"blocks_{depth}"] = {"error": f"{type(error).__name__}: {str(error).strip()[:300]}"}
+    print(describe(f"{depth} blocks", results[f"blocks_{depth}"]), flush=True)
+    if json_path:
+      with open(json_path, "w") as f:
+        json.dump(out, f, indent=1)
+  timed = [(depth, results[f"blocks_{depth}"]["step_ms"]) for depth in depths
+           if "step_ms" in results[f"blocks_{depth}"]]
+  if len(timed) < 2:
+    return f"DreamZero train step on {jax.devices()[0].device_kind}: n/a samples/s a device (goal 8)"
+  slope, intercept = np.polyfit([d for d, _ in timed], [ms for _, ms in timed], 1)
+  step_ms = intercept + slope * full
+  results["extrapolated"] = dict(blocks=full, step_ms=step_ms, ms_per_block=slope, ms_outside_blocks=intercept,
+                                 samples_per_second=samples / (step_ms / 1e3) / jax.device_count())
+  print(f"  {slope:.1f} ms a DiT block, {intercept:.1f} ms outside them: {full} blocks {step_ms:.1f} ms a step")
+  return (f"DreamZero train step on {jax.devices()[0].device_kind}: "
+          f"{results['extrapolated']['samples_per_second']:.2f} samples/s a device at {full} DiT blocks, "
+          f"from {', '.join(str(d) for d, _ in timed)} (goal 8; RLinf 4.44)")
+
+
 # --- Startup -----------------------------------------------------------------------------------
 
 
@@ -400,8 +433,9 @@ def main(argv=None) -> None:
                       help="trace three more steps of each model's first arm here and print where the time goes")
   parser.add_argument("--unscanned", action="store_true",
                       help="--startup: also compile the step with every block unrolled, side by side")
-  parser.add_argument("--dit_layers", type=int, default=0,
-                      help="DreamZero on accelerators: cut the 5B's DiT to this many blocks (0: all 30)")
+  parser.add_argument("--dit_layers", default="0",
+                      help="DreamZero: cut the 5B's DiT to this many blocks (0: all 30); two or more, e.g. "
+                           "2,6: time the configured step at each depth and extrapolate to the full depth")
   parser.add_argument("--cache", action="store_true",
                       help="use the persistent compilation cache (off: every figure is a cold compile)")
   args = parser.parse_args(argv)
@@ -421,10 +455,22 @@ def main(argv=None) -> None:
   unknown = sorted(a for a in arms if a not in ALL_ARMS and a.split("_")[0] not in ("fp8", "attn"))
   if unknown:
     raise SystemExit(f"--arms {','.join(unknown)}: not one of {','.join(ALL_ARMS)}")
+  depths = [int(n) for n in args.dit_layers.split(",") if n]
+  depth_line = None
   for name in [m for m in args.models.split(",") if m]:
     default_batch = 8 if on_cpu() or name == "pi05" else 32
+    if name == "dreamzero" and len(depths) > 1:
+      depth_line = dreamzero_by_depth(depths, args.per_device_batch or default_batch, args.steps, out, args.json)
+      print(depth_line)
+      continue
     bench_model(name, arms, args.per_device_batch or default_batch, args.steps, out, args.json, args.profile,
-                args.dit_layers)
+                depths[0] if depths else 0)
+  if depth_line and not any(m in out for m in ("groot", "pi05")):
+    out["line"] = depth_line
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return
   headline = "groot" if "groot" in out else next((m for m in NAMES if m in out), "groot")
   best = max((r for r in out.get(headline, {}).values() if "samples_per_second" in r),
              key=lambda r: r["samples_per_second"], default=None)

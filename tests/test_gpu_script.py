@@ -19,7 +19,7 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(out), "--budget", "840"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=880)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  names = ("train_step", "attention", "fp8", "startup", "packing", "sim", "serve")  # pi0.5's: train_step's script
+  names = ("train_step", "attention", "fp8", "startup", "packing", "sim", "serve", "dreamzero")  # pi0.5's: train_step's script
   summary = json.loads((out / "all.json").read_text())
   for name in names:
     own = out / f"{name}.json"
@@ -40,6 +40,12 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   # The padded arm computes more row tokens per sample than the packed one.
   assert arms["padded"]["row_tokens"] > arms["configured"]["row_tokens"]
   assert re.fullmatch(r"GR00T-N1\.5 train step on cpu: [0-9.]+ samples/s, MFU n/a % \(goal 40 %\)", train_step["line"])
+
+  dreamzero = json.loads((out / "dreamzero.json").read_text())  # two DiT depths, a line through them
+  extrapolated = dreamzero["data"]["dreamzero"]["extrapolated"]
+  assert extrapolated["samples_per_second"] > 0 and "ms_per_block" in extrapolated, extrapolated
+  assert re.fullmatch(r"DreamZero train step on cpu: [0-9.]+ samples/s a device at \d+ DiT blocks, from 1, 2 "
+                      r"\(goal 8; RLinf 4\.44\)", dreamzero["line"])
 
   startup = summary["figures"]["startup"]
   assert re.fullmatch(r"startup configs/tiny\.py:runlocal: state [0-9.]+ s, train step compile [0-9.]+ s \(cpu\)",
