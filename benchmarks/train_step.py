@@ -299,6 +299,25 @@ def _describe_kernels(kernels: dict) -> str:
           f"as the timed GR00T step ran {1e3 * kernels['calibrated_seconds']:.1f} ms")
 
 
+def save_json(path: str, out: dict) -> None:
+  if path:
+    with open(path, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+def record_arm(results: dict, label: str, config, example: dict, steps: int, out: dict, json_path: str,
+               profile_dir: str = "") -> None:
+  """Runs one arm into results[label], prints it and rewrites the JSON (every figure so far)."""
+  try:
+    results[label] = run_arm(config, example, steps, profile_dir)
+  except Exception as error:  # one arm failing (memory, a kernel the device lacks) must not stop the rest
+    message = str(error).strip().splitlines()
+    results[label] = {"error": f"{type(error).__name__}: {message[0] if message else ''}"[:300]}
+    gc.collect()
+  print(describe(label, results[label]), flush=True)
+  save_json(json_path, out)
+
+
 def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str,
                 profile_dir: str = "", dit_layers: int = 0) -> None:
   config = model_config_for(name, dit_layers)
@@ -307,17 +326,9 @@ def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, o
   print(f"{NAMES[name]} ({'runlocal' if on_cpu() else 'full size'}), {samples} samples a step on "
         f"{jax.device_count()} x {jax.devices()[0].device_kind}:", flush=True)
   for index, (arm, (arm_config, example)) in enumerate(arm_configs(config, arms, samples).items()):
-    try:  # the first arm is profiled when asked
-      results[arm] = run_arm(arm_config, example, steps,
-                             os.path.join(profile_dir, f"{name}_{arm}") if profile_dir and not index else "")
-    except Exception as error:  # one arm failing (memory, a kernel the device lacks) must not stop the rest
-      message = str(error).strip().splitlines()
-      results[arm] = {"error": f"{type(error).__name__}: {message[0] if message else ''}"[:300]}
-      gc.collect()
-    print(describe(arm, results[arm]), flush=True)
-    if json_path:
-      with open(json_path, "w") as f:
-        json.dump(out, f, indent=1)
+    # the first arm is profiled when asked
+    record_arm(results, arm, arm_config, example, steps, out, json_path,
+               os.path.join(profile_dir, f"{name}_{arm}") if profile_dir and not index else "")
   for baseline in ("padded", "seed_padded"):
     padded = results.get(baseline, {})
     if "samples_per_second" not in padded:
@@ -341,16 +352,9 @@ def dreamzero_by_depth(depths: list[int], per_device_batch: int, steps: int, out
         f"{full} blocks, on {jax.device_count()} x {jax.devices()[0].device_kind}:", flush=True)
   for depth in depths:
     arm_config, example = unpacked_arm_configs(model_config_for("dreamzero", depth), ["configured"], samples)["configured"]
-    try:
-      results[f"blocks_{depth}"] = run_arm(arm_config, example, steps)
-    except Exception as error:  # noqa: BLE001 (memory: a shallower depth may still have run)
-      results[f"blocks_{depth}"] = {"error": f"{type(error).__name__}: {str(error).strip()[:300]}"}
-    print(describe(f"{depth} blocks", results[f"blocks_{depth}"]), flush=True)
-    if json_path:
-      with open(json_path, "w") as f:
-        json.dump(out, f, indent=1)
-  timed = [(depth, results[f"blocks_{depth}"]["step_ms"]) for depth in depths
-           if "step_ms" in results[f"blocks_{depth}"]]
+    record_arm(results, f"{depth} blocks", arm_config, example, steps, out, json_path)
+  timed = [(depth, results[f"{depth} blocks"]["step_ms"]) for depth in depths
+           if "step_ms" in results[f"{depth} blocks"]]
   if len(timed) < 2:
     return f"DreamZero train step on {jax.devices()[0].device_kind}: n/a samples/s a device (goal 8)"
   slope, intercept = np.polyfit([d for d, _ in timed], [ms for _, ms in timed], 1)
@@ -461,27 +465,23 @@ def main(argv=None) -> None:
     default_batch = 8 if on_cpu() or name == "pi05" else 32
     if name == "dreamzero" and len(depths) > 1:
       depth_line = dreamzero_by_depth(depths, args.per_device_batch or default_batch, args.steps, out, args.json)
-      print(depth_line)
       continue
     bench_model(name, arms, args.per_device_batch or default_batch, args.steps, out, args.json, args.profile,
                 depths[0] if depths else 0)
-  if depth_line and not any(m in out for m in ("groot", "pi05")):
-    out["line"] = depth_line
-    if args.json:
-      with open(args.json, "w") as f:
-        json.dump(out, f, indent=1)
-    return
   headline = "groot" if "groot" in out else next((m for m in NAMES if m in out), "groot")
-  best = max((r for r in out.get(headline, {}).values() if "samples_per_second" in r),
-             key=lambda r: r["samples_per_second"], default=None)
-  samples = f"{best['samples_per_second']:.1f}" if best else "n/a"
-  mfu = f"{best['mfu_percent']:.1f}" if best and best["mfu_percent"] is not None else "n/a"
-  line = (f"{NAMES[headline]} train step on {out['device']}: {samples} samples/s, MFU {mfu} % "
-          f"(goal {GOAL_MFU:.0f} %)")
+  if depth_line and headline == "dreamzero":  # DreamZero by depth alone: its extrapolation is the figure
+    line = depth_line
+  else:
+    if depth_line:
+      print(depth_line)
+    best = max((r for r in out.get(headline, {}).values() if "samples_per_second" in r),
+               key=lambda r: r["samples_per_second"], default=None)
+    samples = f"{best['samples_per_second']:.1f}" if best else "n/a"
+    mfu = f"{best['mfu_percent']:.1f}" if best and best["mfu_percent"] is not None else "n/a"
+    line = (f"{NAMES[headline]} train step on {out['device']}: {samples} samples/s, MFU {mfu} % "
+            f"(goal {GOAL_MFU:.0f} %)")
   out["line"] = line
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
+  save_json(args.json, out)
   print(line)
 
 
