@@ -6,7 +6,7 @@ image lacks from wheels carried beside the checkout (.whl/, made by benchmarks/d
 runs each figure's benchmark in its own process under its own time limit, most important first,
 skipping what no longer fits the total budget, and writes all.json and most figures' own JSON to --out:
 
-  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, packing, FP8 and unrolled
+  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, scanned, packing and FP8
               arms; the configured arm's profile (ms a step per kind of op, the top kernels)
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
@@ -58,12 +58,12 @@ class Figure:
 
 
 FIGURES = (
-    # A full-size GR00T arm takes ~65 s on an H200 (2026-11-28: state 12-15 s, compile 40-50 s), the
-    # profiled first one ~95 s: the configured, padded and seed-padded arms fit (padded and FP8 were
-    # measured on 2026-11-28); the unscanned arm (every block unrolled) comes last, as it compiles
-    # longest. Each arm's figures are saved as it ends.
+    # A full-size GR00T arm took ~65 s on an H200 (2026-11-28: state 12-15 s, compile 40-50 s scanned;
+    # the unrolled default compiles longer), the profiled first one ~95 s. The scanned arm (the default
+    # until 2026-11-28) comes second: it checks the switch to unrolled blocks the compile-only H100
+    # priced. Each arm's figures are saved as it ends.
     Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
-                          "configured,seed_padded,padded,fp8_xla,best_fit,unscanned", "--steps", "8",
+                          "configured,scanned,seed_padded,padded,fp8_xla,best_fit", "--steps", "8",
                           "--profile", PROFILE),
            ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
             "--profile", PROFILE), 250),

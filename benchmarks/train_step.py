@@ -10,8 +10,10 @@ feeds it the model's own example batch, in arms timed back to back in one proces
   best_fit     samples a row and row length chosen from the batch's lengths (ejax.data.row_plan)
   fp8_<impl>   GR00T's DiT feed-forward through each FP8 route (model.fp8, model.fp8_impl)
   attn_<impl>  the configured layout with model.attention_impl=<impl>, for each implementation
-  unscanned    the configured layout with every block unrolled (model.scan_layers=False; the
-               default scans repeated blocks, ejax.models.layers.run_blocks)
+  unscanned    where the config scans repeated blocks (ejax.models.layers.run_blocks), every block
+               unrolled (model.scan_layers=False)
+  scanned      where the config unrolls them, repeated blocks scanned and rematerialised
+               (model.scan_layers=True, model.remat="full": GR00T's default until 2026-11-28)
 DreamZero's batch has no packed rows: its arms are configured, unscanned and attn_<impl> (the 5B on
 accelerators, --dit_layers N to cut its DiT to what one GPU holds; runlocal on CPUs).
 Per arm: state-ready seconds (built and on the device), compile seconds, step ms at the trainer's
@@ -30,8 +32,9 @@ runlocal sizes. Last line:
 --startup compiles the full-size state and train step from shapes, allocating nothing (as
 ejax.train.compile_report does), and prints
   startup configs/groot.py: state <a> s, train step compile <b> s (<device>)
-With --unscanned it first compiles the same step with every block unrolled (model.scan_layers=False)
-and prints that compile beside the scanned one, with both steps' memory (XLA's buffer assignment).
+With --unscanned it first compiles the same step in the other block layout (unrolled where the config
+scans, scanned and rematerialised where it unrolls: other_layout) and prints that compile beside the
+configured one, with both steps' memory (XLA's buffer assignment).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ GOAL_MFU = 40.0
 NAMES = {"groot": "GR00T-N1.5", "pi05": "pi0.5", "dreamzero": "DreamZero"}
 CONFIGS = {"groot": "configs/groot.py", "pi05": "configs/pi05.py", "dreamzero": "configs/dreamzero.py"}
 UNPACKED = ("dreamzero",)   # models whose batch has no packed rows (no layout arms)
-ALL_ARMS = ("configured", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned")
+ALL_ARMS = ("configured", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned", "scanned")
 
 
 def load_config(path: str, arg: str | None):
@@ -103,9 +106,9 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
               f"{layouts['configured'].samples_per_row}) is already the best fit for these samples")
         continue
       out[arm] = with_layout(arm)
-    elif arm == "unscanned" and "scan_layers" in config.model:
+    elif arm in ("unscanned", "scanned") and other_layout(config.model)[0] == arm:
       out[arm] = with_layout("configured")
-      out[arm][0].model.scan_layers = False
+      out[arm][0].model = other_layout(config.model)[1]
     elif arm.split("_")[0] == "fp8" and "fp8" in config.model:
       from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
       for impl in FP8_IMPLS if arm == "fp8" else [arm[len("fp8_"):]]:
@@ -118,6 +121,19 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
   return out
 
 
+def other_layout(model_config) -> tuple[str, object]:
+  """("unscanned", the model config with every block unrolled) where it scans repeated blocks, else
+  ("scanned", it with them scanned and rematerialised); ("", None) for a model without the switch."""
+  if "scan_layers" not in model_config:
+    return "", None
+  other = model_config.copy_and_resolve_references()
+  if model_config.scan_layers:
+    other.scan_layers = False
+    return "unscanned", other
+  other.update(scan_layers=True, remat="full")
+  return "scanned", other
+
+
 def unpacked_arm_configs(config, arms: list[str], samples: int) -> dict:
   """DreamZero's arms: its example batch (VAE latents computed ahead, as the compile from shapes has it)
   as configured, with every block unrolled, and through each attention implementation."""
@@ -127,9 +143,9 @@ def unpacked_arm_configs(config, arms: list[str], samples: int) -> dict:
   for arm in arms:
     if arm == "configured":
       out[arm] = (config.copy_and_resolve_references(), example)
-    elif arm == "unscanned":
+    elif arm in ("unscanned", "scanned") and other_layout(config.model)[0] == arm:
       out[arm] = (config.copy_and_resolve_references(), example)
-      out[arm][0].model.scan_layers = False
+      out[arm][0].model = other_layout(config.model)[1]
     elif arm.split("_")[0] == "attn":
       for impl in attention_impls(config.model) if arm == "attn" else [arm[len("attn_"):]]:
         out[f"attn_{impl}"] = (config.copy_and_resolve_references(), example)
@@ -404,15 +420,14 @@ def startup(config_path: str, per_device_batch: int, unscanned: bool = False) ->
     return (time.perf_counter() - start, time.process_time() - cpu_start,
             int(getattr(memory, "temp_size_in_bytes", 0) or 0) / 2**30)
 
-  if unscanned and "scan_layers" in config.model:
-    unrolled = config.model.copy_and_resolve_references()
-    unrolled.scan_layers = False
-    unscanned_seconds, unscanned_cpu, unscanned_temp = compile_step(unrolled)
+  other_name, other = other_layout(config.model) if unscanned else ("", None)
+  if other is not None:
+    other_seconds, other_cpu, other_temp = compile_step(other)
   step_seconds, step_cpu, temp = compile_step(config.model)
-  if unscanned and "scan_layers" in config.model:  # CPU seconds: what a shared machine's load does not inflate
-    print(f"  train step compile: scanned {step_seconds:.1f} s ({step_cpu:.1f} CPU s), unrolled "
-          f"{unscanned_seconds:.1f} s ({unscanned_cpu:.1f} CPU s): {unscanned_cpu / step_cpu:.1f}x less CPU; "
-          f"temporaries {temp:.1f} / {unscanned_temp:.1f} GiB a device")
+  if other is not None:  # CPU seconds: what a shared machine's load does not inflate
+    print(f"  train step compile: configured {step_seconds:.1f} s ({step_cpu:.1f} CPU s), {other_name} "
+          f"{other_seconds:.1f} s ({other_cpu:.1f} CPU s): {other_cpu / step_cpu:.2f}x the CPU; "
+          f"temporaries {temp:.1f} / {other_temp:.1f} GiB a device")
   print(f"  state: model built from shapes {planned:.1f} s; {state_report['host_initialised']} parameters drawn on "
         f"the host (no program), {state_report['device_initialised']} in {state_report['device_groups']} device "
         f"init groups; {state_report['programs']} programs lowered {state_report['lower_seconds']:.1f} s, "
@@ -436,7 +451,7 @@ def main(argv=None) -> None:
   parser.add_argument("--profile", default="",
                       help="trace three more steps of each model's first arm here and print where the time goes")
   parser.add_argument("--unscanned", action="store_true",
-                      help="--startup: also compile the step with every block unrolled, side by side")
+                      help="--startup: also compile the step in the other block layout (other_layout), side by side")
   parser.add_argument("--dit_layers", default="0",
                       help="DreamZero: cut the 5B's DiT to this many blocks (0: all 30); two or more, e.g. "
                            "2,6: time the configured step at each depth and extrapolate to the full depth")

@@ -90,3 +90,16 @@ def test_train_step_sets_the_profile_beside_the_kernel_models_floor():
   line = measured_vs_floor({"by_kind": {"matmul": 60.0, "attention": 8.0, "fusion": 30.0, "other": 1.0}},
                            {"floor_ms_by_kind": {"gemm": 39.5, "fusion": 22.5, "pallas": 2.8}})
   assert line == "measured / floor ms a step: gemm 60.0 / 39.5, pallas 8.0 / 2.8, fusion 30.0 / 22.5"
+
+
+def test_the_layout_arms_flip_blocks_between_scanned_and_unrolled():
+  """GR00T's full config unrolls its blocks, so its comparison arm is the scanned, rematerialised
+  layout it had before; DreamZero's 5B scans, so its arm unrolls."""
+  from benchmarks.train_step import load_config, other_layout
+  groot = load_config("configs/groot.py", None).model
+  assert (groot.scan_layers, groot.remat) == (False, "none")
+  name, other = other_layout(groot)
+  assert name == "scanned" and (other.scan_layers, other.remat) == (True, "full")
+  assert (groot.scan_layers, groot.remat) == (False, "none")  # a copy, the config unchanged
+  name, other = other_layout(load_config("configs/dreamzero.py", "5b").model)
+  assert name == "unscanned" and other.scan_layers is False

@@ -65,9 +65,14 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   #                                    train step's FP8 arm is unmeasured; BENCHMARKS.md, FP8)
   c.fp8_impl = "xla"                 # with fp8: xla (cuBLASLt FP8, per-tensor scales; 1.30x bf16 over
   #                                    the DiT and LLM GEMMs) | xla_rowwise (1.12x) | blockwise (Pallas, 0.33x)
-  c.remat = "full"                   # per-block rematerialisation (ejax.parallel.remat)
+  # Trained blocks unrolled and not rematerialised: on jaxlib 0.11.2's compile-only H100 the step
+  # (32 samples) prices at 100 vs 115 ms scanned with remat "full" (fewer launches, no per-step weight
+  # stacking, no recomputed forwards) for 7.2 vs 3.6 GiB of temporaries and a longer compile
+  # (BENCHMARKS.md, "Unrolled, not rematerialised"). remat "full" and scan_layers=True give the memory
+  # back, e.g. with tune_llm / tune_visual on an 80 GB GPU.
+  c.remat = "none"                   # per-block rematerialisation (ejax.parallel.remat)
   c.attention_impl = "auto"          # every attention call: ejax.kernels.attention IMPLS ("auto": per backend)
-  c.scan_layers = True               # repeated blocks as one lax.scan (one block compiled per kind)
+  c.scan_layers = False              # repeated blocks as one lax.scan (one block compiled per kind)
   c.vision = dict(width=1152, depth=27, mlp_dim=4304, num_heads=16, patch_size=14, image_size=224)
   c.connector = dict(num_layers=1, use_pixel_shuffle=False)   # released: mlp1.0 = Linear(1152, 2048)
   c.llm = dict(vocab_size=151680, width=2048, mlp_dim=6144, num_heads=16, num_kv_heads=8, head_dim=128,
@@ -102,7 +107,6 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.tune_diffusion_model = True
   if variant == "runlocal":
     c.dtype = "float32"
-    c.remat = "none"
     c.vision = dict(width=32, depth=2, mlp_dim=64, num_heads=2, patch_size=8, image_size=32)
     c.llm = dict(vocab_size=512, width=64, mlp_dim=128, num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2,
                  rope_theta=10_000.0)

@@ -17,7 +17,7 @@ def tiny_config():
   c.llm.num_layers = 1
   c.dit.num_layers = 2
   c.num_cameras = 1
-  c.remat = "full"  # as at full size: sampling loops must work with rematerialised blocks
+  c.remat = "full"  # sampling loops must work with rematerialised blocks (the option that saves memory)
   return c
 
 
@@ -88,6 +88,7 @@ def test_frozen_towers_run_unrolled_and_trained_ones_scanned():
   c = tiny_config()
   c.vision.depth = c.llm.num_layers = layers.MIN_SCANNED
   c.tune_visual = True
+  c.scan_layers = True
   model = nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0)))
   assert model.backbone.vision.scan_layers and not model.backbone.llm.scan_layers
   c.scan_layers = False

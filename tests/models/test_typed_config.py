@@ -25,7 +25,9 @@ def test_the_released_full_size_config_round_trips(name):
   settings = typed.read(released)
   assert typed.to_config(settings).to_dict() == released.to_dict()
   assert typed.read(typed.to_config(settings)) == settings
-  assert settings.perception is None and settings.scan_layers is True and settings.attention_impl == "auto"
+  assert settings.perception is None and settings.attention_impl == "auto"
+  # GR00T's trained blocks run unrolled at full size (faster on a GPU); pi0.5's trained SigLIP scans.
+  assert settings.scan_layers is {"groot": False, "pi05": True}[name]
 
 
 def test_the_sub_models_get_their_dataclasses_with_the_derived_widths():
