@@ -21,9 +21,11 @@ from ejax.kernels.platform import lowering_for
 TRITON = "__gpu$xla.gpu.triton"
 # The cuDNN fused attention targets ejax's cudnn path can emit (a dense mask travels as a bias).
 CUDNN_ATTENTION = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
+# The ones "auto" emits for attention with no mask at all (no bias): forward, backward.
+CUDNN_UNMASKED = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
 # Targets export may serialise. jax.export refuses any other custom call (they have no stability
 # guarantee), so an unexpected one fails the lowering loudly.
-ALLOWED_CUSTOM_CALLS = (TRITON, *CUDNN_ATTENTION)
+ALLOWED_CUSTOM_CALLS = (TRITON, *CUDNN_ATTENTION, *CUDNN_UNMASKED)
 
 
 def lower_for_cuda(jitted, *args) -> str:

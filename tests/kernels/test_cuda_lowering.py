@@ -18,7 +18,7 @@ from ejax.kernels.attention import BlockSizes, attention_reference, choose_impl,
 from ejax.kernels.attention.tiles import MaskInputs
 from ejax.kernels.fp8 import fp8_dot, fp8_matmul_pallas, fp8_xla_dot, quantize_activations, quantize_blockwise
 from ejax.kernels.platform import lowering_for
-from tests.cuda_lowering import (CUDNN_ATTENTION, TRITON, cudnn_h100, custom_calls,  # noqa: F401
+from tests.cuda_lowering import (CUDNN_ATTENTION, CUDNN_UNMASKED, TRITON, cudnn_h100, custom_calls,  # noqa: F401
                                  forbid_fallbacks, lower_for_cuda, triton_kernels)
 
 ATTENTION_KERNELS = {"ejax_varlen_attention_fwd", "ejax_varlen_attention_dq", "ejax_varlen_attention_dkv"}
@@ -190,6 +190,37 @@ def test_xla_fp8_gemms_lower_to_the_pattern_xla_rewrites_into_cublaslt_fp8(scali
 def test_cudnn_attention_forward_and_backward_lower_to_cudnn(cudnn_h100, mask_kind, dtype):
   module = lower_for_cuda(jax.jit(_attention_loss("cudnn", mask_kind)), *_qkv(dtype), _mask_args(mask_kind))
   assert set(custom_calls(module)) == set(CUDNN_ATTENTION)
+
+
+@pytest.mark.parametrize("head_dim", [72, 48])
+def test_auto_gives_unmasked_attention_to_cudnn_at_its_own_head_size(cudnn_h100, forbid_fallbacks, head_dim):
+  """SigLIP's 72-wide heads and the DiT's 48-wide ones, attending without a mask: cuDNN takes them as
+  they are, where the Triton and Mosaic kernels would run them zero-padded to 128 and 64."""
+  shape = jax.ShapeDtypeStruct((BATCH, 256, HEADS, head_dim), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v).astype(jnp.float32) ** 2)
+  module = lower_for_cuda(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), shape, shape, shape)
+  assert set(custom_calls(module)) == set(CUDNN_UNMASKED)
+  assert "stablehlo.pad" not in module  # no padded copies of q, k, v
+  # With a mask (segment ids) or without cuDNN, the kernels take the call, the head zero-padded.
+  masked = lambda q, k, v, ids: jnp.sum(flash_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids))
+  ids = jax.ShapeDtypeStruct((BATCH, 256), jnp.int32)
+  assert set(custom_calls(lower_for_cuda(jax.jit(masked), shape, shape, shape, ids))) == {TRITON}
+
+
+def _has_cudnn() -> bool:
+  try:
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+    check_cudnn_version()
+  except Exception:  # noqa: BLE001
+    return False
+  return True
+
+
+@pytest.mark.skipif(_has_cudnn(), reason="this jaxlib has cuDNN (a CUDA plugin): the case needs none")
+def test_without_cudnn_auto_runs_unmasked_attention_on_the_kernels(forbid_fallbacks):
+  shape = jax.ShapeDtypeStruct((BATCH, 256, HEADS, 72), jnp.bfloat16)
+  module = lower_for_cuda(jax.jit(lambda q, k, v: flash_attention(q, k, v)), shape, shape, shape)
+  assert set(custom_calls(module)) == {TRITON}
 
 
 def test_a_block_shape_triton_cannot_tile_fails_lowering_though_interpret_mode_runs_it():

@@ -18,7 +18,7 @@ from ejax.train.optim import make_optimizer
 from ejax.train.state import abstract_train_state, model_parts
 from ejax.train.step import jit_train_step, make_train_step
 from ejax.kernels.attention import mosaic_backward, tokamax_gpu
-from tests.cuda_lowering import (TRITON, custom_calls, forbid_fallbacks, lower_for_cuda,  # noqa: F401
+from tests.cuda_lowering import (CUDNN_UNMASKED, TRITON, custom_calls, forbid_fallbacks, lower_for_cuda,  # noqa: F401
                                  tokamax_h100, triton_kernels)
 from tests.train.helpers import load_config
 
@@ -86,13 +86,27 @@ def test_sample_actions_lowers_with_the_gpu_kernels(forbid_fallbacks, path):
   assert set(triton_kernels(module)) == MODELS[path][2]
 
 
-def test_full_size_groot_runs_every_attention_in_the_gpu_kernels(forbid_fallbacks):
-  """At full size SigLIP's heads are 72 wide and the DiT's 48: padded to 128 and 64 they take the
-  Pallas kernels too, no attention falls back to the XLA tile loops (a GPU launches their tiles one
-  small kernel at a time)."""
-  module = _lowered_train_step(load_config("configs/groot.py"))
+def test_full_size_groot_runs_every_attention_in_the_gpu_kernels(forbid_fallbacks, monkeypatch):
+  """At full size SigLIP's heads are 72 wide and the DiT's 48: without cuDNN, padded to 128 and 64
+  they take the Pallas kernels too, no attention falls back to the XLA tile loops (a GPU launches
+  their tiles one small kernel at a time). With cuDNN (a GPU machine's jaxlib) SigLIP's attention,
+  which has no mask, runs cuDNN's fused attention at its own head size (frozen: forward only); the
+  DiT's self-attention has no mask either, but cuDNN refuses its 49-token rows while tracing, and it
+  stays on the kernels with the masked ones (the LLM's, the VL transformer's, the DiT's packed
+  cross-attention)."""
+  config = load_config("configs/groot.py")
+  monkeypatch.setattr("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", _no_cudnn)
+  module = _lowered_train_step(config)
   assert set(custom_calls(module)) == {TRITON}
   assert set(triton_kernels(module)) == ATTENTION_GRAD
+  monkeypatch.setattr("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", lambda: 90800)
+  module = _lowered_train_step(config)
+  assert set(custom_calls(module)) == {TRITON, CUDNN_UNMASKED[0]}
+  assert set(triton_kernels(module)) == ATTENTION_GRAD
+
+
+def _no_cudnn():
+  raise RuntimeError("cuDNN is not detected.")
 
 
 @pytest.mark.skipif(not tokamax_gpu.available() or mosaic_backward.available() is not None,

@@ -21,8 +21,10 @@ impl:
   The four run where the rows are packed (each segment contiguous, order keys rising along it); a batch
   that is not runs ejax's own kernel instead (a `lax.cond` on a check made on device), so every impl
   gives reference.py's answer.
-- "auto": on a Hopper GPU the first of `HOPPER_AUTO` that applies, else pallas on GPU when the kernel supports
-  the shapes, else xla; dense reference for tiny shapes off GPU, where loop overhead would dominate.
+- "auto": on a GPU, a call with no mask at all goes to cuDNN where it takes the head size unpadded
+  (_cudnn_takes_unmasked); any other on a Hopper GPU to the first of `HOPPER_AUTO` that applies, else
+  pallas on GPU when the kernel supports the shapes, else xla; dense reference for tiny shapes off GPU,
+  where loop overhead would dominate.
 """
 
 from __future__ import annotations
@@ -299,6 +301,23 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
   return jax.lax.cond(valid, fast, exact, q, k, v)
 
 
+def _cudnn_takes_unmasked(q, k, mask_kind: str, mask_kwargs: dict) -> bool:
+  """Whether "auto" gives this call to cuDNN's fused attention: on a GPU, a call with no mask at all
+  (SigLIP's patches, GR00T's DiT self-attention over one sample's tokens) whose head size cuDNN takes
+  as it is (a multiple of 8 up to 128: SigLIP's 72, the DiT's 48), where ejax's and tokamax's kernels
+  would run it zero-padded to 128 and 64, and a cuDNN that jax can use is installed."""
+  if (mask_kind != "bidirectional" or any(value is not None for name, value in mask_kwargs.items() if name != "mask_kind")
+      or q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 8 or q.shape[-1] > 128
+      or not platform.on_gpu()):
+    return False
+  try:
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+    check_cudnn_version()
+  except Exception:  # no cuDNN (a CPU-only jaxlib lowering for a GPU), or one jax cannot use
+    return False
+  return True
+
+
 def _kernel_head_dim(q, impl: str) -> int:
   """The head size the GPU kernels run `q` at: its own, or the next one they support when the call
   would take a GPU kernel (impl pallas / tokamax / tokamax_fwd / mosaic, or auto on a GPU) and they
@@ -345,6 +364,12 @@ def flash_attention(
                      kv_segment_ids=kv_segment_ids, q_positions=q_positions,
                      kv_positions=kv_positions, q_block_ids=q_block_ids, kv_block_ids=kv_block_ids)
   scale = float(head_dim**-0.5 if scale is None else scale)
+  if (_SCOPED_IMPL.get() if impl == "auto" else impl) == "auto" and _cudnn_takes_unmasked(q, k, mask_kind, mask_kwargs):
+    try:
+      return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale,
+                                          implementation="cudnn")
+    except (ValueError, NotImplementedError, RuntimeError):
+      pass  # a shape this cuDNN refuses while tracing: the kernels below take it
   padded = _kernel_head_dim(q, impl)
   if padded != head_dim:
     # SigLIP's 72-wide and GR00T's DiT's 48-wide heads: the GPU kernels take power-of-two head sizes,
