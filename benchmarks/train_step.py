@@ -185,6 +185,7 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
   from ejax.parallel import global_batch, make_mesh
   from ejax.parallel.rules import sharding_context
   from ejax.train.metrics import peak_flops_per_device
+  from ejax.train import rows as embodiment_rows
   from ejax.train.optim import make_optimizer
   from ejax.train.state import create_train_state, model_parts
   from ejax.train.step import jit_train_step, make_train_step
@@ -193,6 +194,9 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
   rules = [tuple(rule) for rule in config.sharding_rules]
   tx, schedule = make_optimizer(config.train)
   arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
+  rows = embodiment_rows.from_train(config.train)
+  if rows and "embodiment_id" in arrays:  # the example's samples on the rows the config trains
+    arrays["embodiment_id"] = np.resize(np.asarray(rows.rows, np.int32), arrays["embodiment_id"].shape)
   with mesh, sharding_context(mesh, rules):
     start = time.perf_counter()
     state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)

@@ -63,6 +63,8 @@ def base_config() -> ConfigDict:
       compute_dtype="bfloat16",  # forward/backward
       remat="none",              # none | dots | dots_no_batch | full (ejax/parallel/remat.py)
       ema_decay=0.0,             # 0 disables the EMA copy of the parameters
+      embodiment_rows="all",     # per-embodiment tables: rows the optimizer updates ("all" | "data": the
+                                 # ids data.embodiment_id names | "0,31"; ejax/train/rows.py)
       transfer_guard="disallow",  # accidental host<->device copies in the loop are errors
       stop_at=0,                 # >0: end this run after that step (to fit a time slice); resume later
       step_timeout=0.0,          # s a step, save or exchange may take before every process ends with one

@@ -75,6 +75,9 @@ def get_config(arg: str | None = None):
   config.train.update(steps=30_000, global_batch_size=256, learning_rate=1e-4, b1=0.95, b2=0.999,
                       weight_decay=1e-5, warmup_fraction=0.05, remat=config.model.remat)
   config.checkpoint.every_steps = 1000
+  # The optimizer updates the embodiment tables' rows the data uses (data.embodiment_id), not all 32:
+  # the others' gradients are zero and dense AdamW would only decay them (ejax/train/rows.py).
+  config.train.embodiment_rows = "data"
   if args.runlocal:
     # The README's default data: ejax.sim's scripted-expert demonstrations of the quickstart's five
     # tasks, recorded once into ~/.cache/ejax/sim_demos (native MuJoCo, 64x64 cameras; configs/demos.py).
@@ -94,7 +97,7 @@ def get_config(arg: str | None = None):
     # keypoints.
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
     config.train.update(steps=1500, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
-                        remat="none")
+                        remat="none", embodiment_rows="all")
     config.checkpoint.every_steps = 500
     config.metrics.log_every_steps = 20
   if args.dataset == "synthetic":

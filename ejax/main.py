@@ -35,6 +35,7 @@ def main(argv: list[str]) -> None:
   from ejax.config import validate
   from ejax.errors import UserError
   from ejax.jobs import get_job
+  from ejax.train import rows as embodiment_rows
   from ejax.train import wandb_run
 
   quiet.quiet_library_logs()
@@ -48,6 +49,7 @@ def main(argv: list[str]) -> None:
       _fail(f"--config: {lines[-1] if lines else error}")
   workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
   try:
+    config = embodiment_rows.resolve(config)
     validate(config)
     job = get_job(config.job)
     with wandb_run.session(config, workdir):  # config.metrics.wandb: the job's W&B run, if on

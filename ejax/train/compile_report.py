@@ -184,7 +184,8 @@ def load_config_file(path: str, arg: str | None = None):
   spec = importlib.util.spec_from_file_location("ejax_compiled_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(arg)
+  from ejax.train.rows import resolve
+  return resolve(module.get_config(arg))
 
 
 def state_bytes_per_device(step: CompiledStep) -> dict[str, int]:

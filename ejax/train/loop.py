@@ -28,6 +28,7 @@ from ejax.parallel.watchdog import Watchdog
 from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
 from ejax.train import resume
+from ejax.train import rows as embodiment_rows
 from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
@@ -84,6 +85,7 @@ def train(config: ConfigDict, workdir: str, *, devices: list | None = None,
 def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSignal,
            cleanup: contextlib.ExitStack) -> dict[str, Any]:
   # --- Devices and workdir -------------------------------------------------------------------
+  config = embodiment_rows.resolve(config)  # train.embodiment_rows "data": the rows the data names
   initialize_distributed(config.distributed)
   enable_compilation_cache(config.get("compilation_cache_dir"))
   workdir = prepare_workdir(workdir)
@@ -159,6 +161,9 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   stop.phase = "reading the first batch"
   batch_axis = 1 if train_cfg.grad_accum_steps > 1 else 0  # micro-batches stack on axis 0
   local_batch = next(data_iter)
+  rows = embodiment_rows.from_train(train_cfg)
+  check_rows = rows.check if rows else (lambda ids: None)
+  check_rows(local_batch.get("embodiment_id", ()))
   batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
   batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
   stop.phase = "compiling the train step"
@@ -196,6 +201,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
       watchdog.begin("train step", step + 1)
       if step > start_step:
         local_batch = next(data_iter)
+        check_rows(local_batch.get("embodiment_id", ()))
         batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
       with jax.transfer_guard(train_cfg.transfer_guard):
         state, step_metrics = compiled(state, batch)

@@ -29,6 +29,7 @@ from ml_collections import ConfigDict
 
 from ejax.models import layers
 from ejax.train import host_init
+from ejax.train import rows as embodiment_rows
 from ejax.models.registry import ModelSpec, get_model_spec
 from ejax.parallel import tree_shardings
 from ejax.parallel.rules import Rules
@@ -69,6 +70,13 @@ def compute_model(graphdef, params, frozen, rest, dtype) -> nnx.Module:
   return nnx.merge(graphdef, cast_floats(params, dtype), cast_floats(frozen, dtype), rest)
 
 
+def optimizer_init(tx: optax.GradientTransformation, train: ConfigDict):
+  """tx.init over what the train step updates: the parameters, their embodiment tables cut to
+  train.embodiment_rows where it names rows (ejax/train/rows.py)."""
+  rows = embodiment_rows.from_train(train)
+  return (lambda params: tx.init(rows.view(params))) if rows else tx.init
+
+
 def make_init_fn(model_config: ConfigDict, train: ConfigDict, tx: optax.GradientTransformation):
   spec = get_model_spec(model_config.name)
   trainable = trainable_filter(model_config)
@@ -80,7 +88,7 @@ def make_init_fn(model_config: ConfigDict, train: ConfigDict, tx: optax.Gradient
     params = cast_floats(params, jnp.dtype(train.param_dtype))
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params, frozen=frozen, rest=rest,
-        opt_state=tx.init(params), ema_params=params if train.ema_decay > 0 else None,
+        opt_state=optimizer_init(tx, train)(params), ema_params=params if train.ema_decay > 0 else None,
         rng=state_rng)
 
   return init
@@ -121,6 +129,7 @@ class StatePlan:
   deferred: dict            # id(nnx.Param) -> (the Param, layers.DeferredInit)
   state_rng: jax.Array
   tx: optax.GradientTransformation
+  opt_init: Any             # optimizer_init(tx, train)
   ema: bool
 
 
@@ -156,10 +165,11 @@ def plan_train_state(model_config, train, tx, mesh: Mesh, rules: Rules, seed: in
   abstract = TrainState(
       step=jax.ShapeDtypeStruct((), jnp.int32), params=abstract_params,
       frozen=jax.tree.map(cast_frozen, frozen), rest=jax.tree.map(_to_struct, rest),
-      opt_state=jax.eval_shape(tx.init, abstract_params), ema_params=abstract_params if ema else None,
+      opt_state=jax.eval_shape(optimizer_init(tx, train), abstract_params),
+      ema_params=abstract_params if ema else None,
       rng=_to_struct(state_rng))
   return StatePlan(abstract, tree_shardings(abstract, mesh, rules), params, frozen, rest, deferred, state_rng,
-                   tx, ema)
+                   tx, optimizer_init(tx, train), ema)
 
 
 def abstract_train_state(model_config, train, tx, mesh: Mesh, rules: Rules):
@@ -262,7 +272,7 @@ def compile_state_init(plan: StatePlan) -> dict[str, float]:
     fn, key_structs = _device_program(plan, device)
     programs.append((fn, key_structs))
   if not _starts_at_zero(plan.tx, plan.abstract.params):
-    programs.append((jax.jit(plan.tx.init, out_shardings=plan.shardings.opt_state), plan.abstract.params))
+    programs.append((jax.jit(plan.opt_init, out_shardings=plan.shardings.opt_state), plan.abstract.params))
   for fn, args in programs:
     lowered_at = time.perf_counter()
     lowered = fn.lower(args)
@@ -304,7 +314,7 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
   if _starts_at_zero(plan.tx, plan.abstract.params):
     opt_state = jax.tree.map(host_init.zeros, plan.abstract.opt_state, plan.shardings.opt_state)
   else:
-    opt_state = jax.jit(plan.tx.init, out_shardings=plan.shardings.opt_state)(params)
+    opt_state = jax.jit(plan.opt_init, out_shardings=plan.shardings.opt_state)(params)
   ema = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params) if plan.ema else None
   return TrainState(step=host_init.zeros(plan.abstract.step, plan.shardings.step), params=params, frozen=frozen,
                     rest=jax.tree.map(host_init.place_value, plan.rest, plan.shardings.rest), opt_state=opt_state,

@@ -10,6 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
+from ejax.train import rows as embodiment_rows
 from ejax.train.state import ModelParts, TrainState, compute_model
 
 
@@ -17,36 +18,43 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
                     train: ConfigDict) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   compute_dtype = jnp.dtype(train.compute_dtype)
   accum = int(train.grad_accum_steps)
+  # train.embodiment_rows: the loss, gradients and update on the embodiment tables' trained rows only
+  # (ejax/train/rows.py); None: every parameter whole.
+  rows = embodiment_rows.from_train(train)
+  view = rows.view if rows else (lambda params: params)
 
   def loss_fn(params, state: TrainState, micro_batch, rng):
     # bf16 (or configured) compute from fp32 master weights: gradients flow back through the cast.
     model = compute_model(parts.graphdef, params, state.frozen, state.rest, compute_dtype)
-    loss, metrics = model.compute_loss(micro_batch, rng)
+    loss, metrics = model.compute_loss(rows.remap(micro_batch) if rows else micro_batch, rng)
     return loss.astype(jnp.float32), metrics
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     step_rng = jax.random.fold_in(state.rng, state.step)
+    trained = view(state.params)
     if accum == 1:
-      (loss, aux), grads = grad_fn(state.params, state, batch, step_rng)
+      (loss, aux), grads = grad_fn(trained, state, batch, step_rng)
     else:
       # The batch holds `accum` micro-batches stacked on axis 0 (ejax/train/inputs.py).
       def body(carry, inputs):
         index, micro_batch = inputs
-        (loss_i, aux_i), grads_i = grad_fn(state.params, state, micro_batch, jax.random.fold_in(step_rng, index))
+        (loss_i, aux_i), grads_i = grad_fn(trained, state, micro_batch, jax.random.fold_in(step_rng, index))
         total_loss, total_grads = carry
         return (total_loss + loss_i, jax.tree.map(jnp.add, total_grads, grads_i)), aux_i
 
-      zeros = jax.tree.map(jnp.zeros_like, state.params)
+      zeros = jax.tree.map(jnp.zeros_like, trained)
       (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
       loss = loss / accum
       grads = jax.tree.map(lambda g: g / accum, grads)
       # Per-sample values come back [accum, micro]: flatten to the step's samples in order.
       aux = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]) if x.ndim >= 2 else jnp.mean(x, 0), aux)
 
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    updates, opt_state = tx.update(grads, state.opt_state, trained)
+    params = optax.apply_updates(trained, updates)
+    if rows:
+      params = rows.write_back(state.params, params)
     ema = state.ema_params
     if ema is not None:
       decay = train.ema_decay

@@ -10,7 +10,8 @@ def load_config(path: str, arg: str | None = None):
   spec = importlib.util.spec_from_file_location("config_under_test", os.path.join(REPO, path))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module.get_config(arg)
+  from ejax.train.rows import resolve
+  return resolve(module.get_config(arg))
 
 
 def tiny_config(steps: int = 4, batch: int = 16, mesh=(-1, 1, 1)):
