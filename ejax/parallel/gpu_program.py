@@ -29,6 +29,8 @@ from ejax.parallel import hlo
 
 # Dense bf16 FLOP/s and HBM bytes/s (REFERENCE.md: H100 SXM and H200 datasheets).
 DEVICES = {"h100": (989e12, 3.35e12), "h200": (989e12, 4.8e12)}
+# Their dense FP8 peak is twice the bf16 one: an FP8 cuBLASLt GEMM's floor counts its FLOPs at it.
+FP8_PEAK_SCALE = 2.0
 # A launch beyond its floor, from the first full-size step timed on a GPU (H200, 2026-11-27, BENCHMARKS.md
 # "Kernels a step"): (481.7 ms - its program's 80.2 ms floor) / its 80,438 launches.
 LAUNCH_SECONDS = 5.0e-6
@@ -55,10 +57,11 @@ class Kernel:
   runs: int    # launches a call of the program
   flops: float  # a launch's (GEMMs only: cuBLAS calls, fusions holding a dot)
   bytes: float  # a launch reads and writes
+  peak_scale: float = 1.0  # its arithmetic's peak over the bf16 one (FP8_PEAK_SCALE for FP8 GEMMs)
 
   def floor_seconds(self, device: str) -> float:
     peak, bandwidth = DEVICES[device]
-    return self.runs * max(self.flops / peak, self.bytes / bandwidth)
+    return self.runs * max(self.flops / (peak * self.peak_scale), self.bytes / bandwidth)
 
 
 @dataclasses.dataclass
@@ -210,7 +213,7 @@ def read(hlo_text: str) -> Program:
         syncing += runs if op == "while" and "known_trip_count" not in line else 0
         continue
       operands = _operand_text(rest)
-      flops, kind = 0.0, op
+      flops, kind, peak_scale = 0.0, op, 1.0
       if op in _FUSIONS:
         body_name = re.search(r"calls=%?([\w.\-]+)", line).group(1)
         if body_name not in bodies:
@@ -227,13 +230,14 @@ def read(hlo_text: str) -> Program:
         if "cublas" in target:
           out = _without_workspace(result)
           kind, flops = "gemm", _gemm_flops(out, operands, line)
+          peak_scale = FP8_PEAK_SCALE if target.endswith("$f8") else 1.0
         else:
           kind = "pallas" if "triton" in target else "custom-call"
         size = hlo.shape_bytes(operands) + hlo.shape_bytes(out)
       else:
         kind = "collective" if op.removesuffix("-start").removesuffix("-done") in hlo.COLLECTIVES else op
         size = hlo.shape_bytes(operands) + hlo.shape_bytes(result)
-      kernels.append(Kernel(kind, name, result[:80], runs, flops, float(size)))
+      kernels.append(Kernel(kind, name, result[:80], runs, flops, float(size), peak_scale))
   return Program(kernels, syncing)
 
 

@@ -180,3 +180,25 @@ def test_an_async_fusion_is_one_kernel_reading_its_slice():
   (kernel,) = gpu_program.read(ASYNC_FUSION).kernels
   assert (kernel.kind, kernel.name, kernel.runs) == ("fusion", "fusion-start.1", 1)
   assert kernel.bytes == 2 * 256 * 256 + 4 + 2 * 256 * 256  # one layer read, written; not all four
+
+
+# XLA's cuBLASLt FP8 GEMM (model.fp8_impl="xla"): e4m3 operands with their scales.
+FP8_GEMM = """
+HloModule jit_step, entry_computation_layout={(f8e4m3fn[4096,4096]{1,0}, f8e4m3fn[4096,4096]{1,0}, f32[], f32[])->bf16[4096,4096]{1,0}}
+
+ENTRY %main (x: f8e4m3fn[4096,4096], w: f8e4m3fn[4096,4096], sx: f32[], sw: f32[]) -> bf16[4096,4096] {
+  %x = f8e4m3fn[4096,4096]{1,0} parameter(0)
+  %w = f8e4m3fn[4096,4096]{1,0} parameter(1)
+  %sx = f32[] parameter(2)
+  %sw = f32[] parameter(3)
+  %gemm = (bf16[4096,4096]{1,0}, s8[4194304]{0}) custom-call(f8e4m3fn[4096,4096]{1,0} %x, f8e4m3fn[4096,4096]{1,0} %w, f32[] %sx, f32[] %sw), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %y = bf16[4096,4096]{1,0} get-tuple-element((bf16[4096,4096]{1,0}, s8[4194304]{0}) %gemm), index=0
+}
+"""
+
+
+def test_an_fp8_gemm_floor_counts_its_flops_at_the_fp8_peak():
+  (kernel,) = gpu_program.read(FP8_GEMM).kernels
+  peak, _ = gpu_program.DEVICES["h100"]
+  assert kernel.kind == "gemm" and kernel.flops == 2 * 4096**3 and kernel.peak_scale == 2.0
+  assert kernel.floor_seconds("h100") == pytest.approx(kernel.flops / (2 * peak))  # compute-bound at 4096^3

@@ -78,5 +78,7 @@ def test_two_processes_train_identically_and_checkpoint(tmp_path):
   assert int(state.step) == 4 and meta["config"]["distributed"]["num_processes"] == 2
   for restored, expected in zip(jax.tree.leaves(jax.device_get(state.params)),
                                jax.tree.leaves(jax.device_get(reference["state"].params))):
-    np.testing.assert_allclose(restored, expected, rtol=1e-4, atol=1e-5)  # Adam amplifies ~1e-7 gradient noise on near-zero entries
+    # Adam amplifies ~1e-7 gradient noise (the two runs sum in other orders) on entries whose gradient is
+    # near zero: up to 2.7e-5 on one entry of 4,096 on an AMD EPYC (2026-11-28), ~1 % of a step at lr 3e-3.
+    np.testing.assert_allclose(restored, expected, rtol=1e-4, atol=5e-5)
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(jax.device_get(state.params)))
