@@ -75,14 +75,6 @@ def get_config(arg: str | None = None):
   config.train.update(steps=30_000, global_batch_size=256, learning_rate=1e-4, b1=0.95, b2=0.999,
                       weight_decay=1e-5, warmup_fraction=0.05, remat=config.model.remat)
   config.checkpoint.every_steps = 1000
-  # The optimizer updates the embodiment tables' rows the data uses (data.embodiment_id), not all 32:
-  # the others' gradients are zero and dense AdamW would only decay them (ejax/train/rows.py).
-  config.train.embodiment_rows = "data"
-  # The frozen towers (SigLIP, the LLM) stored in bf16, the dtype the step computes them in: the same
-  # numbers, 2.5 GiB less a GPU and no cast of 1.3B weights every step (~2.6 ms of an H200 step priced on
-  # the compile-only H100; BENCHMARKS.md). An export then writes them in bf16. Towers trained with
-  # tune_llm / tune_visual keep fp32 master weights.
-  config.train.frozen_dtype = "bfloat16"
   if args.runlocal:
     # The README's default data: ejax.sim's scripted-expert demonstrations of the quickstart's five
     # tasks, recorded once into ~/.cache/ejax/sim_demos (native MuJoCo, 64x64 cameras; configs/demos.py).
@@ -102,9 +94,18 @@ def get_config(arg: str | None = None):
     # keypoints.
     config.mesh = dict(data=-1, fsdp=1, tensor=1)
     config.train.update(steps=1500, global_batch_size=32, learning_rate=1e-3, compute_dtype="float32",
-                        remat="none", embodiment_rows="all", frozen_dtype="")
+                        remat="none")
     config.checkpoint.every_steps = 500
     config.metrics.log_every_steps = 20
+  else:
+    # The optimizer updates the embodiment tables' rows the data uses (data.embodiment_id), not all 32:
+    # the others' gradients are zero and dense AdamW would only decay them (ejax/train/rows.py).
+    config.train.embodiment_rows = "data"
+    # The frozen towers (SigLIP, the LLM) stored in bf16, the dtype the step computes them in: the same
+    # numbers, 2.5 GiB less a GPU and no cast of 1.3B weights every step (~2.6 ms of an H200 step priced on
+    # the compile-only H100; BENCHMARKS.md). An export then writes them in bf16. Towers trained with
+    # tune_llm / tune_visual keep fp32 master weights.
+    config.train.frozen_dtype = "bfloat16"
   if args.dataset == "synthetic":
     # ejax/data/synthetic.py: no cameras, no simulator, the shapes model_config("runlocal") sets.
     if not args.runlocal:

@@ -1,17 +1,13 @@
 """Small, fast training configs shared by the trainer tests."""
 
-import importlib.util
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def load_config(path: str, arg: str | None = None):
-  spec = importlib.util.spec_from_file_location("config_under_test", os.path.join(REPO, path))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  from ejax.train.rows import resolve
-  return resolve(module.get_config(arg))
+  from ejax.train.compile_report import load_config_file  # the config as ejax.main resolves it
+  return load_config_file(os.path.join(REPO, path), arg)
 
 
 def tiny_config(steps: int = 4, batch: int = 16, mesh=(-1, 1, 1)):
