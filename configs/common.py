@@ -61,6 +61,8 @@ def base_config() -> ConfigDict:
       grad_clip_norm=1.0,
       param_dtype="float32",     # master weights
       compute_dtype="bfloat16",  # forward/backward
+      compute_copy=False,        # keep the trained weights also in compute_dtype, written by the optimizer,
+                                 # for the forward to read (the same numbers; +2 bytes a weight; ejax/train/optim.py)
       remat="none",              # none | dots | dots_no_batch | full (ejax/parallel/remat.py)
       ema_decay=0.0,             # 0 disables the EMA copy of the parameters
       embodiment_rows="all",     # per-embodiment tables: rows the optimizer updates ("all" | "data": the

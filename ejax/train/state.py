@@ -113,8 +113,9 @@ def model_parts(model_config: ConfigDict) -> ModelParts:
 #   placed into their shardings (ejax.train.host_init): nothing to compile;
 # - any other initializer runs on the device, one vmapped computation per group of parameters of the
 #   same initializer, shape and dtype, with the traced init's keys (its values bit for bit);
-# - the optimizer's state starts as zeros placed from the host when tx.init gives zeros (checked on
-#   a small stand-in of the parameters), the EMA as copies of the parameters;
+# - the optimizer's state: the leaves tx.init gives as zeros (checked on a small stand-in of the
+#   parameters) placed from the host, the others (train.compute_copy's bf16 weights) made by one
+#   program of just them; the EMA as copies of the parameters;
 # - loaded values (imported weights) are placed as they are and never initialised.
 
 
@@ -256,10 +257,22 @@ def _split_groups(leaves: _Leaves) -> tuple[list, list]:
   return host, device
 
 
-def _starts_at_zero(tx: optax.GradientTransformation, abstract_params) -> bool:
-  """Whether tx.init gives all zeros (Adam's moments and counts), tried on a one-element stand-in."""
+def _zero_leaves(tx: optax.GradientTransformation, abstract_params) -> list[bool]:
+  """Per leaf of tx.init's state, whether it starts as zeros (Adam's moments and counts; not a
+  compute-dtype copy of the weights), tried on a one-element stand-in of the parameters."""
   stand_in = jax.tree.map(lambda x: jnp.ones((1,) * len(x.shape), x.dtype), abstract_params)
-  return all(not np.any(np.asarray(x)) for x in jax.tree.leaves(tx.init(stand_in)))
+  return [not np.any(np.asarray(x)) for x in jax.tree.leaves(tx.init(stand_in))]
+
+
+def _opt_init_program(plan: StatePlan):
+  """(jitted fn of the parameters, indices) making the optimizer state's leaves that do not start
+  as zeros; None when all do. XLA leaves the zero leaves out of the program."""
+  keep = [i for i, zero in enumerate(_zero_leaves(plan.tx, plan.abstract.params)) if not zero]
+  if not keep:
+    return None
+  shardings = jax.tree.leaves(plan.shardings.opt_state)
+  made = lambda params: [jax.tree.leaves(plan.opt_init(params))[i] for i in keep]
+  return jax.jit(made, out_shardings=[shardings[i] for i in keep]), keep
 
 
 def compile_state_init(plan: StatePlan) -> dict[str, float]:
@@ -271,8 +284,9 @@ def compile_state_init(plan: StatePlan) -> dict[str, float]:
   if device:
     fn, key_structs = _device_program(plan, device)
     programs.append((fn, key_structs))
-  if not _starts_at_zero(plan.tx, plan.abstract.params):
-    programs.append((jax.jit(plan.opt_init, out_shardings=plan.shardings.opt_state), plan.abstract.params))
+  opt_init = _opt_init_program(plan)
+  if opt_init is not None:
+    programs.append((opt_init[0], plan.abstract.params))
   for fn, args in programs:
     lowered_at = time.perf_counter()
     lowered = fn.lower(args)
@@ -311,10 +325,11 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
                                               shardings[part][index])
   params, frozen = (jax.tree.unflatten(jax.tree.structure(getattr(plan.abstract, part)), flat[part])
                     for part in ("params", "frozen"))
-  if _starts_at_zero(plan.tx, plan.abstract.params):
-    opt_state = jax.tree.map(host_init.zeros, plan.abstract.opt_state, plan.shardings.opt_state)
-  else:
-    opt_state = jax.jit(plan.opt_init, out_shardings=plan.shardings.opt_state)(params)
+  opt_init = _opt_init_program(plan)
+  made = dict(zip(opt_init[1], opt_init[0](params))) if opt_init else {}
+  opt_leaves = [made[i] if i in made else host_init.zeros(x, sharding) for i, (x, sharding) in
+                enumerate(zip(jax.tree.leaves(plan.abstract.opt_state), jax.tree.leaves(plan.shardings.opt_state)))]
+  opt_state = jax.tree.unflatten(jax.tree.structure(plan.abstract.opt_state), opt_leaves)
   ema = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params) if plan.ema else None
   return TrainState(step=host_init.zeros(plan.abstract.step, plan.shardings.step), params=params, frozen=frozen,
                     rest=jax.tree.map(host_init.place_value, plan.rest, plan.shardings.rest), opt_state=opt_state,

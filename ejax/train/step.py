@@ -10,6 +10,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ml_collections import ConfigDict
 
+from ejax.train import optim
 from ejax.train import rows as embodiment_rows
 from ejax.train.state import ModelParts, TrainState, compute_model
 
@@ -31,16 +32,25 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
+  def gradients(trained, state, micro_batch, rng):
+    # With train.compute_copy the forward reads the optimizer's compute-dtype copy of the weights (the
+    # cast it would make) and its gradients come back to the master dtype, as through the cast.
+    copy = optim.compute_copy(state.opt_state)
+    if copy is None:
+      return grad_fn(trained, state, micro_batch, rng)
+    out, grads = grad_fn(copy, state, micro_batch, rng)
+    return out, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
+
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     step_rng = jax.random.fold_in(state.rng, state.step)
     trained = view(state.params)
     if accum == 1:
-      (loss, aux), grads = grad_fn(trained, state, batch, step_rng)
+      (loss, aux), grads = gradients(trained, state, batch, step_rng)
     else:
       # The batch holds `accum` micro-batches stacked on axis 0 (ejax/train/inputs.py).
       def body(carry, inputs):
         index, micro_batch = inputs
-        (loss_i, aux_i), grads_i = grad_fn(trained, state, micro_batch, jax.random.fold_in(step_rng, index))
+        (loss_i, aux_i), grads_i = gradients(trained, state, micro_batch, jax.random.fold_in(step_rng, index))
         total_loss, total_grads = carry
         return (total_loss + loss_i, jax.tree.map(jnp.add, total_grads, grads_i)), aux_i
 
@@ -61,7 +71,7 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
       ema = jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
     metrics = {
         "loss": loss,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optim.global_norm(grads),
         "learning_rate": schedule(state.step),
         **{k: (jnp.mean(v) if k != "per_sample_loss" else v) for k, v in aux.items()},
     }

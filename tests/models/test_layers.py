@@ -217,3 +217,36 @@ def test_scanned_weights_are_stacked_once_per_call_not_once_per_denoising_step()
   for once in (True, False):
     runs = stacking_in_a_sampling_loop(once)
     assert len(runs) >= 8 and set(runs) == {1}, f"weights re-stacked inside the sampling loop: {runs}"
+
+
+def biased_self_attention_kernels(devices=None) -> list[tuple[str, str]]:
+  """(kind, result shape) of each kernel a ViT-like biased self-attention (SigLIP's: 16 heads of 72)
+  launches, as compiled for `devices` (default the CPU) by ejax.parallel.gpu_program."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from ejax.parallel import gpu_program
+  from ejax.train.compile_report import text_with_operand_shapes
+
+  attention = nnx.eval_shape(lambda: layers.Attention(1152, num_heads=16, use_bias=True, dtype=jnp.bfloat16,
+                                                      param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(attention)
+  sharding = NamedSharding(Mesh(np.asarray(devices or jax.devices()[:1]), ("d",)), P())
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+  x = jax.ShapeDtypeStruct((32, 256, 1152), jnp.bfloat16, sharding=sharding)
+  compiled = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(state, x).compile()
+  return [(k.kind, k.shape) for k in gpu_program.read(text_with_operand_shapes(compiled)).kernels]
+
+
+def test_self_attention_projects_q_k_and_v_apart_with_their_biases():
+  """The same numbers as one projection each (the optimization barrier that keeps XLA from merging
+  them changes no value); tests/train/test_compile_report_gpu.py checks the GPU kernels."""
+  attention = layers.Attention(24, num_heads=2, use_bias=True, rngs=nnx.Rngs(0))
+  for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
+    projection.bias[...] = jax.random.normal(jax.random.key(1), projection.bias.shape)
+  x = jax.random.normal(jax.random.key(2), (2, 5, 24))
+  q, k, v = attention.project_qkv(x, x)
+  einsum = lambda p: jnp.einsum("...d,dhk->...hk", x, p.kernel[...]) + p.bias[...]
+  for got, projection in zip((q, k, v), (attention.q_proj, attention.k_proj, attention.v_proj)):
+    np.testing.assert_allclose(got, einsum(projection), rtol=1e-5, atol=1e-6)
+  grad = jax.grad(lambda x: jnp.sum(jnp.square(attention(x))))(x)
+  assert grad.shape == x.shape and np.all(np.isfinite(grad))

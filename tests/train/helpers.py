@@ -27,6 +27,66 @@ def tiny_config(steps: int = 4, batch: int = 16, mesh=(-1, 1, 1)):
   return config
 
 
+def variables(tree):
+  """[(path, nnx.Variable)] of a state of nnx Variables."""
+  import jax
+  from flax import nnx
+  return [(jax.tree_util.keystr(path), variable) for path, variable in
+          jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+          if isinstance(variable, nnx.Variable)]
+
+
+def leaves(tree):
+  """{path: array} of a state of nnx Variables."""
+  import numpy as np
+  return {path: np.asarray(variable.get_value()) for path, variable in variables(tree)}
+
+
+def tables(tree):
+  """{path: array} of the embodiment tables in a state of nnx Variables."""
+  import numpy as np
+
+  from ejax.parallel.axes import EMBODIMENT
+  from ejax.parallel.params import variable_axis_names
+  return {path: np.asarray(variable.get_value()) for path, variable in variables(tree)
+          if (variable_axis_names(variable) or (None,))[0] == EMBODIMENT}
+
+
+def groot_steps(steps: int = 2, **train):
+  """configs/groot.py:runlocal (2 embodiment slots) trained `steps` steps on its example batch of 4
+  samples, all of robot 1, with `train` set in config.train. Returns (the embodiment tables before,
+  the state, the last step's metrics)."""
+  import jax
+  import numpy as np
+
+  from ejax.models.registry import get_model_spec
+  from ejax.parallel import global_batch, make_mesh
+  from ejax.train.optim import make_optimizer
+  from ejax.train.state import create_train_state, model_parts
+  from ejax.train.step import jit_train_step, make_train_step
+  config = load_config("configs/groot.py", "runlocal,dataset=synthetic")
+  config.train.update(learning_rate=1e-2, warmup_fraction=0.0)
+  config.train.update(train)
+  mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  rules = [tuple(r) for r in config.sharding_rules]
+  tx, schedule = make_optimizer(config.train)
+  example = get_model_spec("groot").example_batch(config.model, 4, 0)
+  arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
+  arrays["embodiment_id"] = np.ones_like(arrays["embodiment_id"])  # every sample is robot 1
+  with mesh:
+    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+    before = tables(state.params)
+    accum = int(config.train.grad_accum_steps)
+    if accum > 1:  # micro-batches stacked on axis 0, as ejax/train/inputs.py stacks them
+      arrays = {k: v.reshape((accum, -1) + v.shape[1:]) for k, v in arrays.items()}
+    batch = global_batch(arrays, mesh, rules, batch_axis=int(accum > 1))
+    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
+                          jax.tree.map(lambda x: x.sharding, batch), mesh)
+    for _ in range(steps):
+      state, metrics = step(state, batch)
+  return before, state, metrics
+
+
 # The session's shared small GR00T checkpoint (tests/conftest.py: groot_sft_checkpoint): scripted
 # demos of one ejax.sim task at 32 px (runlocal GR00T's vision size: no resize), configs/groot.py:
 # runlocal trained 2 steps, max_action_dim 6 so that the chain has padded action dims (the env's

@@ -95,6 +95,31 @@ def test_gr00t_sampling_stacks_its_dit_weights_once_on_a_gpu():
   assert done.stdout.strip().splitlines()[-1] == "[4] [1]"
 
 
+BIASED_ATTENTION_PROBE = """
+from ejax.parallel import aot_target
+aot_target.run_jax_on_cpu()
+from ejax.kernels import platform
+from tests.models.test_layers import biased_self_attention_kernels
+with platform.lowering_for("gpu"):
+  print(biased_self_attention_kernels(aot_target.compile_only_devices("h100", 1)))
+"""
+
+
+@needs_plugin
+def test_a_biased_self_attention_adds_its_biases_in_the_cublas_calls():
+  """SigLIP's self-attention on a GPU: q, k and v each one cuBLAS call whose epilogue adds the bias,
+  feeding cuDNN attention as they are; merged into one matmul (XLA's DotMerger), its output took a
+  pass of its own to add the biases and split q, k and v (27 a GR00T step, ~1 ms of an H200's)."""
+  done = subprocess.run([sys.executable, "-c", BIASED_ATTENTION_PROBE], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  kernels = eval(done.stdout.strip().splitlines()[-1])
+  gemms = [shape for kind, shape in kernels if kind == "gemm"]
+  assert len(gemms) == 4 and all(shape.startswith("(bf16[8192,1152]") for shape in gemms), kernels  # q, k, v, out
+  assert [kind for kind, _ in kernels if kind not in ("gemm", "fusion")] == ["custom-call"], kernels  # cuDNN
+  assert not [shape for kind, shape in kernels if kind == "fusion" and "72]" in shape], kernels  # no split pass
+
+
 @needs_plugin
 def test_compile_report_on_h100s_keeps_the_report(tmp_path):
   path = tmp_path / "report.json"
