@@ -271,7 +271,11 @@ def _opt_init_program(plan: StatePlan):
   if not keep:
     return None
   shardings = jax.tree.leaves(plan.shardings.opt_state)
-  made = lambda params: [jax.tree.leaves(plan.opt_init(params))[i] for i in keep]
+
+  def made(params):
+    leaves = jax.tree.leaves(plan.opt_init(params))
+    return [leaves[i] for i in keep]
+
   return jax.jit(made, out_shardings=[shardings[i] for i in keep]), keep
 
 

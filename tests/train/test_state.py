@@ -95,6 +95,27 @@ def test_host_drawn_parameters_follow_the_initializers_distributions():
     assert not np.any(np.asarray(x))
 
 
+def test_the_compute_copy_starts_as_the_cast_weights_made_by_one_small_program():
+  """train.compute_copy: the optimizer state's bf16 copy is the cast of the initial weights, in their
+  shardings, made by the one program of the state that is not all zeros."""
+  from ejax.train import optim
+  config = tiny_config()
+  config.train.update(compute_dtype="bfloat16", compute_copy=True)
+  mesh, rules, tx = _setup(config)
+  plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=1)
+  assert state_lib.compile_state_init(plan)["programs"] == 1
+  with mesh:
+    built = state_lib.materialize(plan)
+  copy = optim.compute_copy(built.opt_state)
+  pairs = list(zip(jax.tree.leaves(copy), jax.tree.leaves(built.params)))
+  assert pairs and len(pairs) == len(jax.tree.leaves(built.params))
+  for kept, weight in pairs:
+    assert kept.dtype == jnp.bfloat16 and kept.sharding == weight.sharding
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(weight.astype(jnp.bfloat16)))
+  rest = [x for x in jax.tree.leaves(built.opt_state[:-1])]
+  assert rest and not any(np.any(np.asarray(x)) for x in rest)  # Adam's moments and counts: zeros
+
+
 def test_the_abstract_state_needs_no_computation_of_model_size():
   config = load_config("configs/groot.py")  # full size: 2.4B parameters, FSDP over the test's devices
   mesh, rules, tx = _setup(config)
