@@ -1,6 +1,6 @@
 """Full-size GR00T-N1.5 and pi0.5 train steps lower and compile on 8 fake CPU devices under an
 fsdp=8 mesh, from abstract shapes only (nothing of model size is allocated), through the trainer's
-own step and sharding context (ejax.train.compile_report; tests/parallel/test_compile_1024.py
+own step and sharding context (ejax.train.compile_report; tests/train/test_compile_1024.py
 does the same for 1,024 devices).
 
 Opt-in (`pytest -m slow`): each model takes minutes of XLA compilation on a 2-core CPU.
