@@ -139,7 +139,8 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   cleanup.enter_context(sharding_context(mesh, rules))
   if resume_step is not None:
     stop.phase = f"restoring step {resume_step}"
-    state, data_state = resume.restore(checkpointer, resume_step, abstract_target(abstract, shardings), changes)
+    state, data_state = resume.restore(checkpointer, resume_step, abstract_target(abstract, shardings), changes,
+                                       config)
     if data_state is not None:
       data_iter.set_state(data_state)
     jax.block_until_ready(state)

@@ -53,6 +53,13 @@ def config_changes(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
           if not _is_runtime(key) and old[key] != new[key]]
 
 
+def newer_settings(saved: dict, current: dict) -> list[tuple[str, Any]]:
+  """(key, current value) for the settings this config has and the checkpoint's lacks: added to ejax
+  after the checkpoint was written (config_changes leaves them out)."""
+  old, new = flatten(saved), flatten(current)
+  return [(key, new[key]) for key in sorted(new.keys() - old.keys()) if not _is_runtime(key)]
+
+
 def describe_changes(changes: Iterable[tuple[str, Any, Any]], limit: int = 6) -> str:
   changes = list(changes)
   shown = [f"{key} {_short(old)} -> {_short(new)}" for key, old, new in changes[:limit]]
@@ -118,15 +125,27 @@ def check(checkpointer: Checkpointer, step: int, config: ConfigDict) -> list:
   return check_config(meta.get("config"), config, step=step, directory=checkpointer.directory)
 
 
-def restore(checkpointer: Checkpointer, step: int, target: Any, changes: list):
-  """(state, data_state) of `step`; a restore that fails on the state's layout names the changes."""
+def restore(checkpointer: Checkpointer, step: int, target: Any, changes: list, config: ConfigDict | None = None):
+  """(state, data_state) of `step`; a restore that fails on the state's layout names the changes, or
+  else the settings newer than the checkpoint (an older ejax wrote it: train.compute_copy, say)."""
   try:
     state, data_state, _ = checkpointer.restore(step, target)
   except CheckpointError as error:
-    if changes and error.kind == "layout":
+    if error.kind != "layout":
+      raise
+    if changes:
       raise CheckpointError(
           f"checkpoint step {step} in {checkpointer.directory} does not fit the configured train state "
           f"(settings changed since it was written: {describe_changes(changes)}): resume with the old "
           "values, or start the new settings in a new --workdir", kind="layout") from None
+    saved = checkpointer.read_meta(step).get("config") if config is not None else None
+    newer = newer_settings(saved, json.loads(config.to_json_best_effort())) if saved else []
+    if newer:
+      shown = ", ".join(f"{key}={value if isinstance(value, bool) else _short(value)}" for key, value in newer[:6])
+      raise CheckpointError(
+          f"checkpoint step {step} in {checkpointer.directory} does not fit the configured train state and "
+          f"predates settings it was written without: {shown}: resume with them as the older ejax ran (their "
+          "configs/common.py defaults, e.g. --config.train.compute_copy=False), or start in a new --workdir",
+          kind="layout") from None
     raise
   return state, data_state

@@ -72,6 +72,33 @@ def test_a_longer_schedule_is_refused_unless_allowed(workdir):
   assert "resuming step 4 with changed settings: train.steps 4 -> 6" in result.stderr
 
 
+def test_a_checkpoint_older_than_a_setting_names_the_setting():
+  """A layout failure with no changed setting: the checkpoint predates settings this ejax has (a
+  full GR00T run written before train.compute_copy); the line names them and the way back."""
+  from ml_collections import ConfigDict
+
+  from ejax.train import resume
+
+  class OlderCheckpoint:
+    directory = "/runs/groot/checkpoints"
+
+    def restore(self, step, target):
+      raise CheckpointError("checkpoint step 500 holds another train state than the config builds", kind="layout")
+
+    def read_meta(self, step):
+      return {"config": {"train": {"steps": 30000}, "mesh": {"data": 8}}}
+
+  config = ConfigDict({"train": {"steps": 30000, "compute_copy": True}, "mesh": {"data": 8, "fsdp": 1}})
+  with pytest.raises(CheckpointError) as error:
+    resume.restore(OlderCheckpoint(), 500, None, [], config)
+  assert str(error.value) == (
+      "checkpoint step 500 in /runs/groot/checkpoints does not fit the configured train state and predates "
+      "settings it was written without: train.compute_copy=True: resume with them as the older ejax ran "
+      "(their configs/common.py defaults, e.g. --config.train.compute_copy=False), or start in a new --workdir")
+  assert error.value.kind == "layout"
+  assert resume.newer_settings({"train": {"steps": 4}}, {"train": {"steps": 6}}) == []  # a change, not newer
+
+
 def test_runtime_settings_may_change():
   saved = json.loads(tiny_config().to_json_best_effort())
   config = tiny_config()
