@@ -112,6 +112,13 @@ class AttentionTest:
     self._check(impl, data["q"], data["k"], data["v"], data["d_out"],
                 self._mask_kwargs(data, mask_kind), dtype=jnp.bfloat16, atol=3e-2, grad_atol=3e-2)
 
+  def test_packed_rows_bf16_a_kv_head_per_query_head(self, data):
+    # No groups: the Pallas dK/dV pass writes bf16 itself instead of fp32 slices summed outside.
+    k, v = (jnp.concatenate([x, x[..., ::-1]], axis=2) for x in (data["k"], data["v"]))
+    assert k.shape[2] == HEADS
+    self._check("pallas", data["q"], k, v, data["d_out"], self._mask_kwargs(data, "causal"),
+                dtype=jnp.bfloat16, atol=3e-2, grad_atol=3e-2)
+
   @pytest.mark.parametrize("impl", IMPLS)
   def test_cross_attention_multi_query_default_positions(self, data, impl):
     # 24 queries over 80 keys, one kv head (MQA), causal with the spec's default positions: the

@@ -82,3 +82,16 @@ def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, tokamax_h100, im
   # dQ and dK/dV kernels (mosaic_backward.py).
   assert calls["mosaic_gpu_v2"] == (1 if impl == "tokamax_fwd" else 3)
   assert set(triton_kernels(module)) == ATTENTION_KERNELS
+
+
+@pytest.mark.parametrize("kv_heads, written", [(HEADS, "bf16"), (KV_HEADS, "f32")])
+def test_dkv_kernel_writes_bf16_unless_it_sums_a_group(forbid_fallbacks, kv_heads, written):
+  """The Triton dK/dV pass writes one slice per query head: fp32 where a group of query heads shares a
+  kv head (summed outside the kernel), else in the inputs' bf16 (the same values, half the bytes)."""
+  ids = jax.ShapeDtypeStruct((BATCH, LEN), jnp.int32)
+  q = jax.ShapeDtypeStruct((BATCH, LEN, HEADS, HEAD_DIM), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((BATCH, LEN, kv_heads, HEAD_DIM), jnp.bfloat16)
+  module = lower_for_cuda(_loss("pallas", "causal"), q, kv, kv, ids, ids)
+  line = next(line for line in module.splitlines() if 'name = "ejax_varlen_attention_dkv"' in line)
+  results = re.findall(r"tensor<\d+x\d+x(\d+)x\d+x(\w+)>", line.rsplit("->", 1)[1])  # rows padded to tiles
+  assert results == [(str(HEADS), written)] * 2, line[-300:]

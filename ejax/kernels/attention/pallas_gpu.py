@@ -4,7 +4,8 @@ Grid: (batch, q_heads, blocks). Each program loops over the *active* tiles of it
 (lists built in tiles.py from per-block min/max of segment ids and order keys), so a packed row
 costs the sum of its squared segment lengths. Grouped kv heads are read through the index map
 (q head h reads kv head h // groups); the dK/dV pass writes one fp32 slice per q head and the
-group sum happens outside the kernel, which needs no atomics.
+group sum happens outside the kernel, which needs no atomics (without groups it writes dK/dV in the
+input dtype).
 
 Inside a tile: scores in fp32 (`pallas_dot` accumulates in fp32), online softmax with a finite masked
 score, bf16 (or the input dtype) operands for the second matmul. `interpret=True` runs the same
@@ -123,8 +124,8 @@ def _dkv_kernel(count_ref, order_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, count_ref[0], q_tile, (zeros, zeros))
-  dk_ref[...] = dk
-  dv_ref[...] = dv
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _seq_specs(block: int, length: int, groups: int, head_dim: int, *, blocked: bool):
@@ -237,9 +238,13 @@ def backward(q, k, v, mask: MaskInputs, out, lse, d_out, *, ordered: bool, scale
                 _ids_spec(None, q_len), _ids_spec(block_kv, kv_len),
                 *([_ids_spec(None, q_len), _ids_spec(block_kv, kv_len)] if grouped else [])],
       out_specs=[per_head_out, per_head_out],
-      out_shape=[platform.varying_struct((batch, kv_len, heads, head_dim), jnp.float32,
+      # Per query head: fp32 where a kv head's gradient is then summed over its group of q heads, else
+      # written in k's dtype as the caller gets it (the same values, half the bytes).
+      out_shape=[platform.varying_struct((batch, kv_len, heads, head_dim), jnp.float32 if groups > 1 else k.dtype,
                                          (kv_count, kv_order, q, k, v, d_out, lse, delta, ids))] * 2,
       name="ejax_varlen_attention_dkv", **common,
   )(kv_count, kv_order, q, k, v, d_out, lse, delta, *ids)
+  if groups == 1:
+    return dq, dk, dv
   group_sum = lambda x: x.reshape(batch, kv_len, kv_heads, groups, head_dim).sum(3)
   return dq, group_sum(dk).astype(k.dtype), group_sum(dv).astype(v.dtype)
