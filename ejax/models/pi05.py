@@ -89,7 +89,7 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # SigLIP's blocks unrolled (the decoders always scan, their weights stored stacked): a scan stacks the
   # trained SigLIP's weights every step; unrolled, the compile-only H100 prices the step (8 samples) at
   # 265.1 vs 269.2 ms, the same memory (BENCHMARKS.md).
-  c.scan_layers = False             # SigLIP's blocks as one lax.scan
+  c.scan_layers = False             # True: SigLIP's blocks as one lax.scan
   c.perception = {}                 # simulator-trained perception aids (ejax/models/perception/); {}: as released
   c.perception_tokens = False       # with model.perception: its state slots also join each action token (zero-init)
   # The state vector (with model.perception's slots written) read continuously by the action expert: a

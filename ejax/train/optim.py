@@ -72,7 +72,8 @@ class ComputeCopy(NamedTuple):
   weights: Any  # the parameters as the last update left them, in the compute dtype
 
 
-def _cast(tree, dtype):
+def cast_floats(tree, dtype):
+  """The tree with its floating-point leaves cast to `dtype` (integer leaves as they are)."""
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
@@ -84,11 +85,12 @@ def keep_compute_copy(dtype) -> optax.GradientTransformation:
   the copy is the cast the forward would make."""
 
   def init(params):
-    return ComputeCopy(_cast(params, dtype))
+    return ComputeCopy(cast_floats(params, dtype))
 
   def update(updates, state, params):
     del state
-    return updates, ComputeCopy(_cast(optax.apply_updates(params, updates), dtype))
+    # The same params + updates as the step's own apply_updates: XLA computes it once for both.
+    return updates, ComputeCopy(cast_floats(optax.apply_updates(params, updates), dtype))
 
   return optax.GradientTransformation(init, update)
 

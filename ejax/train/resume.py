@@ -145,7 +145,7 @@ def restore(checkpointer: Checkpointer, step: int, target: Any, changes: list, c
       raise CheckpointError(
           f"checkpoint step {step} in {checkpointer.directory} does not fit the configured train state and "
           f"predates settings it was written without: {shown}: resume with them as the older ejax ran (their "
-          "configs/common.py defaults, e.g. --config.train.compute_copy=False), or start in a new --workdir",
+          f"configs/common.py defaults, --config.{newer[0][0]}=...), or start in a new --workdir",
           kind="layout") from None
     raise
   return state, data_state

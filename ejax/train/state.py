@@ -29,6 +29,7 @@ from ml_collections import ConfigDict
 
 from ejax.models import layers
 from ejax.train import host_init
+from ejax.train.optim import cast_floats
 from ejax.train import rows as embodiment_rows
 from ejax.models.registry import ModelSpec, get_model_spec
 from ejax.parallel import tree_shardings
@@ -58,10 +59,6 @@ def trainable_filter(model_config: ConfigDict):
   """The model's own filter when it defines one (e.g. GR00T freezes its LLM), else all Params."""
   spec = get_model_spec(model_config.name)
   return spec.trainable_filter(model_config) if spec.trainable_filter else nnx.Param
-
-
-def cast_floats(tree, dtype):
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def compute_model(graphdef, params, frozen, rest, dtype) -> nnx.Module:

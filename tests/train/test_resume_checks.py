@@ -94,7 +94,7 @@ def test_a_checkpoint_older_than_a_setting_names_the_setting():
   assert str(error.value) == (
       "checkpoint step 500 in /runs/groot/checkpoints does not fit the configured train state and predates "
       "settings it was written without: train.compute_copy=True: resume with them as the older ejax ran "
-      "(their configs/common.py defaults, e.g. --config.train.compute_copy=False), or start in a new --workdir")
+      "(their configs/common.py defaults, --config.train.compute_copy=...), or start in a new --workdir")
   assert error.value.kind == "layout"
   assert resume.newer_settings({"train": {"steps": 4}}, {"train": {"steps": 6}}) == []  # a change, not newer
 
