@@ -14,6 +14,8 @@ feeds it the model's own example batch, in arms timed back to back in one proces
                unrolled (model.scan_layers=False)
   scanned      where the config unrolls them, repeated blocks scanned and rematerialised
                (model.scan_layers=True, model.remat="full": GR00T's default until 2026-11-28)
+  graphs       the configured step compiled with train.command_buffers: XLA:GPU puts loops (the
+               scanned blocks) and their bodies in CUDA graphs too (ejax.train.step.compiler_options)
 DreamZero's batch has no packed rows: its arms are configured, unscanned and attn_<impl> (the 5B on
 accelerators, --dit_layers N to cut its DiT to what one GPU holds; runlocal on CPUs).
 Per arm: state-ready seconds (built and on the device), compile seconds, step ms at the trainer's
@@ -57,7 +59,7 @@ GOAL_MFU = 40.0
 NAMES = {"groot": "GR00T-N1.5", "pi05": "pi0.5", "dreamzero": "DreamZero"}
 CONFIGS = {"groot": "configs/groot.py", "pi05": "configs/pi05.py", "dreamzero": "configs/dreamzero.py"}
 UNPACKED = ("dreamzero",)   # models whose batch has no packed rows (no layout arms)
-ALL_ARMS = ("configured", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned", "scanned")
+ALL_ARMS = ("configured", "graphs", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned", "scanned")
 
 
 def load_config(path: str, arg: str | None):
@@ -109,6 +111,9 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
     elif arm in ("unscanned", "scanned") and other_layout(config.model)[0] == arm:
       out[arm] = with_layout("configured")
       out[arm][0].model = other_layout(config.model)[1]
+    elif arm == "graphs":
+      out[arm] = with_layout("configured")
+      out[arm][0].train.command_buffers = True
     elif arm.split("_")[0] == "fp8" and "fp8" in config.model:
       from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
       for impl in FP8_IMPLS if arm == "fp8" else [arm[len("fp8_"):]]:
@@ -146,6 +151,9 @@ def unpacked_arm_configs(config, arms: list[str], samples: int) -> dict:
     elif arm in ("unscanned", "scanned") and other_layout(config.model)[0] == arm:
       out[arm] = (config.copy_and_resolve_references(), example)
       out[arm][0].model = other_layout(config.model)[1]
+    elif arm == "graphs":
+      out[arm] = (config.copy_and_resolve_references(), example)
+      out[arm][0].train.command_buffers = True
     elif arm.split("_")[0] == "attn":
       for impl in attention_impls(config.model) if arm == "attn" else [arm[len("attn_"):]]:
         out[f"attn_{impl}"] = (config.copy_and_resolve_references(), example)
@@ -188,7 +196,7 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
   from ejax.train import rows as embodiment_rows
   from ejax.train.optim import make_optimizer
   from ejax.train.state import create_train_state, model_parts
-  from ejax.train.step import jit_train_step, make_train_step
+  from ejax.train.step import compiler_options, jit_train_step, make_train_step
 
   mesh = make_mesh(config.mesh.to_dict())
   rules = [tuple(rule) for rule in config.sharding_rules]
@@ -206,7 +214,7 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
     step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
                           jax.tree.map(lambda x: x.sharding, batch), mesh)
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, batch).compile(compiler_options(config.train) or None)
     compile_seconds = time.perf_counter() - start
     times = []  # each step on its own: dispatch, run, wait
     for i in range(steps + 2):

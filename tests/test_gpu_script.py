@@ -103,3 +103,11 @@ def test_the_layout_arms_flip_blocks_between_scanned_and_unrolled():
   assert (groot.scan_layers, groot.remat) == (False, "none")  # a copy, the config unchanged
   name, other = other_layout(load_config("configs/dreamzero.py", "5b").model)
   assert name == "unscanned" and other.scan_layers is False
+
+
+def test_the_graphs_arm_is_the_configured_step_with_its_loops_in_cuda_graphs():
+  from benchmarks.train_step import arm_configs, load_config
+  arms = arm_configs(load_config("configs/pi05.py", "runlocal"), ["configured", "graphs"], 2)
+  (configured, batch), (graphs, graphs_batch) = arms["configured"], arms["graphs"]
+  assert graphs.train.command_buffers and not configured.train.command_buffers
+  assert graphs.model == configured.model and batch.keys() == graphs_batch.keys()

@@ -117,7 +117,7 @@ def compile_train_step(config, mesh, global_batch: int) -> CompiledStep:
   from ejax.parallel.rules import sharding_context
   from ejax.train.optim import make_optimizer
   from ejax.train.state import abstract_train_state, model_parts
-  from ejax.train.step import jit_train_step, make_train_step
+  from ejax.train.step import compiler_options, jit_train_step, make_train_step
 
   rules = [tuple(rule) for rule in config.sharding_rules]
   tx, schedule = make_optimizer(config.train)
@@ -130,7 +130,7 @@ def compile_train_step(config, mesh, global_batch: int) -> CompiledStep:
   with mesh, sharding_context(mesh, rules):  # as the trainer traces it (ejax/train/loop.py)
     lowered = step.lower(state, batch)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options(config.train) or None)
   done = time.perf_counter()
   return CompiledStep(compiled, abstract, shardings, batch, lowered_at - start, done - lowered_at)
 

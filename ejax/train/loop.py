@@ -33,7 +33,7 @@ from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
 from ejax.train.state import count_params, materialize, model_parts, plan_train_state, read_weights
-from ejax.train.step import jit_train_step, make_train_step
+from ejax.train.step import compiler_options, jit_train_step, make_train_step
 from ejax.train.signals import GRACE_S, StartupInterrupted, StopSignal, signal_name
 from ejax.train.workdir import WorkdirLock, prepare_workdir, refuse_or_move_old_run, saved_steps
 
@@ -172,7 +172,8 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings, batch_shardings, mesh)
   compile_started = time.perf_counter()
   # Every process must run the same executable, or its collectives never meet (compile_agreed).
-  compiled = compile_agreed(lambda: step_fn.lower(state, batch), "train step")
+  compiled = compile_agreed(lambda: step_fn.lower(state, batch), "train step",
+                            compiler_options=compiler_options(train_cfg))
   logging.info("train step compiled in %.1f s", time.perf_counter() - compile_started)
   metrics_lib.log_memory_analysis(compiled)
   flops = metrics_lib.compiled_flops(compiled)

@@ -81,6 +81,21 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
   return train_step
 
 
+# XLA:GPU records runs of kernels into CUDA graphs (command buffers) by default, but not loops: every
+# `lax.scan` over repeated blocks (the whole of a scanned model) still launches its body kernel by
+# kernel from the host. With these types a loop and its body go into the graph too.
+COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+
+
+def compiler_options(train: ConfigDict) -> dict[str, Any]:
+  """XLA options the train step compiles with (`Lowered.compile(compiler_options=...)`); GPU-only ones
+  are inert elsewhere. train.command_buffers: loops in CUDA graphs too, those of known trip count
+  unrolled in them (jaxlib's defaults leave loops out)."""
+  if not train.get("command_buffers", False):
+    return {}
+  return {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES, "xla_gpu_command_buffer_unroll_loops": True}
+
+
 def jit_train_step(train_step, state_shardings: Any, batch_shardings: Any, mesh: Mesh):
   """jit with explicit shardings. The state is donated: its buffers are reused for the new state,
   which halves peak parameter + optimizer memory; callers must not touch the old state after."""

@@ -173,3 +173,29 @@ def test_gr00ts_gpu_step_launches_no_attention_tile_loops(tmp_path):
   assert kernels["kinds"]["pallas"]["launches"] > 0 and kernels["kinds"]["gemm"]["flops"] > 0
   assert kernels["estimate_seconds"] > kernels["floor_seconds"] > 0
   assert done.stdout.strip().splitlines()[-1].startswith(f"kernels a step: {kernels['launches']:,} (")
+
+
+COMMAND_BUFFER_PROBE = """
+from ejax.parallel import aot_target, make_mesh
+aot_target.run_jax_on_cpu()
+from ejax.kernels import platform
+from ejax.train import compile_report
+from tests.train.helpers import load_config
+config = load_config("configs/pi05.py", "runlocal")
+config.model.scan_layers = True  # loops for the option to act on
+config.train.command_buffers = True
+mesh = make_mesh({"data": 1}, aot_target.compile_only_devices("h100", 1))
+with platform.lowering_for("gpu"):
+  step = compile_report.compile_train_step(config, mesh, 2)
+print("while" in step.compiled.as_text())
+"""
+
+
+@needs_plugin
+def test_the_step_compiles_for_a_gpu_with_loops_in_cuda_graphs():
+  """train.command_buffers' options are ones this jaxlib's XLA:GPU takes (an unknown type is an error
+  when the step compiles), on a scanned step."""
+  done = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_PROBE], cwd=REPO, capture_output=True, text=True,
+                        env={**os.environ, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.stdout.strip().splitlines()[-1] == "True"
