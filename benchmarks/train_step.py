@@ -18,7 +18,8 @@ feeds it the model's own example batch, in arms timed back to back in one proces
                scanned blocks) and their bodies in CUDA graphs too (ejax.train.step.compiler_options)
 DreamZero's batch has no packed rows: its arms are configured, unscanned and attn_<impl> (the 5B on
 accelerators, --dit_layers N to cut its DiT to what one GPU holds; runlocal on CPUs).
-Per arm: state-ready seconds (built and on the device), compile seconds, step ms at the trainer's
+Per arm: state-ready seconds (built and on the device; "shared" where the arm before it has the same
+state, which it then trains on), compile seconds, step ms at the trainer's
 cadence (each step dispatched before the last one's loss is read; beside it the median of steps each
 waited for on its own), samples/s,
 model TFLOP/s and MFU (ejax.train.flops: forward + backward, no recomputation; the device's dense
@@ -187,9 +188,23 @@ def attention_impls(model_config) -> list[str]:
 # --- One arm -----------------------------------------------------------------------------------
 
 
-def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
+def state_signature(config, tx, mesh, rules) -> tuple:
+  """What makes two arms' train states interchangeable: the tree, shapes, dtypes and shardings of the
+  state (from shapes alone); the packing, the compile options and the attention route leave it as it is."""
+  from ejax.train.state import abstract_train_state
+  abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
+  leaves, tree = jax.tree.flatten(abstract)
+  return (tree, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves),
+          tuple(str(getattr(s, "spec", s)) for s in jax.tree.leaves(shardings)))
+
+
+def run_arm(config, example: dict, steps: int, profile_dir: str = "", shared: dict | None = None) -> dict:
   """Builds the state, compiles the step, times `steps` steps on `example`; a dict of figures
-  (with `profile_dir`, also where three more steps spend their time: benchmarks/profile_summary.py)."""
+  (with `profile_dir`, also where three more steps spend their time: benchmarks/profile_summary.py).
+
+  With `shared` (a dict kept across arms), an arm whose state has the last arm's signature trains on
+  that arm's state instead of building its own (state_shared; ~13 s of a GPU window an arm, 2026-11-28);
+  its figures then start from a few steps in, which the timings do not see."""
   from ejax.parallel import global_batch, make_mesh
   from ejax.parallel.rules import sharding_context
   from ejax.train.metrics import peak_flops_per_device
@@ -205,9 +220,17 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
   rows = embodiment_rows.from_train(config.train)
   if rows and "embodiment_id" in arrays:  # the example's samples on the rows the config trains
     arrays["embodiment_id"] = np.resize(np.asarray(rows.rows, np.int32), arrays["embodiment_id"].shape)
+  signature = state_signature(config, tx, mesh, rules) if shared is not None else None
+  reused = shared is not None and shared.get("signature") == signature
+  if shared is not None and not reused:
+    shared.clear()  # the last arm's state goes before this one's is made
+    gc.collect()
   with mesh, sharding_context(mesh, rules):
     start = time.perf_counter()
-    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+    if reused:
+      state, shardings = shared.pop("state"), shared["shardings"]
+    else:
+      state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
     jax.block_until_ready(state)
     state_seconds = time.perf_counter() - start
     batch = global_batch(arrays, mesh, rules)
@@ -259,10 +282,12 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "") -> dict:
   model_flops = per_sample_model * samples_per_second
   peak = peak_flops_per_device()
   stats = jax.devices()[0].memory_stats() or {}
+  if shared is not None:
+    shared.update(signature=signature, state=state, shardings=shardings)
   del state, compiled, step
   gc.collect()
   return dict(
-      state_seconds=state_seconds, compile_seconds=compile_seconds, step_ms=1e3 * trainer_seconds,
+      state_seconds=state_seconds, state_shared=reused, compile_seconds=compile_seconds, step_ms=1e3 * trainer_seconds,
       blocked_step_ms=1e3 * median, step_ms_all=[1e3 * t for t in times], samples=samples, samples_per_second=samples_per_second,
       model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
       model_flops_per_sample=per_sample_model, row_tokens=row_tokens, loss=loss,
@@ -312,7 +337,8 @@ def describe(name: str, result: dict) -> str:
   mfu = f"{result['mfu_percent']:.1f} %" if result["mfu_percent"] is not None else "n/a"
   packing = result["packing"]
   row = f"row {packing.get('row_length')} x {packing.get('samples_per_row')}  " if packing else ""   # DreamZero: no rows
-  return (f"  {name:<16} state {result['state_seconds']:6.1f} s  compile {result['compile_seconds']:6.1f} s  "
+  state = "shared  " if result.get("state_shared") else f"{result['state_seconds']:6.1f} s"
+  return (f"  {name:<16} state {state}  compile {result['compile_seconds']:6.1f} s  "
           f"step {result['step_ms']:8.1f} ms ({result.get('blocked_step_ms', result['step_ms']):.1f} each waited for)  "
           f"{result['samples_per_second']:8.1f} samples/s  "
           f"{result['model_tflops']:7.1f} TFLOP/s  MFU {mfu:>7}  {row}({result['row_tokens']:.0f} tokens/sample)  "
@@ -334,13 +360,15 @@ def save_json(path: str, out: dict) -> None:
 
 
 def record_arm(results: dict, label: str, config, example: dict, steps: int, out: dict, json_path: str,
-               profile_dir: str = "") -> None:
+               profile_dir: str = "", shared: dict | None = None) -> None:
   """Runs one arm into results[label], prints it and rewrites the JSON (every figure so far)."""
   try:
-    results[label] = run_arm(config, example, steps, profile_dir)
+    results[label] = run_arm(config, example, steps, profile_dir, shared)
   except Exception as error:  # one arm failing (memory, a kernel the device lacks) must not stop the rest
     message = str(error).strip().splitlines()
     results[label] = {"error": f"{type(error).__name__}: {message[0] if message else ''}"[:300]}
+    if shared is not None:
+      shared.clear()  # its state may be half donated
     gc.collect()
   print(describe(label, results[label]), flush=True)
   save_json(json_path, out)
@@ -353,10 +381,12 @@ def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, o
   results = out.setdefault(name, {})
   print(f"{NAMES[name]} ({'runlocal' if on_cpu() else 'full size'}), {samples} samples a step on "
         f"{jax.device_count()} x {jax.devices()[0].device_kind}:", flush=True)
+  shared = {}  # arms with the same state train on one (run_arm)
   for index, (arm, (arm_config, example)) in enumerate(arm_configs(config, arms, samples).items()):
     # the first arm is profiled when asked
     record_arm(results, arm, arm_config, example, steps, out, json_path,
-               os.path.join(profile_dir, f"{name}_{arm}") if profile_dir and not index else "")
+               os.path.join(profile_dir, f"{name}_{arm}") if profile_dir and not index else "", shared)
+  shared.clear()
   for baseline in ("padded", "seed_padded"):
     padded = results.get(baseline, {})
     if "samples_per_second" not in padded:
