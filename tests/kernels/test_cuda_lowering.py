@@ -207,6 +207,25 @@ def test_auto_gives_unmasked_attention_to_cudnn_at_its_own_head_size(cudnn_h100,
   assert set(custom_calls(lower_for_cuda(jax.jit(masked), shape, shape, shape, ids))) == {TRITON}
 
 
+@pytest.mark.parametrize("q_len, kv_len", [(128, 257), (49, 49)])
+def test_unmasked_attention_cudnn_cannot_train_goes_to_the_kernels_under_remat(cudnn_h100, forbid_fallbacks,
+                                                                               q_len, kv_len):
+  """jax's cuDNN attention refuses to train on an odd length (its training check takes the empty bias
+  it passes for a bias), and under jax.checkpoint it says so only when the backward is traced, past
+  the op's choice: DreamZero's cross-attention to CLIP's 257 image tokens failed the 5B's whole step
+  on a GPU that way. "auto" gives such calls to the kernels from the start."""
+  q = jax.ShapeDtypeStruct((BATCH, q_len, HEADS, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((BATCH, kv_len, HEADS, 128), jnp.bfloat16)
+  rematted = jax.checkpoint(lambda q, k, v: flash_attention(q, k, v))
+  loss = lambda q, k, v: jnp.sum(rematted(q, k, v).astype(jnp.float32) ** 2)
+  module = lower_for_cuda(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, kv, kv)
+  assert set(custom_calls(module)) == {TRITON}
+  # Even lengths still train on cuDNN under remat.
+  q, kv = (jax.ShapeDtypeStruct((BATCH, length, HEADS, 128), jnp.bfloat16) for length in (q_len + q_len % 2, 256))
+  module = lower_for_cuda(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, kv, kv)
+  assert set(custom_calls(module)) == set(CUDNN_UNMASKED)
+
+
 def _has_cudnn() -> bool:
   try:
     from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version

@@ -305,10 +305,14 @@ def _cudnn_takes_unmasked(q, k, mask_kind: str, mask_kwargs: dict) -> bool:
   """Whether "auto" gives this call to cuDNN's fused attention: on a GPU, a call with no mask at all
   (SigLIP's patches, GR00T's DiT self-attention over one sample's tokens) whose head size cuDNN takes
   as it is (a multiple of 8 up to 128: SigLIP's 72, the DiT's 48), where ejax's and tokamax's kernels
-  would run it zero-padded to 128 and 64, and a cuDNN that jax can use is installed."""
+  would run it zero-padded to 128 and 64, and a cuDNN that jax can use is installed.
+
+  Both lengths even: jax's cuDNN attention refuses to train on an odd one (its training check counts
+  the empty bias it passes as a bias; jax 0.11.2), and under jax.checkpoint that refusal comes when the
+  backward is traced, after this choice, where no fallback can catch it (DreamZero's 257 image tokens)."""
   if (mask_kind != "bidirectional" or any(value is not None for name, value in mask_kwargs.items() if name != "mask_kind")
       or q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 8 or q.shape[-1] > 128
-      or not platform.on_gpu()):
+      or q.shape[1] % 2 or k.shape[1] % 2 or not platform.on_gpu()):
     return False
   try:
     from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
