@@ -3,7 +3,8 @@
 The image (Python 3.12, x86-64, jax 0.11.x with CUDA, flax, optax, orbax, numpy, safetensors,
 tokenizers, sentencepiece) has no network; ejax also needs the packages below, at the versions
 constraints.txt pins. The image's flax is used (the pinned 0.12.6 cannot import on jax 0.11); tokamax
-and a fallback flax 0.12.12 live in .whl/tokamax (see benchmarks/attention_hopper.sh). Run where pip
+and what it imports (benchmarks/tokamax_requirements.txt) go into .whl/tokamax and a fallback flax
+0.12.12 into .whl/tokamax/flax (benchmarks/gpu.py and attention_hopper.sh install them). Run where pip
 reaches PyPI, in the repository root; .whl/ is git-ignored and travels with the device call (~32 MB).
 
   python benchmarks/download_wheels.py
@@ -36,20 +37,37 @@ def pins() -> dict[str, str]:
   return out
 
 
+FALLBACK_FLAX = "flax==0.12.12"  # imports on jax 0.11, for an image whose own flax does not
+
+
+def tokamax_requirements() -> list[str]:
+  with open(os.path.join(REPO, "benchmarks", "tokamax_requirements.txt")) as f:
+    return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def download(requirement: str, destination: str) -> None:
+  """The one wheel of `requirement` for the GPU image's Python 3.12 on x86-64 Linux, no dependencies."""
+  command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+             "--python-version", "3.12", "--implementation", "cp", "-d", destination, requirement]
+  for platform in PLATFORMS:
+    command += ["--platform", platform]
+  subprocess.run(command, check=True)
+
+
 def main() -> None:
   versions = pins()
   destination = os.path.join(REPO, ".whl")
-  os.makedirs(destination, exist_ok=True)
+  folders = {destination: [], os.path.join(destination, "tokamax"): tokamax_requirements(),
+             os.path.join(destination, "tokamax", "flax"): [FALLBACK_FLAX]}
   for package in PACKAGES:
     version = versions.get(package.lower().replace("_", "-"))
-    requirement = f"{package}=={version}" if version else package
-    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.12", "--implementation", "cp", "-d", destination, requirement]
-    for platform in PLATFORMS:
-      command += ["--platform", platform]
-    subprocess.run(command, check=True)
-  size = sum(os.path.getsize(os.path.join(destination, n)) for n in os.listdir(destination))
-  print(f"{len(os.listdir(destination))} wheels in {destination}, {size / 2**20:.0f} MiB")
+    folders[destination].append(f"{package}=={version}" if version else package)
+  for folder, requirements in folders.items():
+    os.makedirs(folder, exist_ok=True)
+    for requirement in requirements:
+      download(requirement, folder)
+  wheels = [os.path.join(root, name) for root, _, names in os.walk(destination) for name in names if name.endswith(".whl")]
+  print(f"{len(wheels)} wheels in {destination}, {sum(map(os.path.getsize, wheels)) / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":
