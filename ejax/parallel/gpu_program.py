@@ -11,9 +11,11 @@ for it (`syncing_loops`).
 Per kernel: the bytes it reads and writes (operands and result; an operand a fusion only slices counts
 its slices, a dynamic-update-slice in place counts the update) and, for GEMMs (cuBLAS calls and
 fusions holding a dot, XLA's Triton GEMMs), 2 FLOPs per multiply-add. The floor of a kernel is
-max(FLOPs / peak, bytes / bandwidth); the program's floor is their sum. Pallas kernels (the attention
-and FP8 kernels) count their bytes only: their arithmetic depends on the mask's active tiles, which
-the program does not hold (ejax.train.flops counts it).
+max(FLOPs / peak, bytes / bandwidth); the program's floor is their sum. Of a conditional's branches
+the costliest counts (ejax's attention routes: a kernel path and its fallback behind a lax.cond).
+Pallas kernels (Triton and Mosaic GPU: the attention and FP8 kernels) count their bytes only: their
+arithmetic depends on the mask's active tiles, which the program does not hold (ejax.train.flops
+counts it).
 `launch_seconds` prices every launch on top of the floor: the one full-size step timed on a GPU puts
 it at ~5 us a launch, its host-synchronised loops' waits included (LAUNCH_SECONDS).
 """
@@ -58,6 +60,7 @@ class Kernel:
   flops: float  # a launch's (GEMMs only: cuBLAS calls, fusions holding a dot)
   bytes: float  # a launch reads and writes
   peak_scale: float = 1.0  # its arithmetic's peak over the bf16 one (FP8_PEAK_SCALE for FP8 GEMMs)
+  computation: str = ""  # the HLO computation it is launched from
 
   def floor_seconds(self, device: str) -> float:
     peak, bandwidth = DEVICES[device]
@@ -199,7 +202,7 @@ def read(hlo_text: str) -> Program:
       if match and match.group(3) in _FUSIONS:
         fused.update(re.findall(r"calls=%?([\w.\-]+)", line))
   bodies: dict[str, _Body] = {}
-  kernels, syncing = [], 0
+  kernels, syncing = [], collections.Counter()  # syncing: data-dependent loop runs per computation
   for computation, lines in module.bodies.items():
     runs = module.runs.get(computation, 0)
     if computation in fused or not runs:
@@ -210,7 +213,7 @@ def read(hlo_text: str) -> Program:
         continue
       name, result, op, rest = match.groups()
       if op in _FREE or op in _CONTROL or op == "fusion-done":  # an async fusion counts at its start
-        syncing += runs if op == "while" and "known_trip_count" not in line else 0
+        syncing[computation] += runs if op == "while" and "known_trip_count" not in line else 0
         continue
       operands = _operand_text(rest)
       flops, kind, peak_scale = 0.0, op, 1.0
@@ -232,13 +235,22 @@ def read(hlo_text: str) -> Program:
           kind, flops = "gemm", _gemm_flops(out, operands, line)
           peak_scale = FP8_PEAK_SCALE if target.endswith("$f8") else 1.0
         else:
-          kind = "pallas" if "triton" in target else "custom-call"
+          kind = "pallas" if "triton" in target or target.startswith("mosaic_gpu") else "custom-call"
         size = hlo.shape_bytes(operands) + hlo.shape_bytes(out)
       else:
         kind = "collective" if op.removesuffix("-start").removesuffix("-done") in hlo.COLLECTIVES else op
         size = hlo.shape_bytes(operands) + hlo.shape_bytes(result)
-      kernels.append(Kernel(kind, name, result[:80], runs, flops, float(size), peak_scale))
-  return Program(kernels, syncing)
+      kernels.append(Kernel(kind, name, result[:80], runs, flops, float(size), peak_scale, computation))
+  # A conditional runs one of its branches (ops.py's attention: a kernel path or its fallback): the
+  # costliest is kept, the others' kernels and loops dropped.
+  dropped: set[str] = set()
+  for branches in module.conditionals:
+    reached = [module.reached(branch) for branch in branches]
+    cost = [sum(k.floor_seconds("h100") for k in kernels if k.computation in names) for names in reached]
+    keep = reached[cost.index(max(cost))]
+    dropped |= set().union(*reached) - keep
+  kernels = [k for k in kernels if k.computation not in dropped]
+  return Program(kernels, sum(n for name, n in syncing.items() if name not in dropped))
 
 
 def format_line(summary: dict) -> str:

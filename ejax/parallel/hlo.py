@@ -45,7 +45,20 @@ def _dims(shape_text: str) -> list[int]:
 @dataclasses.dataclass
 class Module:
   bodies: dict[str, list[str]]  # computation -> its instruction lines
-  runs: dict[str, int]          # computation -> times one call of the entry runs it
+  runs: dict[str, int]          # computation -> times one call of the entry runs it (every branch of a
+                                # conditional as if it ran)
+  calls: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # computation -> those it calls
+  conditionals: list[tuple[str, ...]] = dataclasses.field(default_factory=list)  # each one's branches
+
+  def reached(self, name: str) -> set[str]:
+    """`name` and every computation it calls, directly or not."""
+    seen, todo = set(), [name]
+    while todo:
+      current = todo.pop()
+      if current not in seen:
+        seen.add(current)
+        todo += self.calls.get(current, [])
+    return seen
 
 
 def parse(hlo_text: str) -> Module:
@@ -60,6 +73,7 @@ def parse(hlo_text: str) -> Module:
     elif current is not None and line.strip() and line.strip() != "}":
       bodies[current].append(line)
   calls: dict[str, list[tuple[str, int]]] = {name: [] for name in bodies}
+  conditionals: list[tuple[str, ...]] = []
   for name, lines in bodies.items():
     for line in lines:
       if any(op in line for op in _APPLIED_OPS):
@@ -71,9 +85,13 @@ def parse(hlo_text: str) -> Module:
       for key, callee in re.findall(r"\b(body|condition|to_apply|calls)=%?([\w.\-]+)", line):
         if callee in bodies:
           calls[name].append((callee, trips if key in ("body", "condition") else 1))
+      # A conditional's branches: an N-way one lists them, a two-way one (jax.lax.cond) names them.
       branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-      if branches:
-        calls[name] += [(b.strip().lstrip("%"), 1) for b in branches.group(1).split(",")]
+      names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+      names += re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", line)
+      if names:
+        calls[name] += [(branch, 1) for branch in names]
+        conditionals.append(tuple(names))
   runs: dict[str, int] = {}
 
   def visit(name: str, times: int) -> None:
@@ -82,7 +100,8 @@ def parse(hlo_text: str) -> Module:
       visit(callee, times * trips)
 
   visit(entry or next(iter(bodies)), 1)
-  return Module(bodies, runs)
+  return Module(bodies, runs, {name: [callee for callee, _ in called] for name, called in calls.items()},
+                conditionals)
 
 
 def _instructions(module: Module):

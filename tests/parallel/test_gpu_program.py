@@ -202,3 +202,45 @@ def test_an_fp8_gemm_floor_counts_its_flops_at_the_fp8_peak():
   peak, _ = gpu_program.DEVICES["h100"]
   assert kernel.kind == "gemm" and kernel.flops == 2 * 4096**3 and kernel.peak_scale == 2.0
   assert kernel.floor_seconds("h100") == pytest.approx(kernel.flops / (2 * peak))  # compute-bound at 4096^3
+
+
+# ops.py's Mosaic attention route: a lax.cond between the Mosaic GPU kernel (fast path, where the key
+# ranges are valid) and a fallback; XLA prints a two-way conditional with true/false computations.
+CONDITIONAL = """
+HloModule jit_step, entry_computation_layout={(pred[], bf16[8,2048,64]{2,1,0})->bf16[8,2048,64]{2,1,0}}
+
+%fused_double (param_0: bf16[8,2048,64]) -> bf16[8,2048,64] {
+  %param_0 = bf16[8,2048,64]{2,1,0} parameter(0)
+  ROOT %add.1 = bf16[8,2048,64]{2,1,0} add(bf16[8,2048,64]{2,1,0} %param_0, bf16[8,2048,64]{2,1,0} %param_0)
+}
+
+%fast (x: bf16[8,2048,64]) -> bf16[8,2048,64] {
+  %x = bf16[8,2048,64]{2,1,0} parameter(0)
+  ROOT %mosaic = bf16[8,2048,64]{2,1,0} custom-call(bf16[8,2048,64]{2,1,0} %x), custom_call_target="mosaic_gpu_v2"
+}
+
+%fallback (y: bf16[8,2048,64]) -> bf16[8,2048,64] {
+  %y = bf16[8,2048,64]{2,1,0} parameter(0)
+  %twice = bf16[8,2048,64]{2,1,0} fusion(bf16[8,2048,64]{2,1,0} %y), kind=kLoop, calls=%fused_double
+  %again = bf16[8,2048,64]{2,1,0} fusion(bf16[8,2048,64]{2,1,0} %twice), kind=kLoop, calls=%fused_double
+  ROOT %triton = bf16[8,2048,64]{2,1,0} custom-call(bf16[8,2048,64]{2,1,0} %again), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+ENTRY %main (p: pred[], v: bf16[8,2048,64]) -> bf16[8,2048,64] {
+  %p = pred[] parameter(0)
+  %v = bf16[8,2048,64]{2,1,0} parameter(1)
+  ROOT %cond = bf16[8,2048,64]{2,1,0} conditional(pred[] %p, bf16[8,2048,64]{2,1,0} %v, bf16[8,2048,64]{2,1,0} %v), true_computation=%fast, false_computation=%fallback
+}
+"""
+
+
+def test_a_conditional_counts_its_costlier_branch_once():
+  program = gpu_program.read(CONDITIONAL)
+  # The fallback (three kernels) costs more than the Mosaic call: it alone counts.
+  assert sorted((k.kind, k.name) for k in program.kernels) == [("fusion", "again"), ("fusion", "twice"),
+                                                                ("pallas", "triton")]
+  # A fallback as costly as the fast path (one kernel of the same bytes): the first branch counts, once.
+  even = "\n".join(line for line in CONDITIONAL.splitlines() if "%twice" not in line or "triton" in line)
+  even = even.replace("custom-call(bf16[8,2048,64]{2,1,0} %again)", "custom-call(bf16[8,2048,64]{2,1,0} %y)")
+  ((kind, name, runs),) = [(k.kind, k.name, k.runs) for k in gpu_program.read(even).kernels]
+  assert (kind, name, runs) == ("pallas", "mosaic", 1)  # a Mosaic GPU call is a Pallas kernel
