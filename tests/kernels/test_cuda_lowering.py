@@ -207,23 +207,44 @@ def test_auto_gives_unmasked_attention_to_cudnn_at_its_own_head_size(cudnn_h100,
   assert set(custom_calls(lower_for_cuda(jax.jit(masked), shape, shape, shape, ids))) == {TRITON}
 
 
-@pytest.mark.parametrize("q_len, kv_len", [(128, 257), (49, 49)])
-def test_unmasked_attention_cudnn_cannot_train_goes_to_the_kernels_under_remat(cudnn_h100, forbid_fallbacks,
-                                                                               q_len, kv_len):
+@pytest.mark.parametrize("q_len, kv_len", [(128, 257), (49, 49), (256, 256)])
+def test_unmasked_attention_trains_on_cudnn_at_odd_lengths_under_remat(cudnn_h100, forbid_fallbacks, q_len, kv_len):
   """jax's cuDNN attention refuses to train on an odd length (its training check takes the empty bias
   it passes for a bias), and under jax.checkpoint it says so only when the backward is traced, past
   the op's choice: DreamZero's cross-attention to CLIP's 257 image tokens failed the 5B's whole step
-  on a GPU that way. "auto" gives such calls to the kernels from the start."""
+  on a GPU that way. "auto" pads odd lengths to even ones (an odd key count masked: a bias), so
+  GR00T's 49-token DiT self-attention and those 257 keys train on cuDNN too."""
   q = jax.ShapeDtypeStruct((BATCH, q_len, HEADS, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((BATCH, kv_len, HEADS, 128), jnp.bfloat16)
   rematted = jax.checkpoint(lambda q, k, v: flash_attention(q, k, v))
   loss = lambda q, k, v: jnp.sum(rematted(q, k, v).astype(jnp.float32) ** 2)
   module = lower_for_cuda(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, kv, kv)
-  assert set(custom_calls(module)) == {TRITON}
-  # Even lengths still train on cuDNN under remat.
-  q, kv = (jax.ShapeDtypeStruct((BATCH, length, HEADS, 128), jnp.bfloat16) for length in (q_len + q_len % 2, 256))
-  module = lower_for_cuda(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, kv, kv)
-  assert set(custom_calls(module)) == set(CUDNN_UNMASKED)
+  assert set(custom_calls(module)) == set(CUDNN_ATTENTION if kv_len % 2 else CUDNN_UNMASKED)
+
+
+def test_unmasked_attention_padded_to_even_lengths_computes_the_attention():
+  """The padding itself, with jnp standing in for cuDNN: the padded key gets no weight, the padded
+  query row is cut off, gradients match."""
+  from ejax.kernels.attention import ops
+
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(2, 5, 2, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(2, 7, 2, 8)), jnp.float32) for _ in range(2))
+  original = jax.nn.dot_product_attention
+
+  def xla_instead(*args, implementation=None, **kwargs):
+    assert implementation == "cudnn" and args[0].shape[1] % 2 == 0 and args[1].shape[1] % 2 == 0
+    return original(*args, implementation="xla", **kwargs)
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(jax.nn, "dot_product_attention", xla_instead)
+    got = ops._cudnn_unmasked(q, k, v, 8**-0.5)
+    got_grads = jax.grad(lambda q, k, v: jnp.sum(ops._cudnn_unmasked(q, k, v, 8**-0.5) ** 2), (0, 1, 2))(q, k, v)
+  want = attention_reference(q, k, v)
+  want_grads = jax.grad(lambda q, k, v: jnp.sum(attention_reference(q, k, v) ** 2), (0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=1e-5)
 
 
 def _has_cudnn() -> bool:

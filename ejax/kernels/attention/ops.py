@@ -305,14 +305,11 @@ def _cudnn_takes_unmasked(q, k, mask_kind: str, mask_kwargs: dict) -> bool:
   """Whether "auto" gives this call to cuDNN's fused attention: on a GPU, a call with no mask at all
   (SigLIP's patches, GR00T's DiT self-attention over one sample's tokens) whose head size cuDNN takes
   as it is (a multiple of 8 up to 128: SigLIP's 72, the DiT's 48), where ejax's and tokamax's kernels
-  would run it zero-padded to 128 and 64, and a cuDNN that jax can use is installed.
-
-  Both lengths even: jax's cuDNN attention refuses to train on an odd one (its training check counts
-  the empty bias it passes as a bias; jax 0.11.2), and under jax.checkpoint that refusal comes when the
-  backward is traced, after this choice, where no fallback can catch it (DreamZero's 257 image tokens)."""
+  would run it zero-padded to 128 and 64, and a cuDNN that jax can use is installed. Odd lengths
+  are padded to even ones first (_cudnn_unmasked)."""
   if (mask_kind != "bidirectional" or any(value is not None for name, value in mask_kwargs.items() if name != "mask_kind")
       or q.dtype not in (jnp.bfloat16, jnp.float16) or q.shape[-1] % 8 or q.shape[-1] > 128
-      or q.shape[1] % 2 or k.shape[1] % 2 or not platform.on_gpu()):
+      or not platform.on_gpu()):
     return False
   try:
     from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
@@ -320,6 +317,22 @@ def _cudnn_takes_unmasked(q, k, mask_kind: str, mask_kwargs: dict) -> bool:
   except Exception:  # no cuDNN (a CPU-only jaxlib lowering for a GPU), or one jax cannot use
     return False
   return True
+
+
+def _cudnn_unmasked(q, k, v, scale: float):
+  """cuDNN attention over every key, lengths padded to even ones: jax's cuDNN attention refuses to
+  train on an odd length (its training check counts the empty bias it passes as a bias; jax 0.11.2),
+  and under jax.checkpoint it says so only when the backward is traced, where no fallback can catch it
+  (DreamZero's 257 image tokens, rematerialised). A padded query row is cut off again; a padded key is
+  masked out, which makes the call a masked one (a [1, 1, q, k] bias: GR00T's DiT runs 49 tokens)."""
+  q_len, kv_len = q.shape[1], k.shape[1]
+  even = lambda x, n: jnp.pad(x, [(0, 0), (0, 1), (0, 0), (0, 0)]) if n % 2 else x
+  mask = None
+  if kv_len % 2:
+    mask = jnp.broadcast_to(jnp.arange(kv_len + 1) < kv_len, (1, 1, q_len + q_len % 2, kv_len + 1))
+  out = jax.nn.dot_product_attention(even(q, q_len), even(k, kv_len), even(v, kv_len), mask=mask, scale=scale,
+                                     implementation="cudnn")
+  return out[:, :q_len]
 
 
 def _kernel_head_dim(q, impl: str) -> int:
@@ -370,8 +383,7 @@ def flash_attention(
   scale = float(head_dim**-0.5 if scale is None else scale)
   if (_SCOPED_IMPL.get() if impl == "auto" else impl) == "auto" and _cudnn_takes_unmasked(q, k, mask_kind, mask_kwargs):
     try:
-      return jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale,
-                                          implementation="cudnn")
+      return _cudnn_unmasked(q, k.astype(q.dtype), v.astype(q.dtype), scale)
     except (ValueError, NotImplementedError, RuntimeError):
       pass  # a shape this cuDNN refuses while tracing: the kernels below take it
   padded = _kernel_head_dim(q, impl)
