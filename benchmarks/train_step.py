@@ -309,7 +309,8 @@ def kernel_model(compiled) -> dict | None:
     summary = gpu_program.read(text_with_operand_shapes(compiled)).summary(device)
   except Exception as error:  # noqa: BLE001 (the model must not cost a GPU window its timings)
     return {"error": f"{type(error).__name__}: {error}"[:300]}
-  out = {key: summary[key] for key in ("device", "launches", "syncing_loops", "floor_seconds", "launch_seconds",
+  out = {key: summary[key] for key in ("device", "launches", "syncing_loops", "syncing_conditionals",
+                                       "floor_seconds", "launch_seconds",
                                        "estimate_seconds", "calibrated_seconds")}
   out["floor_ms_by_kind"] = {kind: 1e3 * row["floor_seconds"] for kind, row in summary["kinds"].items()}
   return out
@@ -348,8 +349,9 @@ def describe(name: str, result: dict) -> str:
 def _describe_kernels(kernels: dict) -> str:
   if "launches" not in kernels:
     return ""
-  return (f"\n  {'':<16} model of its program: {kernels['launches']:,} launches, floor "
-          f"{1e3 * kernels['floor_seconds']:.1f} ms, with launches {1e3 * kernels['estimate_seconds']:.1f} ms, "
+  return (f"\n  {'':<16} model of its program: {kernels['launches']:,} launches, "
+          f"{kernels.get('syncing_conditionals', 0)} conditionals (each waits for the host outside a CUDA graph), "
+          f"floor {1e3 * kernels['floor_seconds']:.1f} ms, with launches {1e3 * kernels['estimate_seconds']:.1f} ms, "
           f"as the timed GR00T step ran {1e3 * kernels['calibrated_seconds']:.1f} ms")
 
 

@@ -6,7 +6,9 @@ loop bodies it runs is a kernel launch, except the bookkeeping ones (parameter, 
 A loop XLA counted (`known_trip_count`: a `lax.scan`) runs its body that many times. A loop whose
 trip count depends on data (the XLA attention path's tile loops, jax.random's rejection samplers)
 counts once here and costs more on a GPU: every iteration copies its condition to the host and waits
-for it (`syncing_loops`).
+for it (`syncing_loops`). So does every conditional (a `lax.cond`): XLA:GPU copies its predicate to the
+host and waits for the device before it launches a branch (`syncing_conditionals`), unless the
+conditional runs inside a CUDA graph (train.command_buffers).
 
 Per kernel: the bytes it reads and writes (operands and result; an operand a fusion only slices counts
 its slices, a dynamic-update-slice in place counts the update) and, for GEMMs (cuBLAS calls and
@@ -71,6 +73,8 @@ class Kernel:
 class Program:
   kernels: list[Kernel]
   syncing_loops: int  # executions of loops with a data-dependent trip count (each iteration waits for the host)
+  syncing_conditionals: int = 0  # executions of conditionals: XLA:GPU copies each predicate to the host
+                                 # and waits for the device (ConditionalThunk), unless in a CUDA graph
 
   @property
   def launches(self) -> int:
@@ -88,7 +92,8 @@ class Program:
       row["floor_seconds"] += k.floor_seconds(device)
     floor = sum(row["floor_seconds"] for row in kinds.values())
     largest = sorted(self.kernels, key=lambda k: -k.floor_seconds(device))[:top]
-    return dict(device=device, launches=self.launches, syncing_loops=self.syncing_loops, kinds=kinds,
+    return dict(device=device, launches=self.launches, syncing_loops=self.syncing_loops,
+                syncing_conditionals=self.syncing_conditionals, kinds=kinds,
                 floor_seconds=floor, launch_seconds=self.launches * launch_seconds,
                 estimate_seconds=floor + self.launches * launch_seconds,
                 calibrated_seconds=floor * KERNEL_EFFICIENCY + self.launches * GAP_SECONDS,
@@ -250,17 +255,19 @@ def read(hlo_text: str) -> Program:
     keep = reached[cost.index(max(cost))]
     dropped |= set().union(*reached) - keep
   kernels = [k for k in kernels if k.computation not in dropped]
-  return Program(kernels, sum(n for name, n in syncing.items() if name not in dropped))
+  conditionals = sum(module.runs.get(name, 0) for name, lines in module.bodies.items() if name not in dropped
+                     for line in lines if " conditional(" in line)
+  return Program(kernels, sum(n for name, n in syncing.items() if name not in dropped), conditionals)
 
 
 def format_line(summary: dict) -> str:
-  """One line: launches by kind, syncing loops, the floor and the estimate with launches."""
+  """One line: launches by kind, host-synchronised loops and conditionals, the floor and the estimate."""
   kinds = summary["kinds"]
   by_kind = ", ".join(f"{int(row['launches']):,} {kind}" for kind, row in
                       sorted(kinds.items(), key=lambda item: -item[1]["launches"]))
   parts = ", ".join(f"{kind} {1e3 * row['floor_seconds']:.1f}" for kind, row in
                     sorted(kinds.items(), key=lambda item: -item[1]["floor_seconds"]) if row["floor_seconds"] > 5e-5)
   return (f"kernels a step: {summary['launches']:,} ({by_kind}); host-synchronised loops "
-          f"{summary['syncing_loops']:,}; floor at {summary['device']} peak {1e3 * summary['floor_seconds']:.1f} ms "
+          f"{summary['syncing_loops']:,}, conditionals {summary.get('syncing_conditionals', 0):,}; floor at {summary['device']} peak {1e3 * summary['floor_seconds']:.1f} ms "
           f"({parts}); with launches {1e3 * summary['estimate_seconds']:.1f} ms; as the timed GR00T step ran "
           f"{1e3 * summary['calibrated_seconds']:.1f} ms")

@@ -239,6 +239,7 @@ def test_a_conditional_counts_its_costlier_branch_once():
   # The fallback (three kernels) costs more than the Mosaic call: it alone counts.
   assert sorted((k.kind, k.name) for k in program.kernels) == [("fusion", "again"), ("fusion", "twice"),
                                                                 ("pallas", "triton")]
+  assert program.syncing_conditionals == 1  # its predicate goes to the host, which waits for the device
   # A fallback as costly as the fast path (one kernel of the same bytes): the first branch counts, once.
   even = "\n".join(line for line in CONDITIONAL.splitlines() if "%twice" not in line or "triton" in line)
   even = even.replace("custom-call(bf16[8,2048,64]{2,1,0} %again)", "custom-call(bf16[8,2048,64]{2,1,0} %y)")
