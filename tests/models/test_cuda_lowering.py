@@ -18,7 +18,7 @@ from ejax.train.optim import make_optimizer
 from ejax.train.state import abstract_train_state, model_parts
 from ejax.train.step import jit_train_step, make_train_step
 from ejax.kernels.attention import mosaic_backward, tokamax_gpu
-from tests.cuda_lowering import (CUDNN_UNMASKED, TRITON, custom_calls, forbid_fallbacks, lower_for_cuda,  # noqa: F401
+from tests.cuda_lowering import (CUDNN_ATTENTION, CUDNN_UNMASKED, TRITON, custom_calls, forbid_fallbacks, lower_for_cuda,  # noqa: F401
                                  tokamax_h100, triton_kernels)
 from tests.train.helpers import load_config
 
@@ -91,9 +91,9 @@ def test_full_size_groot_runs_every_attention_in_the_gpu_kernels(forbid_fallback
   they take the Pallas kernels too, no attention falls back to the XLA tile loops (a GPU launches
   their tiles one small kernel at a time). With cuDNN (a GPU machine's jaxlib) SigLIP's attention,
   which has no mask, runs cuDNN's fused attention at its own head size (frozen: forward only); the
-  DiT's self-attention has no mask either, but cuDNN refuses its 49-token rows while tracing, and it
-  stays on the kernels with the masked ones (the LLM's, the VL transformer's, the DiT's packed
-  cross-attention)."""
+  DiT's self-attention has no mask either and trains on cuDNN, its 49-token rows padded to 50 with the
+  padded key masked (jax's cuDNN trains at even lengths only: a biased call, forward and backward); the
+  masked ones stay on the kernels (the LLM's, the VL transformer's, the DiT's packed cross-attention)."""
   config = load_config("configs/groot.py")
   monkeypatch.setattr("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", _no_cudnn)
   module = _lowered_train_step(config)
@@ -101,7 +101,7 @@ def test_full_size_groot_runs_every_attention_in_the_gpu_kernels(forbid_fallback
   assert set(triton_kernels(module)) == ATTENTION_GRAD
   monkeypatch.setattr("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", lambda: 90800)
   module = _lowered_train_step(config)
-  assert set(custom_calls(module)) == {TRITON, CUDNN_UNMASKED[0]}
+  assert set(custom_calls(module)) == {TRITON, CUDNN_UNMASKED[0], *CUDNN_ATTENTION}
   assert set(triton_kernels(module)) == ATTENTION_GRAD
 
 
