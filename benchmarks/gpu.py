@@ -63,11 +63,12 @@ FIGURES = (
     # train on its state (they have the same one), so each is mostly its compile. The arms of the issue's
     # goals come first: seed_padded (packed >= 1.3x padded) and fp8_xla (>= 1.1x bf16); then scanned
     # (the default until 2026-11-28: it checks the switch to unrolled blocks the compile-only H100
-    # priced). Each arm's figures are saved as it ends. `graphs` comes second: the Hopper attention route
-    # puts each attention call in a lax.cond beside its fallback, and XLA:GPU waits for the device at
-    # every conditional (36 a step) unless CUDA graphs run it (train.command_buffers).
+    # priced). Each arm's figures are saved as it ends. `graphs` comes after the goals' arms (a failure
+    # to build a CUDA graph could end the process): the Hopper attention route puts each attention call
+    # in a lax.cond beside its fallback, and XLA:GPU waits for the device at every conditional (36 a
+    # step) unless CUDA graphs run it (train.command_buffers).
     Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
-                          "configured,graphs,seed_padded,fp8_xla,scanned,padded,best_fit", "--steps", "8",
+                          "configured,seed_padded,fp8_xla,graphs,scanned,padded,best_fit", "--steps", "8",
                           "--profile", PROFILE),
            ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
             "--profile", PROFILE), 250),
