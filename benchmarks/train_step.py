@@ -237,7 +237,7 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "", shared: di
     step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
                           jax.tree.map(lambda x: x.sharding, batch), mesh)
     start = time.perf_counter()
-    compiled = step.lower(state, batch).compile(compiler_options(config.train) or None)
+    compiled = step.lower(state, batch).compile(compiler_options(config.train))
     compile_seconds = time.perf_counter() - start
     times = []  # each step on its own: dispatch, run, wait
     for i in range(steps + 2):

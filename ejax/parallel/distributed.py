@@ -204,7 +204,7 @@ def compile_agreed(lower: Callable[[], Any], name: str, timeout_s: float = 3600.
   forever. The processes compare fingerprints here; on a mismatch every process compiles afresh
   with the cache off (a fresh compile of the same trace matches), and a second mismatch is an error.
   """
-  compiled = lower().compile(compiler_options or None)
+  compiled = lower().compile(compiler_options)
   if jax.process_count() == 1:
     return compiled
   fingerprints = _exchange_fingerprints(compiled, name, timeout_s)
@@ -214,7 +214,7 @@ def compile_agreed(lower: Callable[[], Any], name: str, timeout_s: float = 3600.
                   "compilation cache?): compiling again without the cache", name, ", ".join(map(str, fingerprints)))
   jax.clear_caches()  # else lower() returns the same lowering, holding the executable already loaded
   with persistent_cache_off():
-    compiled = lower().compile(compiler_options or None)
+    compiled = lower().compile(compiler_options)
   fingerprints = _exchange_fingerprints(compiled, name, timeout_s)
   if fingerprints is not None and len(set(fingerprints)) > 1:
     raise UserError(f"the processes compiled different {name} programs (fingerprints {', '.join(fingerprints)}): "

@@ -130,7 +130,7 @@ def compile_train_step(config, mesh, global_batch: int) -> CompiledStep:
   with mesh, sharding_context(mesh, rules):  # as the trainer traces it (ejax/train/loop.py)
     lowered = step.lower(state, batch)
     lowered_at = time.perf_counter()
-    compiled = lowered.compile(compiler_options(config.train) or None)
+    compiled = lowered.compile(compiler_options(config.train))
   done = time.perf_counter()
   return CompiledStep(compiled, abstract, shardings, batch, lowered_at - start, done - lowered_at)
 
