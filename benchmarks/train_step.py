@@ -18,8 +18,11 @@ feeds it the model's own example batch, in arms timed back to back in one proces
                scanned blocks) and their bodies in CUDA graphs too (ejax.train.step.compiler_options)
 DreamZero's batch has no packed rows: its arms are configured, unscanned and attn_<impl> (the 5B on
 accelerators, --dit_layers N to cut its DiT to what one GPU holds; runlocal on CPUs).
-Per arm: state-ready seconds (built and on the device; "shared" where the arm before it has the same
-state, which it then trains on), compile seconds, step ms at the trainer's
+Every arm's step is lowered from shapes first and compiled in worker threads side by side (XLA compiles
+outside the GIL; one thread per two cores), and the arms are timed one after another once every compile
+has ended. Per arm: state-ready seconds (built and on the device; "shared" where the arm before it has
+the same state, which it then trains on), compile seconds (beside the other arms' compiles: --startup
+times one alone), step ms at the trainer's
 cadence (each step dispatched before the last one's loss is read; beside it the median of steps each
 waited for on its own), samples/s,
 model TFLOP/s and MFU (ejax.train.flops: forward + backward, no recomputation; the device's dense
@@ -43,12 +46,15 @@ configured one, with both steps' memory (XLA's buffer assignment).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
 import gc
 import json
 import os
 import statistics
 import sys
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -192,25 +198,39 @@ def state_signature(config, tx, mesh, rules) -> tuple:
   """What makes two arms' train states interchangeable: the tree, shapes, dtypes and shardings of the
   state (from shapes alone); the packing, the compile options and the attention route leave it as it is."""
   from ejax.train.state import abstract_train_state
-  abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
+  return _signature(*abstract_train_state(config.model, config.train, tx, mesh, rules))
+
+
+def _signature(abstract, shardings) -> tuple:
   leaves, tree = jax.tree.flatten(abstract)
   return (tree, tuple((leaf.shape, str(leaf.dtype)) for leaf in leaves),
           tuple(str(getattr(s, "spec", s)) for s in jax.tree.leaves(shardings)))
 
 
-def run_arm(config, example: dict, steps: int, profile_dir: str = "", shared: dict | None = None) -> dict:
-  """Builds the state, compiles the step, times `steps` steps on `example`; a dict of figures
-  (with `profile_dir`, also where three more steps spend their time: benchmarks/profile_summary.py).
+@dataclasses.dataclass
+class PreparedArm:
+  """One arm's step, lowered from the state's shapes, its compile running in a worker thread."""
+  config: Any
+  arrays: dict          # the example's numpy arrays, on the rows the config trains
+  mesh: Any
+  rules: list
+  tx: Any
+  shardings: Any        # the state's
+  batch: dict           # on the devices
+  signature: tuple      # state_signature
+  lower_seconds: float
+  compiling: concurrent.futures.Future   # -> (compiled, compile seconds)
 
-  With `shared` (a dict kept across arms), an arm whose state has the last arm's signature trains on
-  that arm's state instead of building its own (state_shared; ~13 s of a GPU window an arm, 2026-11-28);
-  its figures then start from a few steps in, which the timings do not see."""
+
+def prepare_arm(config, example: dict, pool: concurrent.futures.Executor) -> PreparedArm:
+  """Lowers the arm's train step from shapes (as ejax.train.compile_report does) and hands its compile
+  to `pool`: XLA compiles outside the GIL, so arms lowered one after another compile side by side
+  (a GPU host's cores compiled GR00T's arms one at a time, ~50 s each, in 2026-11-28's window)."""
   from ejax.parallel import global_batch, make_mesh
   from ejax.parallel.rules import sharding_context
-  from ejax.train.metrics import peak_flops_per_device
   from ejax.train import rows as embodiment_rows
   from ejax.train.optim import make_optimizer
-  from ejax.train.state import create_train_state, model_parts
+  from ejax.train.state import abstract_train_state, model_parts
   from ejax.train.step import compiler_options, jit_train_step, make_train_step
 
   mesh = make_mesh(config.mesh.to_dict())
@@ -220,7 +240,44 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "", shared: di
   rows = embodiment_rows.from_train(config.train)
   if rows and "embodiment_id" in arrays:  # the example's samples on the rows the config trains
     arrays["embodiment_id"] = np.resize(np.asarray(rows.rows, np.int32), arrays["embodiment_id"].shape)
-  signature = state_signature(config, tx, mesh, rules) if shared is not None else None
+  start = time.perf_counter()
+  abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
+  shapes = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  batch = global_batch(arrays, mesh, rules)
+  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
+                        jax.tree.map(lambda x: x.sharding, batch), mesh)
+  with mesh, sharding_context(mesh, rules):
+    lowered = step.lower(shapes, batch)
+  lower_seconds = time.perf_counter() - start
+  options = compiler_options(config.train)
+
+  def compile_it():
+    begun = time.perf_counter()
+    compiled = lowered.compile(options)
+    return compiled, time.perf_counter() - begun
+
+  return PreparedArm(config, arrays, mesh, rules, tx, shardings, batch, _signature(abstract, shardings),
+                     lower_seconds, pool.submit(compile_it))
+
+
+def compile_workers(arms: int) -> int:
+  """Arms compiled at once: one per two cores (XLA's own codegen threads take the rest), eight at most."""
+  return max(1, min(arms, (os.cpu_count() or 2) // 2, 8))
+
+
+def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: dict | None = None) -> dict:
+  """Builds the state, waits for the arm's compile, times `steps` steps on its batch; a dict of figures
+  (with `profile_dir`, also where three more steps spend their time: benchmarks/profile_summary.py).
+
+  With `shared` (a dict kept across arms), an arm whose state has the last arm's signature trains on
+  that arm's state instead of building its own (state_shared; ~13 s of a GPU window an arm, 2026-11-28);
+  its figures then start from a few steps in, which the timings do not see."""
+  from ejax.parallel.rules import sharding_context
+  from ejax.train.metrics import peak_flops_per_device
+  from ejax.train.state import create_train_state
+
+  config, mesh, rules, batch = prepared.config, prepared.mesh, prepared.rules, prepared.batch
+  arrays, signature = prepared.arrays, prepared.signature
   reused = shared is not None and shared.get("signature") == signature
   if shared is not None and not reused:
     shared.clear()  # the last arm's state goes before this one's is made
@@ -228,17 +285,12 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "", shared: di
   with mesh, sharding_context(mesh, rules):
     start = time.perf_counter()
     if reused:
-      state, shardings = shared.pop("state"), shared["shardings"]
+      state = shared.pop("state")
     else:
-      state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+      state, _ = create_train_state(config.model, config.train, prepared.tx, mesh, rules, seed=0)
     jax.block_until_ready(state)
     state_seconds = time.perf_counter() - start
-    batch = global_batch(arrays, mesh, rules)
-    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
-                          jax.tree.map(lambda x: x.sharding, batch), mesh)
-    start = time.perf_counter()
-    compiled = step.lower(state, batch).compile(compiler_options(config.train))
-    compile_seconds = time.perf_counter() - start
+    compiled, compile_seconds = prepared.compiling.result()
     times = []  # each step on its own: dispatch, run, wait
     for i in range(steps + 2):
       start = time.perf_counter()
@@ -283,11 +335,13 @@ def run_arm(config, example: dict, steps: int, profile_dir: str = "", shared: di
   peak = peak_flops_per_device()
   stats = jax.devices()[0].memory_stats() or {}
   if shared is not None:
-    shared.update(signature=signature, state=state, shardings=shardings)
-  del state, compiled, step
+    shared.update(signature=signature, state=state)
+  del state, compiled
+  prepared.compiling = None  # the executable goes with this arm
   gc.collect()
   return dict(
-      state_seconds=state_seconds, state_shared=reused, compile_seconds=compile_seconds, step_ms=1e3 * trainer_seconds,
+      state_seconds=state_seconds, state_shared=reused, compile_seconds=compile_seconds,
+      lower_seconds=prepared.lower_seconds, step_ms=1e3 * trainer_seconds,
       blocked_step_ms=1e3 * median, step_ms_all=[1e3 * t for t in times], samples=samples, samples_per_second=samples_per_second,
       model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
       model_flops_per_sample=per_sample_model, row_tokens=row_tokens, loss=loss,
@@ -361,11 +415,13 @@ def save_json(path: str, out: dict) -> None:
       json.dump(out, f, indent=1)
 
 
-def record_arm(results: dict, label: str, config, example: dict, steps: int, out: dict, json_path: str,
+def record_arm(results: dict, label: str, prepared: PreparedArm | Exception, steps: int, out: dict, json_path: str,
                profile_dir: str = "", shared: dict | None = None) -> None:
   """Runs one arm into results[label], prints it and rewrites the JSON (every figure so far)."""
   try:
-    results[label] = run_arm(config, example, steps, profile_dir, shared)
+    if isinstance(prepared, Exception):
+      raise prepared
+    results[label] = run_arm(prepared, steps, profile_dir, shared)
   except Exception as error:  # one arm failing (memory, a kernel the device lacks) must not stop the rest
     message = str(error).strip().splitlines()
     results[label] = {"error": f"{type(error).__name__}: {message[0] if message else ''}"[:300]}
@@ -376,6 +432,37 @@ def record_arm(results: dict, label: str, config, example: dict, steps: int, out
   save_json(json_path, out)
 
 
+def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, profile_dir: str = "",
+             workers: int = 0) -> None:
+  """Every arm (label -> (config, example)) lowered in turn and compiled side by side in `workers`
+  threads (compile_workers), then timed one after another once every compile has ended: a GPU compile
+  autotunes its GEMMs on the device, which must not share it with a timed step. Arms with the same
+  state train on one (run_arm); the first is profiled into `profile_dir` when given."""
+  workers = workers or compile_workers(len(arms))
+  prepared = {}
+  start = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+    for label, (arm_config, example) in arms.items():
+      try:
+        prepared[label] = prepare_arm(arm_config, example, pool)
+      except Exception as error:  # noqa: BLE001 (recorded as the arm's figure)
+        prepared[label] = error
+    concurrent.futures.wait([p.compiling for p in prepared.values() if isinstance(p, PreparedArm)])
+  ready = [p for p in prepared.values() if isinstance(p, PreparedArm) and not p.compiling.exception()]
+  if ready:
+    each = sum(p.compiling.result()[1] for p in ready) + sum(p.lower_seconds for p in ready)
+    print(f"  {len(ready)} arms lowered and compiled in {time.perf_counter() - start:.1f} s ({workers} side by "
+          f"side; {each:.1f} s one after another)", flush=True)
+  out.setdefault("compile_ahead", {})[",".join(arms)] = dict(
+      arms=len(ready), workers=workers, seconds=time.perf_counter() - start)
+  shared = {}  # arms with the same state train on one (run_arm)
+  for index, (label, arm) in enumerate(prepared.items()):
+    record_arm(results, label, arm, steps, out, json_path,
+               os.path.join(profile_dir, label.replace(" ", "_")) if profile_dir and not index else "", shared)
+    prepared[label] = None  # its executable and batch go before the next arm runs
+  shared.clear()
+
+
 def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str,
                 profile_dir: str = "", dit_layers: int = 0) -> None:
   config = model_config_for(name, dit_layers)
@@ -383,12 +470,8 @@ def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, o
   results = out.setdefault(name, {})
   print(f"{NAMES[name]} ({'runlocal' if on_cpu() else 'full size'}), {samples} samples a step on "
         f"{jax.device_count()} x {jax.devices()[0].device_kind}:", flush=True)
-  shared = {}  # arms with the same state train on one (run_arm)
-  for index, (arm, (arm_config, example)) in enumerate(arm_configs(config, arms, samples).items()):
-    # the first arm is profiled when asked
-    record_arm(results, arm, arm_config, example, steps, out, json_path,
-               os.path.join(profile_dir, f"{name}_{arm}") if profile_dir and not index else "", shared)
-  shared.clear()
+  run_arms(results, arm_configs(config, arms, samples), steps, out, json_path,
+           os.path.join(profile_dir, name) if profile_dir else "")
   for baseline in ("padded", "seed_padded"):
     padded = results.get(baseline, {})
     if "samples_per_second" not in padded:
@@ -410,9 +493,9 @@ def dreamzero_by_depth(depths: list[int], per_device_batch: int, steps: int, out
   results = out.setdefault("dreamzero", {})
   print(f"DreamZero ({'runlocal' if on_cpu() else '5B'}), {samples} samples a step, DiT cut to {depths} of "
         f"{full} blocks, on {jax.device_count()} x {jax.devices()[0].device_kind}:", flush=True)
-  for depth in depths:
-    arm_config, example = unpacked_arm_configs(model_config_for("dreamzero", depth), ["configured"], samples)["configured"]
-    record_arm(results, f"{depth} blocks", arm_config, example, steps, out, json_path)
+  run_arms(results, {f"{depth} blocks": unpacked_arm_configs(model_config_for("dreamzero", depth), ["configured"],
+                                                              samples)["configured"] for depth in depths},
+           steps, out, json_path)
   timed = [(depth, results[f"{depth} blocks"]["step_ms"]) for depth in depths
            if "step_ms" in results[f"{depth} blocks"]]
   if len(timed) < 2:

@@ -39,6 +39,9 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   # The padded arm has the configured arm's state (only the rows differ), so it trains on that one.
   assert arms["configured"]["state_seconds"] > 0 and not arms["configured"]["state_shared"]
   assert arms["padded"]["state_shared"]
+  # Both arms were lowered from shapes and compiled before either was timed (run_arms).
+  assert train_step["data"]["compile_ahead"]["configured,padded"]["arms"] == 2
+  assert arms["configured"]["lower_seconds"] > 0
   profile = arms["configured"]["profile"]  # where the step's time goes, from a jax.profiler trace
   assert profile["device_busy_ms"] > 0 and profile["top"] and sum(profile["by_kind"].values()) > 0
   # The padded arm computes more row tokens per sample than the packed one.
