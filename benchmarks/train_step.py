@@ -226,6 +226,7 @@ def prepare_arm(config, example: dict, pool: concurrent.futures.Executor) -> Pre
   """Lowers the arm's train step from shapes (as ejax.train.compile_report does) and hands its compile
   to `pool`: XLA compiles outside the GIL, so arms lowered one after another compile side by side
   (a GPU host's cores compiled GR00T's arms one at a time, ~50 s each, in 2026-11-28's window)."""
+  from ejax.checkpoint import abstract_target
   from ejax.parallel import global_batch, make_mesh
   from ejax.parallel.rules import sharding_context
   from ejax.train import rows as embodiment_rows
@@ -242,7 +243,7 @@ def prepare_arm(config, example: dict, pool: concurrent.futures.Executor) -> Pre
     arrays["embodiment_id"] = np.resize(np.asarray(rows.rows, np.int32), arrays["embodiment_id"].shape)
   start = time.perf_counter()
   abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
-  shapes = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  shapes = abstract_target(abstract, shardings)
   batch = global_batch(arrays, mesh, rules)
   step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
                         jax.tree.map(lambda x: x.sharding, batch), mesh)
@@ -515,6 +516,7 @@ def dreamzero_by_depth(depths: list[int], per_device_batch: int, steps: int, out
 
 def startup(config_path: str, per_device_batch: int, unscanned: bool = False) -> str:
   """Compiles the state and the step from shapes; the startup line."""
+  from ejax.checkpoint import abstract_target
   from ejax.parallel import make_mesh
   from ejax.train.compile_report import abstract_batch
   from ejax.parallel.rules import sharding_context
@@ -534,8 +536,7 @@ def startup(config_path: str, per_device_batch: int, unscanned: bool = False) ->
   state_seconds = planned + state_report["lower_seconds"] + state_report["compile_seconds"]
   batch = abstract_batch(config.model, per_device_batch * mesh.size, mesh, rules,
                          int(config.train.grad_accum_steps))
-  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                plan.abstract, plan.shardings)
+  abstract_state = abstract_target(plan.abstract, plan.shardings)
 
   def compile_step(model_config):
     step = jit_train_step(make_train_step(model_parts(model_config), tx, schedule, config.train), plan.shardings,

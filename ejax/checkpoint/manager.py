@@ -247,8 +247,10 @@ class Checkpointer:
 
 
 def abstract_target(abstract_state: Any, shardings: Any) -> Any:
-  """ShapeDtypeStructs carrying the shardings to restore into."""
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+  """ShapeDtypeStructs carrying the shardings to restore into (and to lower a step for: weak types kept)."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s,
+                                                        weak_type=getattr(a, "weak_type", False)),
+                      abstract_state, shardings)
 
 
 def _paths_text(paths: list[str], limit: int = 3) -> str:

@@ -112,8 +112,7 @@ class CompiledStep:
 
 def compile_train_step(config, mesh, global_batch: int) -> CompiledStep:
   """The trainer's jitted train step for `config`, lowered and compiled for `mesh` from shapes."""
-  import jax
-
+  from ejax.checkpoint import abstract_target
   from ejax.parallel.rules import sharding_context
   from ejax.train.optim import make_optimizer
   from ejax.train.state import abstract_train_state, model_parts
@@ -123,7 +122,7 @@ def compile_train_step(config, mesh, global_batch: int) -> CompiledStep:
   tx, schedule = make_optimizer(config.train)
   start = time.perf_counter()
   abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
-  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+  state = abstract_target(abstract, shardings)
   batch = abstract_batch(config.model, global_batch, mesh, rules, int(config.train.grad_accum_steps))
   step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train),
                         shardings, {k: v.sharding for k, v in batch.items()}, mesh)

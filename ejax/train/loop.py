@@ -29,6 +29,7 @@ from ejax.parallel.rules import sharding_context
 from ejax.train import metrics as metrics_lib
 from ejax.train import resume
 from ejax.train import rows as embodiment_rows
+from ejax.train.compile_beside import CompileBeside
 from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
@@ -134,9 +135,36 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   meta = {"config": json.loads(config.to_json_best_effort()),
           "norm_stats": to_jsonable(getattr(data_iter, "norm_stats", None))}
 
-  # --- The state: restored onto this mesh, or built straight into its shardings ------------------
+  # --- The first batch and the step (before a fresh state: the step then compiles beside it) ----
   cleanup.enter_context(mesh)
   cleanup.enter_context(sharding_context(mesh, rules))
+  batch_axis = 1 if train_cfg.grad_accum_steps > 1 else 0  # micro-batches stack on axis 0
+  rows = embodiment_rows.from_train(train_cfg)
+  check_rows = rows.check if rows else (lambda ids: None)
+
+  def first_batch_and_step():
+    stop.phase = "reading the first batch"
+    local_batch = next(data_iter)
+    check_rows(local_batch.get("embodiment_id", ()))
+    batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
+    step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings,
+                             jax.tree.map(lambda x: x.sharding, batch), mesh)
+    return local_batch, batch, step_fn
+
+  # One process compiles its step in a thread while the parameters are initialised (compile_beside).
+  # A resumed run reads its first batch only after the restore has set the data's position, and
+  # processes of one run agree on their executable after the state (compile_agreed), as before.
+  beside, lowering_seconds = None, 0.0
+  if resume_step is None and jax.process_count() == 1:
+    lowering_started = time.perf_counter()
+    local_batch, batch, step_fn = first_batch_and_step()
+    stop.phase = "lowering the train step"
+    beside = CompileBeside(step_fn, abstract, shardings, batch, compiler_options(train_cfg))
+    lowering_seconds = time.perf_counter() - lowering_started
+    logging.info("first batch read and train step lowered in %.1f s; compiling the train step beside the state",
+                 lowering_seconds)
+
+  # --- The state: restored onto this mesh, or built straight into its shardings ------------------
   if resume_step is not None:
     stop.phase = f"restoring step {resume_step}"
     state, data_state = resume.restore(checkpointer, resume_step, abstract_target(abstract, shardings), changes,
@@ -150,31 +178,31 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
     if train_cfg.get("init_weights"):
       stop.phase = "reading the imported weights"
       loaded = read_weights(train_cfg.init_weights, plan)
-    stop.phase = "initialising the parameters"
+    stop.phase = "initialising the parameters" + (" while the train step compiles" if beside else "")
     state = jax.block_until_ready(materialize(plan, loaded))
-    logging.info("state ready in %.1f s (%d parameters initialised)", time.perf_counter() - started,
-                 len(plan.deferred))
+    logging.info("state ready in %.1f s (%d parameters initialised)",
+                 time.perf_counter() - started - lowering_seconds, len(plan.deferred))
   start_step = int(jax.device_get(state.step))
   if hasattr(data_iter, "check_frozen"):  # frozen-encoder outputs cached ahead: made by these frozen weights?
     data_iter.check_frozen(state.frozen)
 
   # --- Compile the step once; report memory and FLOPs ------------------------------------------
-  stop.phase = "reading the first batch"
-  batch_axis = 1 if train_cfg.grad_accum_steps > 1 else 0  # micro-batches stack on axis 0
-  local_batch = next(data_iter)
-  rows = embodiment_rows.from_train(train_cfg)
-  check_rows = rows.check if rows else (lambda ids: None)
-  check_rows(local_batch.get("embodiment_id", ()))
-  batch = global_batch(local_batch, mesh, rules, batch_axis=batch_axis)
-  batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
+  if beside is None:
+    local_batch, batch, step_fn = first_batch_and_step()
   stop.phase = "compiling the train step"
-  logging.info("compiling the train step")
-  step_fn = jit_train_step(make_train_step(parts, tx, schedule, train_cfg), shardings, batch_shardings, mesh)
   compile_started = time.perf_counter()
-  # Every process must run the same executable, or its collectives never meet (compile_agreed).
-  compiled = compile_agreed(lambda: step_fn.lower(state, batch), "train step",
-                            compiler_options=compiler_options(train_cfg))
-  logging.info("train step compiled in %.1f s", time.perf_counter() - compile_started)
+  compiled = beside.result(state) if beside is not None else None
+  if compiled is not None:
+    logging.info("train step compiled in %.1f s beside the state; ready to train %.1f s after the start",
+                 beside.seconds, time.perf_counter() - started)
+  else:
+    if beside is not None:
+      logging.warning("the state built differs from the shapes the train step was lowered for: compiling again")
+    logging.info("compiling the train step")
+    # Every process must run the same executable, or its collectives never meet (compile_agreed).
+    compiled = compile_agreed(lambda: step_fn.lower(state, batch), "train step",
+                              compiler_options=compiler_options(train_cfg))
+    logging.info("train step compiled in %.1f s", time.perf_counter() - compile_started)
   metrics_lib.log_memory_analysis(compiled)
   flops = metrics_lib.compiled_flops(compiled)
   peak = metrics_lib.peak_flops_per_device(override=config.metrics.get("peak_flops_per_device"))
