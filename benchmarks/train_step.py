@@ -54,7 +54,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -219,13 +219,14 @@ class PreparedArm:
   batch: dict           # on the devices
   signature: tuple      # state_signature
   lower_seconds: float
-  compiling: concurrent.futures.Future   # -> (compiled, compile seconds)
+  compile: Callable[[], tuple[Any, float]]          # -> (compiled, compile seconds)
+  compiling: concurrent.futures.Future | None = None  # compile() handed to a worker thread
 
 
-def prepare_arm(config, example: dict, pool: concurrent.futures.Executor) -> PreparedArm:
-  """Lowers the arm's train step from shapes (as ejax.train.compile_report does) and hands its compile
-  to `pool`: XLA compiles outside the GIL, so arms lowered one after another compile side by side
-  (a GPU host's cores compiled GR00T's arms one at a time, ~50 s each, in 2026-11-28's window)."""
+def prepare_arm(config, example: dict) -> PreparedArm:
+  """Lowers the arm's train step from shapes (as ejax.train.compile_report does); its compile is
+  left to run_arms, which runs it in a worker thread: XLA compiles outside the GIL, so arms compile
+  side by side (a GPU host's cores compiled GR00T's arms one at a time, ~50 s each, on 2026-11-28)."""
   from ejax.checkpoint import abstract_target
   from ejax.parallel import global_batch, make_mesh
   from ejax.parallel.rules import sharding_context
@@ -258,7 +259,7 @@ def prepare_arm(config, example: dict, pool: concurrent.futures.Executor) -> Pre
     return compiled, time.perf_counter() - begun
 
   return PreparedArm(config, arrays, mesh, rules, tx, shardings, batch, _signature(abstract, shardings),
-                     lower_seconds, pool.submit(compile_it))
+                     lower_seconds, compile_it)
 
 
 def compile_workers(arms: int) -> int:
@@ -435,19 +436,32 @@ def record_arm(results: dict, label: str, prepared: PreparedArm | Exception, ste
 
 def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, profile_dir: str = "",
              workers: int = 0) -> None:
-  """Every arm (label -> (config, example)) lowered in turn and compiled side by side in `workers`
-  threads (compile_workers), then timed one after another once every compile has ended: a GPU compile
-  autotunes its GEMMs on the device, which must not share it with a timed step. Arms with the same
-  state train on one (run_arm); the first is profiled into `profile_dir` when given."""
+  """Every arm (label -> (config, example)) lowered in turn and compiled in `workers` threads
+  (compile_workers), then timed one after another once every compile has ended: a GPU compile
+  autotunes its GEMMs on the device, which must not share it with a timed step. The first arm
+  compiles alone (the others lower meanwhile), so that its autotuning times kernels on an idle device
+  and fills XLA's in-process autotuning cache, which the other arms' GEMMs (mostly the same shapes)
+  then read; the rest compile side by side. Arms with the same state train on one (run_arm); the
+  first is profiled into `profile_dir` when given."""
   workers = workers or compile_workers(len(arms))
   prepared = {}
   start = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
+    first = None
     for label, (arm_config, example) in arms.items():
       try:
-        prepared[label] = prepare_arm(arm_config, example, pool)
+        prepared[label] = prepare_arm(arm_config, example)
       except Exception as error:  # noqa: BLE001 (recorded as the arm's figure)
         prepared[label] = error
+        continue
+      if first is None:
+        first = prepared[label]
+        first.compiling = pool.submit(first.compile)
+    if first is not None:
+      concurrent.futures.wait([first.compiling])
+    for arm in prepared.values():
+      if isinstance(arm, PreparedArm) and arm.compiling is None:
+        arm.compiling = pool.submit(arm.compile)
     concurrent.futures.wait([p.compiling for p in prepared.values() if isinstance(p, PreparedArm)])
   ready = [p for p in prepared.values() if isinstance(p, PreparedArm) and not p.compiling.exception()]
   if ready:
