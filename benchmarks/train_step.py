@@ -66,6 +66,7 @@ GOAL_MFU = 40.0
 NAMES = {"groot": "GR00T-N1.5", "pi05": "pi0.5", "dreamzero": "DreamZero"}
 CONFIGS = {"groot": "configs/groot.py", "pi05": "configs/pi05.py", "dreamzero": "configs/dreamzero.py"}
 UNPACKED = ("dreamzero",)   # models whose batch has no packed rows (no layout arms)
+STALLED_COMPILES: list[str] = []  # run_arms' arms whose compile had not ended when the others were done
 ALL_ARMS = ("configured", "graphs", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned", "scanned")
 
 
@@ -395,11 +396,12 @@ def describe(name: str, result: dict) -> str:
   packing = result["packing"]
   row = f"row {packing.get('row_length')} x {packing.get('samples_per_row')}  " if packing else ""   # DreamZero: no rows
   state = "shared  " if result.get("state_shared") else f"{result['state_seconds']:6.1f} s"
+  beside = f"  (timed beside {result['compiles_running']} compiles)" if result.get("compiles_running") else ""
   return (f"  {name:<16} state {state}  compile {result['compile_seconds']:6.1f} s  "
           f"step {result['step_ms']:8.1f} ms ({result.get('blocked_step_ms', result['step_ms']):.1f} each waited for)  "
           f"{result['samples_per_second']:8.1f} samples/s  "
           f"{result['model_tflops']:7.1f} TFLOP/s  MFU {mfu:>7}  {row}({result['row_tokens']:.0f} tokens/sample)  "
-          f"step peak {result['step_peak_gib']:.1f} GiB" + _describe_kernels(result.get("kernels", {})))
+          f"step peak {result['step_peak_gib']:.1f} GiB{beside}" + _describe_kernels(result.get("kernels", {})))
 
 
 def _describe_kernels(kernels: dict) -> str:
@@ -418,12 +420,14 @@ def save_json(path: str, out: dict) -> None:
 
 
 def record_arm(results: dict, label: str, prepared: PreparedArm | Exception, steps: int, out: dict, json_path: str,
-               profile_dir: str = "", shared: dict | None = None) -> None:
+               profile_dir: str = "", shared: dict | None = None, compiles_running: int = 0) -> None:
   """Runs one arm into results[label], prints it and rewrites the JSON (every figure so far)."""
   try:
     if isinstance(prepared, Exception):
       raise prepared
     results[label] = run_arm(prepared, steps, profile_dir, shared)
+    if compiles_running:  # the device was not the arm's own while it was timed
+      results[label]["compiles_running"] = compiles_running
   except Exception as error:  # one arm failing (memory, a kernel the device lacks) must not stop the rest
     message = str(error).strip().splitlines()
     results[label] = {"error": f"{type(error).__name__}: {message[0] if message else ''}"[:300]}
@@ -435,47 +439,80 @@ def record_arm(results: dict, label: str, prepared: PreparedArm | Exception, ste
 
 
 def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, profile_dir: str = "",
-             workers: int = 0) -> None:
+             workers: int = 0, wait_s: float = 300.0) -> None:
   """Every arm (label -> (config, example)) lowered in turn and compiled in `workers` threads
   (compile_workers), then timed one after another once every compile has ended: a GPU compile
   autotunes its GEMMs on the device, which must not share it with a timed step. The first arm
   compiles alone (the others lower meanwhile), so that its autotuning times kernels on an idle device
   and fills XLA's in-process autotuning cache, which the other arms' GEMMs (mostly the same shapes)
-  then read; the rest compile side by side. Arms with the same state train on one (run_arm); the
-  first is profiled into `profile_dir` when given."""
+  then read; the rest compile side by side. A compile that has not ended `wait_s` after the compiles
+  began (one stalled, as XLA's Triton GEMM autotuning did on 2026-11-27) holds back no other arm: the
+  compiled arms are timed (their figures say how many compiles still ran) and it comes after them, or
+  is given up on when no compile has ended for another `wait_s`. Arms
+  with the same state train on one (run_arm); the first is profiled into `profile_dir` when given."""
   workers = workers or compile_workers(len(arms))
   prepared = {}
   start = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
-    first = None
-    for label, (arm_config, example) in arms.items():
-      try:
-        prepared[label] = prepare_arm(arm_config, example)
-      except Exception as error:  # noqa: BLE001 (recorded as the arm's figure)
-        prepared[label] = error
-        continue
-      if first is None:
-        first = prepared[label]
-        first.compiling = pool.submit(first.compile)
-    if first is not None:
-      concurrent.futures.wait([first.compiling])
-    for arm in prepared.values():
-      if isinstance(arm, PreparedArm) and arm.compiling is None:
+  pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
+  first = None
+  for label, (arm_config, example) in arms.items():
+    try:
+      prepared[label] = prepare_arm(arm_config, example)
+    except Exception as error:  # noqa: BLE001 (recorded as the arm's figure)
+      prepared[label] = error
+      continue
+    if first is None:
+      first = prepared[label]
+      first.compiling = pool.submit(first.compile)
+  deadline = time.perf_counter() + wait_s
+  if first is not None:
+    concurrent.futures.wait([first.compiling], timeout=max(0.0, deadline - time.perf_counter()))
+  compiling = {}
+  for label, arm in prepared.items():
+    if isinstance(arm, PreparedArm):
+      if arm.compiling is None:
         arm.compiling = pool.submit(arm.compile)
-    concurrent.futures.wait([p.compiling for p in prepared.values() if isinstance(p, PreparedArm)])
-  ready = [p for p in prepared.values() if isinstance(p, PreparedArm) and not p.compiling.exception()]
+      compiling[arm.compiling] = label
+  concurrent.futures.wait(compiling, timeout=max(0.0, deadline - time.perf_counter()))
+  done = [label for future, label in compiling.items() if future.done()]
+  ready = [prepared[label] for label in done if not prepared[label].compiling.exception()]
   if ready:
     each = sum(p.compiling.result()[1] for p in ready) + sum(p.lower_seconds for p in ready)
     print(f"  {len(ready)} arms lowered and compiled in {time.perf_counter() - start:.1f} s ({workers} side by "
-          f"side; {each:.1f} s one after another)", flush=True)
+          f"side; {each:.1f} s one after another)"
+          + (f"; {len(compiling) - len(done)} still compiling after {wait_s:.0f} s" if len(done) < len(compiling) else ""),
+          flush=True)
   out.setdefault("compile_ahead", {})[",".join(arms)] = dict(
       arms=len(ready), workers=workers, seconds=time.perf_counter() - start)
   shared = {}  # arms with the same state train on one (run_arm)
-  for index, (label, arm) in enumerate(prepared.items()):
-    record_arm(results, label, arm, steps, out, json_path,
-               os.path.join(profile_dir, label.replace(" ", "_")) if profile_dir and not index else "", shared)
+  timed = []
+
+  def time_arm(label: str) -> None:
+    record_arm(results, label, prepared[label], steps, out, json_path,
+               os.path.join(profile_dir, label.replace(" ", "_")) if profile_dir and not timed else "", shared,
+               compiles_running=sum(1 for future in compiling if not future.done()))
     prepared[label] = None  # its executable and batch go before the next arm runs
+    timed.append(label)
+
+  # Compiled (or failed) arms in their order, then the late ones as their compiles end.
+  for label in prepared:
+    if label in done or not isinstance(prepared[label], PreparedArm):
+      time_arm(label)
+  late = {future for future, label in compiling.items() if label not in done}
+  while late:
+    ended, late = concurrent.futures.wait(late, timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
+    if not ended:  # stalled: given up on, so that the figure's last line comes
+      for future in late:
+        results[compiling[future]] = {"error": f"its compile had not ended {wait_s:.0f} s after the last arm"}
+        print(describe(compiling[future], results[compiling[future]]), flush=True)
+      save_json(json_path, out)
+      break
+    for future in sorted(ended, key=lambda future: list(prepared).index(compiling[future])):
+      time_arm(compiling[future])
   shared.clear()
+  pool.shutdown(wait=False)
+  if not all(future.done() for future in compiling):
+    STALLED_COMPILES.append(",".join(arms))
 
 
 def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, out: dict, json_path: str,
@@ -639,7 +676,10 @@ def main(argv=None) -> None:
             f"(goal {GOAL_MFU:.0f} %)")
   out["line"] = line
   save_json(args.json, out)
-  print(line)
+  print(line, flush=True)
+  if STALLED_COMPILES:  # a compile thread still running would hold the interpreter's exit until the limit
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

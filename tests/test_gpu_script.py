@@ -137,3 +137,60 @@ def test_arms_share_a_state_only_where_its_shapes_agree():
   wider.model.width = 64
   assert signature(config) == signature(graphs)
   assert signature(config) != signature(wider)
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_compile_holds_back_no_other_arm(monkeypatch):
+  """An arm whose compile has not ended `wait_s` after the compiles began is timed last; the others are
+  timed meanwhile and say that a compile still ran beside them (run_arms)."""
+  import time
+
+  from benchmarks import train_step
+
+  real_prepare = train_step.prepare_arm
+
+  def prepare(config, example):
+    arm = real_prepare(config, example)
+    if config.model.packing.samples_per_row == 1:  # the padded arm: its compile stalls for a while
+      compile_it = arm.compile
+      arm.compile = lambda: (time.sleep(20), compile_it())[1]
+    return arm
+
+  monkeypatch.setattr(train_step, "prepare_arm", prepare)
+  config = train_step.model_config_for("groot")
+  out = {}
+  results = out.setdefault("groot", {})
+  train_step.run_arms(results, train_step.arm_configs(config, ["padded", "configured"], 8), 1, out, "",
+                      workers=2, wait_s=10.0)
+  assert list(results) == ["configured", "padded"], results
+  assert results["configured"]["compiles_running"] == 1 and "compiles_running" not in results["padded"]
+  assert results["padded"]["samples_per_second"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_compile_that_never_ends_is_given_up_on(monkeypatch):
+  import threading
+
+  from benchmarks import train_step
+
+  real_prepare, release = train_step.prepare_arm, threading.Event()
+
+  def prepare(config, example):
+    arm = real_prepare(config, example)
+    if config.model.packing.samples_per_row == 1:  # the padded arm's compile never ends (until released)
+      arm.compile = lambda: (release.wait(), (_ for _ in ()).throw(RuntimeError("released")))[1]
+    return arm
+
+  monkeypatch.setattr(train_step, "prepare_arm", prepare)
+  monkeypatch.setattr(train_step, "STALLED_COMPILES", [])
+  config = train_step.model_config_for("groot")
+  out = {}
+  results = out.setdefault("groot", {})
+  try:
+    train_step.run_arms(results, train_step.arm_configs(config, ["configured", "padded"], 8), 1, out, "",
+                        workers=2, wait_s=15.0)
+  finally:
+    release.set()
+  assert results["configured"]["samples_per_second"] > 0 and results["configured"]["compiles_running"] == 1
+  assert results["padded"] == {"error": "its compile had not ended 15 s after the last arm"}
+  assert train_step.STALLED_COMPILES == ["configured,padded"]
