@@ -67,6 +67,26 @@ def test_rope_scores_depend_only_on_relative_position():
   np.testing.assert_allclose(layers.apply_rope(q, jnp.zeros((1, 1)), theta=1e4), q)
 
 
+def test_rope_rotates_halves_and_pairs_as_written_with_no_concatenate():
+  """Rotate-half (Qwen, Gemma) and interleaved pairs (Wan) against the formulas, and lowered without a
+  concatenate, so that XLA fuses the rotation with the QK-norm before it (layers.rotate_pairs)."""
+  from ejax.models.dreamzero.wan_dit import apply_rope_pairs
+
+  x = jax.random.normal(jax.random.key(3), (2, 5, 3, 8))
+  positions = jnp.arange(10).reshape(2, 5) * 3
+  angles = positions[..., None].astype(jnp.float32) / (1e4 ** (jnp.arange(4) * 2.0 / 8))
+  cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]
+  x1, x2 = x[..., :4], x[..., 4:]
+  np.testing.assert_allclose(layers.apply_rope(x, positions, theta=1e4),
+                             np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1), rtol=1e-6, atol=1e-6)
+  even, odd = x[0, ..., 0::2], x[0, ..., 1::2]  # Wan's pairs, one sample's angles [len, half]
+  want = np.stack([even * cos[0] - odd * sin[0], even * sin[0] + odd * cos[0]], -1).reshape(x[0].shape)
+  np.testing.assert_allclose(apply_rope_pairs(x[:1], angles[0])[0], want, rtol=1e-6, atol=1e-6)
+  for text in (jax.jit(layers.apply_rope, static_argnames="theta").lower(x, positions, theta=1e4).as_text(),
+               jax.jit(apply_rope_pairs).lower(x, angles[0]).as_text()):
+    assert "concatenate" not in text
+
+
 def test_attention_packed_rows_equal_separate_samples():
   attn = layers.host_random_init(nnx.eval_shape(lambda: layers.Attention(
       16, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, rope_theta=1e4, rngs=nnx.Rngs(0))), stddev=0.3)
