@@ -11,10 +11,10 @@ skipping what no longer fits the total budget, and writes all.json and most figu
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
   train_step_pi05  the same for pi0.5, configured and with its scanned blocks in CUDA graphs (graphs)
-  startup     benchmarks/train_step.py --startup: full GR00T state and step compiled from shapes
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
   serve       benchmarks/serve.py: served vs in-process chunks per second
+  startup     benchmarks/train_step.py --startup: full GR00T state and step compiled from shapes
   dreamzero   benchmarks/train_step.py --models dreamzero --dit_layers 2,6: the 5B's step at two DiT
               depths one GPU holds, extrapolated to its 30 blocks (issue 32); last, so a window that
               has the others recorded runs it with `--only dreamzero`
@@ -86,9 +86,6 @@ FIGURES = (
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
     # fp8.py stops starting arms after --budget_s, so its last line comes inside the limit.
     Figure("fp8", ("benchmarks/fp8.py", "--budget_s", "40"), ("benchmarks/fp8.py", "--tokens", "128"), 60),
-    Figure("startup", ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py"),
-           ("benchmarks/train_step.py", "--startup", "--config=configs/tiny.py:runlocal", "--per_device_batch", "4"),
-           100, own_file=False),  # the full step's compile alone took 73 s on an H200
     Figure("packing", ("benchmarks/packing.py", "--width", "1024", "--depth", "8", "--heads", "8", "--samples", "192",
                        "--padded_batch", "32", "--rows_per_batch", "8"),
            ("benchmarks/packing.py", "--samples", "8", "--padded_batch", "4", "--rounds", "1", "--width", "32",
@@ -99,6 +96,12 @@ FIGURES = (
     Figure("serve", ("benchmarks/serve.py", "--seconds", "3", "--rounds", "1"),
            ("benchmarks/serve.py", "--clients", "1", "2", "--seconds", "0.5", "--rounds", "1"), 35, json_flag=False,
            own_file=False, smoke_limit=180),  # at CPU size its compile alone took 63 s at load 9
+    # The compile from shapes, after the figures the issue lists: the train_step figure's configured arm
+    # already times a state made on the GPU (the <= 20 s goal) and a compile of its own (the first
+    # arm compiles alone).
+    Figure("startup", ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py"),
+           ("benchmarks/train_step.py", "--startup", "--config=configs/tiny.py:runlocal", "--per_device_batch", "4"),
+           100, own_file=False),  # the full step's compile alone took 73 s on an H200
     Figure("dreamzero", ("benchmarks/train_step.py", "--models", "dreamzero", "--dit_layers", "2,6", "--steps", "3"),
            ("benchmarks/train_step.py", "--models", "dreamzero", "--dit_layers", "1,2", "--steps", "1"), 240),
 )
