@@ -60,9 +60,9 @@ class Figure:
 FIGURES = (
     # A full-size GR00T arm took ~65 s on an H200 (2026-11-28: state 12-15 s, compile 40-50 s scanned;
     # the unrolled default compiles longer), the profiled first one ~95 s, when they compiled one after
-    # another. Since 2026-11-29 every arm is lowered first and they compile side by side on the host's
-    # cores (train_step.run_arms), then run; the arms after the first train on its state (they have
-    # the same one). The arms of the issue's
+    # another. Since 2026-11-29 the first arm compiles alone while the others lower and is timed at
+    # once; the rest then compile side by side on the host's cores (train_step.run_arms) and run; the
+    # arms after the first train on its state (they have the same one). The arms of the issue's
     # goals come first: seed_padded (packed >= 1.3x padded) and fp8_xla (>= 1.1x bf16); then scanned
     # (the default until 2026-11-28: it checks the switch to unrolled blocks the compile-only H100
     # priced). Each arm's figures are saved as it ends. `graphs` comes after the goals' arms (a failure

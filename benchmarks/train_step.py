@@ -18,9 +18,9 @@ feeds it the model's own example batch, in arms timed back to back in one proces
                scanned blocks) and their bodies in CUDA graphs too (ejax.train.step.compiler_options)
 DreamZero's batch has no packed rows: its arms are configured, unscanned and attn_<impl> (the 5B on
 accelerators, --dit_layers N to cut its DiT to what one GPU holds; runlocal on CPUs).
-Every arm's step is lowered from shapes first and compiled in worker threads side by side (XLA compiles
-outside the GIL; one thread per two cores), and the arms are timed one after another once every compile
-has ended. Per arm: state-ready seconds (built and on the device; "shared" where the arm before it has
+Every arm's step is lowered from shapes and compiled in worker threads (XLA compiles outside the GIL):
+the first arm compiles alone while the others lower and is timed at once; then the rest compile side
+by side (one thread per two cores) and are timed once their compiles have ended (run_arms). Per arm: state-ready seconds (built and on the device; "shared" where the arm before it has
 the same state, which it then trains on), compile seconds (beside the other arms' compiles: --startup
 times one alone), step ms at the trainer's
 cadence (each step dispatched before the last one's loss is read; beside it the median of steps each
@@ -440,51 +440,36 @@ def record_arm(results: dict, label: str, prepared: PreparedArm | Exception, ste
 
 def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, profile_dir: str = "",
              workers: int = 0, wait_s: float = 300.0) -> None:
-  """Every arm (label -> (config, example)) lowered in turn and compiled in `workers` threads
-  (compile_workers), then timed one after another once every compile has ended: a GPU compile
-  autotunes its GEMMs on the device, which must not share it with a timed step. The first arm
-  compiles alone (the others lower meanwhile), so that its autotuning times kernels on an idle device
-  and fills XLA's in-process autotuning cache, which the other arms' GEMMs (mostly the same shapes)
-  then read; the rest compile side by side. A compile that has not ended `wait_s` after the compiles
-  began (one stalled, as XLA's Triton GEMM autotuning did on 2026-11-27) holds back no other arm: the
-  compiled arms are timed (their figures say how many compiles still ran) and it comes after them, or
-  is given up on when no compile has ended for another `wait_s`. Arms
-  with the same state train on one (run_arm); the first is profiled into `profile_dir` when given."""
+  """Every arm (label -> (config, example)) lowered from shapes and compiled in worker threads (XLA
+  compiles outside the GIL), each timed on a device no compile is using: a GPU compile autotunes its
+  GEMMs on the device, which must not share it with a timed step.
+
+  The first arm compiles alone while the others lower, then builds its state and is timed (and
+  profiled into `profile_dir` when given): the headline figure comes as early as when arms ran one
+  after another, its autotuning ran on an idle device, and it fills XLA's in-process autotuning cache
+  for the others' GEMMs (mostly the same shapes). Then the rest compile side by side, `workers` at a
+  time (compile_workers), and are timed in order once all have ended. A compile that has not ended
+  `wait_s` after its wait began (one stalled, as XLA's Triton GEMM autotuning did on 2026-11-27) holds
+  back no other arm: the compiled arms are timed (their figures say how many compiles still ran) and
+  it comes after them, or is given up on when no compile has ended for another `wait_s`. Arms with the
+  same state train on one (run_arm)."""
   workers = workers or compile_workers(len(arms))
   prepared = {}
   start = time.perf_counter()
   pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
-  first = None
+  first, lower_seconds = None, {}
   for label, (arm_config, example) in arms.items():
     try:
       prepared[label] = prepare_arm(arm_config, example)
     except Exception as error:  # noqa: BLE001 (recorded as the arm's figure)
       prepared[label] = error
       continue
+    lower_seconds[label] = prepared[label].lower_seconds
     if first is None:
-      first = prepared[label]
-      first.compiling = pool.submit(first.compile)
-  deadline = time.perf_counter() + wait_s
-  if first is not None:
-    concurrent.futures.wait([first.compiling], timeout=max(0.0, deadline - time.perf_counter()))
-  compiling = {}
-  for label, arm in prepared.items():
-    if isinstance(arm, PreparedArm):
-      if arm.compiling is None:
-        arm.compiling = pool.submit(arm.compile)
-      compiling[arm.compiling] = label
-  concurrent.futures.wait(compiling, timeout=max(0.0, deadline - time.perf_counter()))
-  done = [label for future, label in compiling.items() if future.done()]
-  ready = [prepared[label] for label in done if not prepared[label].compiling.exception()]
-  if ready:
-    each = sum(p.compiling.result()[1] for p in ready) + sum(p.lower_seconds for p in ready)
-    print(f"  {len(ready)} arms lowered and compiled in {time.perf_counter() - start:.1f} s ({workers} side by "
-          f"side; {each:.1f} s one after another)"
-          + (f"; {len(compiling) - len(done)} still compiling after {wait_s:.0f} s" if len(done) < len(compiling) else ""),
-          flush=True)
-  out.setdefault("compile_ahead", {})[",".join(arms)] = dict(
-      arms=len(ready), workers=workers, seconds=time.perf_counter() - start)
-  shared = {}  # arms with the same state train on one (run_arm)
+      first = label
+      prepared[label].compiling = pool.submit(prepared[label].compile)
+  compiling = {}  # future -> label
+  shared = {}     # arms with the same state train on one (run_arm)
   timed = []
 
   def time_arm(label: str) -> None:
@@ -494,11 +479,33 @@ def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, p
     prepared[label] = None  # its executable and batch go before the next arm runs
     timed.append(label)
 
-  # Compiled (or failed) arms in their order, then the late ones as their compiles end.
-  for label in prepared:
-    if label in done or not isinstance(prepared[label], PreparedArm):
-      time_arm(label)
-  late = {future for future, label in compiling.items() if label not in done}
+  def time_compiled(labels) -> None:
+    for label in labels:
+      if label not in timed and (not isinstance(prepared[label], PreparedArm) or prepared[label].compiling.done()):
+        time_arm(label)
+
+  if first is not None:
+    compiling[prepared[first].compiling] = first
+    concurrent.futures.wait(compiling, timeout=wait_s)
+    time_compiled([first])
+  for label, arm in prepared.items():
+    if isinstance(arm, PreparedArm) and arm.compiling is None:
+      arm.compiling = pool.submit(arm.compile)
+      compiling[arm.compiling] = label
+  rest = [future for future, label in compiling.items() if label not in timed]
+  concurrent.futures.wait(rest, timeout=wait_s)
+  finished = {label: future.result()[1] for future, label in compiling.items()
+              if future.done() and not future.exception()}
+  if finished:
+    each = sum(finished.values()) + sum(lower_seconds[label] for label in finished)
+    print(f"  {len(finished)} arms' steps compiled {time.perf_counter() - start:.1f} s after the start, the first alone "
+          f"and timed, the rest {min(workers, max(1, len(rest)))} at a time ({each:.1f} s of lowering and "
+          f"compiling one after another)" + (f"; {len(rest) - sum(f.done() for f in rest)} still compiling"
+                                             if not all(f.done() for f in rest) else ""), flush=True)
+  out.setdefault("compile_ahead", {})[",".join(arms)] = dict(
+      arms=len(finished), workers=workers, seconds=time.perf_counter() - start)
+  time_compiled(list(prepared))  # in their order: failed ones and the compiled rest
+  late = {future for future, label in compiling.items() if label not in timed}
   while late:
     ended, late = concurrent.futures.wait(late, timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
     if not ended:  # stalled: given up on, so that the figure's last line comes
@@ -507,8 +514,7 @@ def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, p
         print(describe(compiling[future], results[compiling[future]]), flush=True)
       save_json(json_path, out)
       break
-    for future in sorted(ended, key=lambda future: list(prepared).index(compiling[future])):
-      time_arm(compiling[future])
+    time_compiled([label for label in prepared if label in {compiling[future] for future in ended}])
   shared.clear()
   pool.shutdown(wait=False)
   if not all(future.done() for future in compiling):

@@ -141,8 +141,9 @@ def test_arms_share_a_state_only_where_its_shapes_agree():
 
 @pytest.mark.timeout(300)
 def test_a_stalled_compile_holds_back_no_other_arm(monkeypatch):
-  """An arm whose compile has not ended `wait_s` after the compiles began is timed last; the others are
-  timed meanwhile and say that a compile still ran beside them (run_arms)."""
+  """An arm whose compile has not ended `wait_s` after its wait began is timed last; the others are
+  timed meanwhile and say that a compile still ran beside them (run_arms). Here the stalled arm is
+  the first, which compiles alone: the others' compiles start `wait_s` later."""
   import time
 
   from benchmarks import train_step
@@ -191,6 +192,7 @@ def test_a_compile_that_never_ends_is_given_up_on(monkeypatch):
                         workers=2, wait_s=15.0)
   finally:
     release.set()
-  assert results["configured"]["samples_per_second"] > 0 and results["configured"]["compiles_running"] == 1
+  # The first arm compiled alone and was timed before the others' compiles began.
+  assert results["configured"]["samples_per_second"] > 0 and "compiles_running" not in results["configured"]
   assert results["padded"] == {"error": "its compile had not ended 15 s after the last arm"}
   assert train_step.STALLED_COMPILES == ["configured,padded"]
