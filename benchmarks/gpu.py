@@ -207,7 +207,8 @@ def main(argv=None) -> None:
   os.makedirs(args.out, exist_ok=True)
   env = dict(os.environ, PYTHONPATH=install_wheels(), PYTHONUNBUFFERED="1")
   # cuBLAS for every GEMM: XLA's Triton GEMM autotuning stalled the FP8 figure's compiles on the first
-  # H200 window (2026-11-27); the second ran with this (MaxText sets it for GPUs too).
+  # H200 window (2026-11-27); the second ran with this (MaxText sets it for GPUs too). The train step
+  # compiles with the same option of its own (train.triton_gemm False), as the train job does.
   if not args.smoke:
     env.setdefault("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
   summary = {"environment": environment(), "figures": {}}

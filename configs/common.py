@@ -64,6 +64,8 @@ def base_config() -> ConfigDict:
       compute_copy=False,        # keep the trained weights also in compute_dtype, written by the optimizer,
                                  # for the forward to read (the same numbers; +2 bytes a weight; ejax/train/optim.py)
       command_buffers=False,     # GPU: loops (scanned blocks) in CUDA graphs too (ejax/train/step.py)
+      triton_gemm=False,         # GPU: XLA's Triton GEMM fusions (False: every matmul a cuBLAS call, as the
+                                 # benchmarks measure; ejax/train/step.py)
       remat="none",              # none | dots | dots_no_batch | full (ejax/parallel/remat.py)
       ema_decay=0.0,             # 0 disables the EMA copy of the parameters
       embodiment_rows="all",     # per-embodiment tables: rows the optimizer updates ("all" | "data": the

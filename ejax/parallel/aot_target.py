@@ -7,7 +7,8 @@ sharded on a mesh of them).compile()` then runs XLA:GPU's whole pipeline (fusion
 assignment, PTX and ptxas from the nvidia wheels) and no GPU is touched: no autotuning, so GEMM
 and fusion choices are XLA's defaults. Nothing CUDA is imported until `compile_only_devices` runs.
 Where XLA:GPU stops on a Triton GEMM's tiling (TRITON_TILING_FAILURE below),
-`XLA_FLAGS=--xla_gpu_enable_triton_gemm=false` compiles the matmuls as cuBLAS calls instead.
+`XLA_FLAGS=--xla_gpu_enable_triton_gemm=false` compiles the matmuls as cuBLAS calls instead; the train
+step carries that option itself (train.triton_gemm False, ejax.train.step.compiler_options).
 
 The plugin must be the version of the jaxlib it loads into. A separate venv that reuses ejax's:
 

@@ -89,11 +89,21 @@ COMMAND_BUFFER_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_F
 
 def compiler_options(train: ConfigDict) -> dict[str, Any]:
   """XLA options the train step compiles with (`Lowered.compile(compiler_options=...)`); GPU-only ones
-  are inert elsewhere. train.command_buffers: loops in CUDA graphs too, those of known trip count
-  unrolled in them (jaxlib's defaults leave loops out)."""
-  if not train.get("command_buffers", False):
-    return {}
-  return {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_TYPES, "xla_gpu_command_buffer_unroll_loops": True}
+  are inert elsewhere.
+
+  train.triton_gemm False (the default): every matmul is a cuBLAS call, not a Triton GEMM fusion
+  chosen by autotuning. Every GPU figure was measured so (benchmarks/gpu.py sets the same XLA flag),
+  the kernel model is calibrated on it, MaxText sets it for GPUs, and XLA's Triton GEMM autotuning
+  stalled a compile on the first H200 window (2026-11-27); without it a compile-only GPU also stops
+  on Triton tilings it cannot autotune (ejax/parallel/aot_target.py).
+  train.command_buffers: loops in CUDA graphs too, those of known trip count unrolled in them
+  (jaxlib's defaults leave loops out)."""
+  options: dict[str, Any] = {}
+  if not train.get("triton_gemm", False):
+    options["xla_gpu_enable_triton_gemm"] = False
+  if train.get("command_buffers", False):
+    options.update(xla_gpu_enable_command_buffer=COMMAND_BUFFER_TYPES, xla_gpu_command_buffer_unroll_loops=True)
+  return options
 
 
 def jit_train_step(train_step, state_shardings: Any, batch_shardings: Any, mesh: Mesh):

@@ -200,3 +200,33 @@ def test_the_step_compiles_for_a_gpu_with_loops_in_cuda_graphs():
                         env={**os.environ, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
   assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+TRITON_GEMM_PROBE = """
+from ejax.parallel import aot_target, make_mesh
+aot_target.run_jax_on_cpu()
+from ejax.kernels import platform
+from ejax.train import compile_report
+from tests.train.helpers import load_config
+config = load_config("configs/groot.py", "runlocal,dataset=synthetic")
+mesh = make_mesh({"data": 1}, aot_target.compile_only_devices("h100", 1))
+for triton_gemm in (False, True):
+  config.train.triton_gemm = triton_gemm
+  with platform.lowering_for("gpu"):
+    text = compile_report.compile_train_step(config, mesh, 8).compiled.as_text()
+  print(triton_gemm, text.count("__cublas$"), text.count('"kind":"__triton_nested_gemm_fusion"'))
+"""
+
+
+@needs_plugin
+def test_the_train_step_compiles_its_matmuls_as_cublas_calls_unless_told_otherwise():
+  """train.triton_gemm False (the default) reaches XLA:GPU as a compile option, with no XLA_FLAGS: every
+  matmul a cuBLAS call, as the GPU figures were measured; True gives XLA's Triton GEMM fusions."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  done = subprocess.run([sys.executable, "-c", TRITON_GEMM_PROBE], cwd=REPO, capture_output=True, text=True,
+                        env=env, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  (cublas_default, triton_default), (cublas_on, triton_on) = [
+      tuple(int(n) for n in line.split()[1:]) for line in done.stdout.strip().splitlines()[-2:]]
+  assert cublas_default > 0 and triton_default == 0
+  assert triton_on > 0 and cublas_on < cublas_default

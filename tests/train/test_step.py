@@ -10,7 +10,7 @@ def test_command_buffers_put_loops_in_cuda_graphs_and_change_nothing_on_a_cpu(tm
   from ejax.train.loop import train
 
   config = tiny_config(steps=2)
-  assert step_lib.compiler_options(config.train) == {}
+  assert step_lib.compiler_options(config.train) == {"xla_gpu_enable_triton_gemm": False}  # cuBLAS matmuls
   config.train.command_buffers = True
   options = step_lib.compiler_options(config.train)
   types = options["xla_gpu_enable_command_buffer"].split(",")
