@@ -510,7 +510,7 @@ def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, p
     ended, late = concurrent.futures.wait(late, timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
     if not ended:  # stalled: given up on, so that the figure's last line comes
       for future in late:
-        results[compiling[future]] = {"error": f"its compile had not ended {wait_s:.0f} s after the last arm"}
+        results[compiling[future]] = {"error": f"its compile had not ended {wait_s:g} s after the last arm"}
         print(describe(compiling[future], results[compiling[future]]), flush=True)
       save_json(json_path, out)
       break
