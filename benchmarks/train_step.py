@@ -216,7 +216,6 @@ class PreparedArm:
   mesh: Any
   rules: list
   tx: Any
-  shardings: Any        # the state's
   batch: dict           # on the devices
   signature: tuple      # state_signature
   lower_seconds: float
@@ -225,32 +224,23 @@ class PreparedArm:
 
 
 def prepare_arm(config, example: dict) -> PreparedArm:
-  """Lowers the arm's train step from shapes (as ejax.train.compile_report does); its compile is
-  left to run_arms, which runs it in a worker thread: XLA compiles outside the GIL, so arms compile
+  """Lowers the arm's train step from shapes (ejax.train.compile_report.lower_train_step); its compile
+  is left to run_arms, which runs it in a worker thread: XLA compiles outside the GIL, so arms compile
   side by side (a GPU host's cores compiled GR00T's arms one at a time, ~50 s each, on 2026-11-28)."""
-  from ejax.checkpoint import abstract_target
   from ejax.parallel import global_batch, make_mesh
-  from ejax.parallel.rules import sharding_context
   from ejax.train import rows as embodiment_rows
-  from ejax.train.optim import make_optimizer
-  from ejax.train.state import abstract_train_state, model_parts
-  from ejax.train.step import compiler_options, jit_train_step, make_train_step
+  from ejax.train.compile_report import lower_train_step
+  from ejax.train.step import compiler_options
 
   mesh = make_mesh(config.mesh.to_dict())
   rules = [tuple(rule) for rule in config.sharding_rules]
-  tx, schedule = make_optimizer(config.train)
   arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
   rows = embodiment_rows.from_train(config.train)
   if rows and "embodiment_id" in arrays:  # the example's samples on the rows the config trains
     arrays["embodiment_id"] = np.resize(np.asarray(rows.rows, np.int32), arrays["embodiment_id"].shape)
   start = time.perf_counter()
-  abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
-  shapes = abstract_target(abstract, shardings)
   batch = global_batch(arrays, mesh, rules)
-  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
-                        jax.tree.map(lambda x: x.sharding, batch), mesh)
-  with mesh, sharding_context(mesh, rules):
-    lowered = step.lower(shapes, batch)
+  lowered, abstract, shardings, tx = lower_train_step(config, mesh, batch)
   lower_seconds = time.perf_counter() - start
   options = compiler_options(config.train)
 
@@ -259,8 +249,8 @@ def prepare_arm(config, example: dict) -> PreparedArm:
     compiled = lowered.compile(options)
     return compiled, time.perf_counter() - begun
 
-  return PreparedArm(config, arrays, mesh, rules, tx, shardings, batch, _signature(abstract, shardings),
-                     lower_seconds, compile_it)
+  return PreparedArm(config, arrays, mesh, rules, tx, batch, _signature(abstract, shardings), lower_seconds,
+                     compile_it)
 
 
 def compile_workers(arms: int) -> int:

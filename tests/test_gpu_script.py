@@ -145,7 +145,7 @@ def _scheduled_arms(monkeypatch, compiles: dict, wait_s: float) -> dict:
   from benchmarks import train_step
 
   def prepare(config, example):
-    return train_step.PreparedArm(config, {}, None, [], None, None, {}, ("state",), 0.01, compiles[config])
+    return train_step.PreparedArm(config, {}, None, [], None, {}, ("state",), 0.01, compiles[config])
 
   def run(prepared, steps, profile_dir="", shared=None):
     return dict(state_seconds=0.0, state_shared=False, compile_seconds=prepared.compiling.result()[1], step_ms=1.0,

@@ -110,26 +110,36 @@ class CompiledStep:
   compile_seconds: float
 
 
-def compile_train_step(config, mesh, global_batch: int) -> CompiledStep:
-  """The trainer's jitted train step for `config`, lowered and compiled for `mesh` from shapes."""
+def lower_train_step(config, mesh, batch: dict):
+  """The trainer's jitted train step for `config`, lowered for `mesh` from the state's shapes on `batch`
+  (arrays or ShapeDtypeStructs, each with its sharding): (lowered, abstract state, its shardings, the
+  optimizer)."""
   from ejax.checkpoint import abstract_target
   from ejax.parallel.rules import sharding_context
   from ejax.train.optim import make_optimizer
   from ejax.train.state import abstract_train_state, model_parts
-  from ejax.train.step import compiler_options, jit_train_step, make_train_step
+  from ejax.train.step import jit_train_step, make_train_step
 
   rules = [tuple(rule) for rule in config.sharding_rules]
   tx, schedule = make_optimizer(config.train)
-  start = time.perf_counter()
   abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
-  state = abstract_target(abstract, shardings)
-  batch = abstract_batch(config.model, global_batch, mesh, rules, int(config.train.grad_accum_steps))
   step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train),
                         shardings, {k: v.sharding for k, v in batch.items()}, mesh)
   with mesh, sharding_context(mesh, rules):  # as the trainer traces it (ejax/train/loop.py)
-    lowered = step.lower(state, batch)
-    lowered_at = time.perf_counter()
-    compiled = lowered.compile(compiler_options(config.train))
+    lowered = step.lower(abstract_target(abstract, shardings), batch)
+  return lowered, abstract, shardings, tx
+
+
+def compile_train_step(config, mesh, global_batch: int) -> CompiledStep:
+  """The trainer's jitted train step for `config`, lowered and compiled for `mesh` from shapes."""
+  from ejax.train.step import compiler_options
+
+  rules = [tuple(rule) for rule in config.sharding_rules]
+  start = time.perf_counter()
+  batch = abstract_batch(config.model, global_batch, mesh, rules, int(config.train.grad_accum_steps))
+  lowered, abstract, shardings, _ = lower_train_step(config, mesh, batch)
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile(compiler_options(config.train))
   done = time.perf_counter()
   return CompiledStep(compiled, abstract, shardings, batch, lowered_at - start, done - lowered_at)
 
