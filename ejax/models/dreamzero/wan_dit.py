@@ -63,9 +63,11 @@ def timestep_sinusoid(timesteps: jax.Array, dim: int) -> jax.Array:
 
 def apply_rope_pairs(x: jax.Array, angles: jax.Array) -> jax.Array:
   """Rotates adjacent channel pairs (x[2i], x[2i+1]) by angles [len, head_dim / 2] (Wan's complex RoPE)."""
-  pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-  cos, sin = jnp.cos(angles)[:, None, :, None], jnp.sin(angles)[:, None, :, None]
-  return layers.rotate_pairs(pairs, cos, sin, axis=-1).reshape(x.shape).astype(x.dtype)
+  xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+  cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+  real, imag = xf[..., 0], xf[..., 1]
+  out = jnp.stack([real * cos - imag * sin, real * sin + imag * cos], axis=-1)
+  return out.reshape(x.shape).astype(x.dtype)
 
 
 def encode_actions(encoder: MultiEmbodimentActionEncoder, actions, timesteps, embodiment_ids):
