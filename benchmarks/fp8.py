@@ -7,6 +7,8 @@ Error table (any backend): [tokens, 1536] x [1536, 1536] (the DiT width) on Gaus
 or column: the entries the outliers should leave alone.
 
 GPU sections (skipped on CPU, where fp8 dots are emulated and say nothing about speed), 8192 tokens:
+- first, a training layer (forward + dX + dW, the weight quantised every step), bf16 against the XLA
+  FP8 impls, at Gemma 2B's MLP up and down (pi0.5's FP8 arm), then Qwen3's and the DiT's up;
 - GEMM TFLOP/s of XLA's bf16 dot (bf16 out) against each FP8 impl (bf16 out, activation
   quantisation included, weights quantised beforehand as for inference): "pallas" (the Pallas
   block-scaled GEMM, ejax.kernels.fp8.matmul), "pallas_fastacc" (the same kernel lowered with
@@ -16,8 +18,6 @@ GPU sections (skipped on CPU, where fp8 dots are emulated and say nothing about 
   projection and MLP (1536 -> 1536, 1536 -> 6144, 6144 -> 1536), Qwen3-1.7B's MLP (2048 -> 6144,
   6144 -> 2048) and Gemma 2B's (2048 -> 16384, 16384 -> 2048). Each arm says which GEMM XLA
   compiled (`__cublas$lt$matmul$f8` in the compiled HLO, or not);
-- a training layer (forward + dX + dW, the weight quantised every step) at each model's MLP
-  up-projection, bf16 against each Fp8Dense impl;
 - inference: a 16-block stack of DiT-shaped MLPs (make_dense) in bf16 vs after quantize_params,
   per impl.
 Arms that fail are reported and skipped; sections stop once --budget_s is spent.
@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from ejax.kernels.fp8 import (dequantize, fp8_dot, fp8_matmul, fp8_xla_dot, make_dense,
+from ejax.kernels.fp8 import (dequantize, fp8_matmul, fp8_xla_dot, make_dense,
                               quantize_activations, quantize_blockwise, quantize_params,
                               quantize_per_tensor)
 from ejax.kernels.fp8 import xla as fp8_xla
@@ -246,17 +246,22 @@ def gemm_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
   return summary
 
 
+# Training layers, most telling first: Gemma's feed-forward (pi0.5's FP8 arm, model.fp8; never reached
+# before the budget ran out on 2026-11-28), then Qwen3's and the DiT's up-projections (1.18x and 1.07x
+# with xla then). The Pallas kernel is left out here: 0.31x in both windows.
+TRAIN_LAYERS = (("Gemma 2B", "MLP up"), ("Gemma 2B", "MLP down"), ("Qwen3-1.7B", "MLP up"), ("GR00T DiT", "MLP up"))
+
+
 def gpu_train_layers(tokens: int, budget: Budget) -> list[dict]:
-  """Forward + dX + dW of one Dense (f32 master weight, bf16 activations) per model's MLP up."""
+  """Forward + dX + dW of one Dense (f32 master weight, bf16 activations) per TRAIN_LAYERS row."""
   rows = []
-  for model, gemm, k_dim, n_dim in GEMM_SHAPES:
-    if gemm != "MLP up":
-      continue
+  shapes = {(model, gemm): (k_dim, n_dim) for model, gemm, k_dim, n_dim in GEMM_SHAPES}
+  for model, gemm in TRAIN_LAYERS:
+    k_dim, n_dim = shapes[model, gemm]
     x = jax.random.normal(jax.random.key(1), (tokens, k_dim), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (k_dim, n_dim), jnp.float32) / np.sqrt(k_dim)
     d_out = jax.random.normal(jax.random.key(3), (tokens, n_dim), jnp.bfloat16)
     dots = {"bf16": lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16)),
-            "pallas": lambda x, w: fp8_dot(x, w).astype(jnp.bfloat16),
             "xla": lambda x, w: fp8_xla_dot(x, w, "tensor", jnp.bfloat16),
             "xla_rowwise": lambda x, w: fp8_xla_dot(x, w, "row", jnp.bfloat16)}
     arms: dict[str, dict] = {}
@@ -358,6 +363,10 @@ def main():
   report["error_figure"] = {"value": ratio, "bound": error_bound, "goal": OUTLIER_ERROR_GOAL, "line": error_line}
 
   if jax.default_backend() == "gpu":
+    # The training layers first: the GEMMs' figure met its goal in both windows (1.30x), the layers
+    # at pi0.5's shapes were never reached.
+    print(f"[{budget.elapsed:.0f} s] training layers")
+    report["train_layers"] = gpu_train_layers(args.gpu_tokens, budget)
     print(f"[{budget.elapsed:.0f} s] GEMMs")
     report["gemm"] = gpu_gemms(args.gpu_tokens, budget)
     report["gemm_summary"] = summary = gemm_summary(report["gemm"])
@@ -365,8 +374,6 @@ def main():
     for impl, groups in summary.items():
       print(f"  {impl:15s} " + ", ".join(f"{group} {value:.2f}x" for group, value in groups.items()
                                          if group != "shapes") + f" ({groups['shapes']} shapes)")
-    print(f"[{budget.elapsed:.0f} s] training layers")
-    report["train_layers"] = gpu_train_layers(args.gpu_tokens, budget)
     print(f"[{budget.elapsed:.0f} s] inference")
     report["inference"] = gpu_inference(args.gpu_batch, budget)
     print(f"[{budget.elapsed:.0f} s] done")

@@ -21,7 +21,7 @@ ADDED_KEYS: dict[str, dict] = {
     # computes the same either way; each model gets today's default
     "groot": {"attention_impl": "auto", "fp8_impl": True, "text_first": False, "perception": {}, "scan_layers": False},
     "pi05": {"attention_impl": "auto", "perception": {}, "perception_tokens": False, "scan_layers": False,
-             "continuous_state": False, "discrete_state_input": True},
+             "continuous_state": False, "discrete_state_input": True, "fp8": False, "fp8_impl": "xla"},
 }
 
 

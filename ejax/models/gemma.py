@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ejax.kernels.attention import attention, block_ids_from_ar_flags  # noqa: F401  (re-exported for callers)
+from ejax.kernels.fp8.dense import fp8_matmul_trained
 from ejax.models.layers import apply_rope, make_param
 from ejax.parallel import axes as ax
 from ejax.parallel import constrain, remat_policy
@@ -215,11 +216,21 @@ def gated_residual(x: jax.Array, y: jax.Array, gate: jax.Array | None) -> jax.Ar
   return x + y if gate is None else x + y * gate
 
 
-def project(layer: dict, name: str, equation: str, x: jax.Array, index: int | None = None) -> jax.Array:
+def project(layer: dict, name: str, equation: str, x: jax.Array, index: int | None = None,
+            fp8: str | None = None) -> jax.Array:
   """einsum(equation, x, layer[name]) plus the layer's LoRA adapter of that weight, if any (openpi's
-  lora.Einsum: the rank axis "L" replaces the weight's output axis in a, its input axis in b)."""
+  lora.Einsum: the rank axis "L" replaces the weight's output axis in a, its input axis in b).
+
+  fp8: an ejax.kernels.fp8 impl: the weight's matmul (a 2-D weight, the feed-forward's) runs as FP8
+  GEMMs forward and backward (the adapter's stays in x.dtype)."""
   weight = layer[name] if index is None else layer[name][index]
-  y = jnp.einsum(equation, x, weight.astype(x.dtype))
+  if fp8:
+    if weight.ndim != 2:
+      raise ValueError(f"FP8 projections take a 2-D weight; {name} is {weight.shape}")
+    y = fp8_matmul_trained(x.reshape(-1, x.shape[-1]), weight.astype(x.dtype), fp8, x.dtype)
+    y = y.reshape(*x.shape[:-1], weight.shape[-1])
+  else:
+    y = jnp.einsum(equation, x, weight.astype(x.dtype))
   lora = layer.get("lora", {})
   if f"{name}_a" not in lora:
     return y
@@ -234,12 +245,12 @@ def project(layer: dict, name: str, equation: str, x: jax.Array, index: int | No
   return y + delta * layer["lora_scale"].astype(x.dtype)
 
 
-def feed_forward(layer: dict, x: jax.Array) -> jax.Array:
-  """GeGLU: gelu_tanh(x W_gate) * (x W_up), then W_down."""
-  gate = project(layer, "gating_einsum", "BTD,DF->BTF", x, 0)
-  hidden = jax.nn.gelu(gate, approximate=True) * project(layer, "gating_einsum", "BTD,DF->BTF", x, 1)
+def feed_forward(layer: dict, x: jax.Array, fp8: str | None = None) -> jax.Array:
+  """GeGLU: gelu_tanh(x W_gate) * (x W_up), then W_down; fp8: its three GEMMs' FP8 impl (project)."""
+  gate = project(layer, "gating_einsum", "BTD,DF->BTF", x, 0, fp8)
+  hidden = jax.nn.gelu(gate, approximate=True) * project(layer, "gating_einsum", "BTD,DF->BTF", x, 1, fp8)
   hidden = constrain(hidden, (ax.ACT_BATCH, ax.ACT_LEN, ax.ACT_MLP))
-  return project(layer, "linear", "BTF,FD->BTD", hidden)
+  return project(layer, "linear", "BTF,FD->BTD", hidden, None, fp8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,13 +318,15 @@ def run_mixture(
     remat: str = "none",
     attention_impl: str = "auto",
     weights: Sequence[dict | None] | None = None,
+    fp8: Sequence[str | None] | None = None,
 ) -> tuple[list[jax.Array | None], KVCache | None]:
   """Runs decoders jointly: per layer each stream uses its own decoder's weights, then ONE attention
   over all streams' q/k/v (plus the cached keys/values of earlier calls).
 
   A None stream skips that decoder (its weights are not touched). Returns the final-normed outputs
   per stream and, when asked, the KV cache of this call's tokens (cache ones first). `weights[i]`, where
-  given, is decoder i's layer_weights made by the caller (once, outside its sampling loop).
+  given, is decoder i's layer_weights made by the caller (once, outside its sampling loop). `fp8[i]`,
+  where given and not None, runs decoder i's feed-forward GEMMs in FP8 with that ejax.kernels.fp8 impl.
   """
   if len(decoders) != len(streams):
     raise ValueError(f"run_mixture got {len(decoders)} decoders but {len(streams)} streams")
@@ -334,6 +347,7 @@ def run_mixture(
     kv_blocks = jnp.concatenate([kv_cache.block_ids, q_blocks], axis=1)
   conds = [streams[i].cond for i in active]
   given = weights or [None] * len(decoders)
+  fp8_impls = [(fp8 or [None] * len(decoders))[i] for i in active]
   weights = [layer_weights(decoders[i], dtype) if given[i] is None else given[i] for i in active]
 
   def layer(carry, per_layer):
@@ -359,12 +373,12 @@ def run_mixture(
                         mask_kind="block_causal", q_block_ids=q_blocks, kv_block_ids=kv_blocks,
                         impl=attention_impl)
     outs, start = [], 0
-    for x, w, cond, gate, length in zip(xs, layer_weights, conds, gates, lengths):
+    for x, w, cond, gate, length, impl in zip(xs, layer_weights, conds, gates, lengths, fp8_impls):
       attended = project(w, "attn_vec_einsum", "BTNH,NHD->BTD", encoded[:, start:start + length])
       start += length
       x = gated_residual(x, attended, gate)
       h, gate = apply_norm(w["pre_ffw_norm"], x, cond)
-      outs.append(constrain(gated_residual(x, feed_forward(w, h), gate), ax.BATCH_SPEC))
+      outs.append(constrain(gated_residual(x, feed_forward(w, h, impl), gate), ax.BATCH_SPEC))
     return outs, (new_kv if return_kv_cache else None)
 
   if remat != "none":  # recompute each layer's activations in the backward pass (config.model.remat)

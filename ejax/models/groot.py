@@ -61,8 +61,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.dtype = "bfloat16"
   c.param_dtype = "float32"
   c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8 (off: at the DiT's
-  #                                    1536-wide GEMMs FP8 measured 1.12x of bf16 on an H200, the
-  #                                    train step's FP8 arm is unmeasured; BENCHMARKS.md, FP8)
+  #                                    1536-wide GEMMs FP8 measured 1.12x of bf16 on an H200, and the
+  #                                    train step's FP8 arm 0.92x the bf16 one; BENCHMARKS.md, FP8)
   c.fp8_impl = "xla"                 # with fp8: xla (cuBLASLt FP8, per-tensor scales; 1.30x bf16 over
   #                                    the DiT and LLM GEMMs) | xla_rowwise (1.12x) | blockwise (Pallas, 0.33x)
   # Trained blocks unrolled and not rematerialised: on jaxlib 0.11.2's compile-only H100 the step

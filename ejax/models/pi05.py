@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
 from ejax.models import flow, gemma, layers, perception, pi05_inputs
 from ejax.models.config_upgrade import upgrade_model_config
 from ejax.models.pi05_config import Pi05Config, read
@@ -86,6 +87,12 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.packing = dict(row_length=0, samples_per_row=0, max_images_per_sample=3, max_row_length=4096, probe_samples=512)
   c.remat = "full"
   c.attention_impl = "auto"
+  # The PaliGemma expert's feed-forward (2048 <-> 16,384, the step's largest GEMMs) as FP8 GEMMs, forward
+  # and backward (ejax.kernels.fp8; the action expert's 50 tokens a sample and SigLIP's 1152-wide GEMMs
+  # stay bf16, FP8 gains little there). Off until a GPU shows the FP8 train-step arm faster
+  # (BENCHMARKS.md, FP8).
+  c.fp8 = False
+  c.fp8_impl = "xla"                # xla (cuBLASLt, per-tensor scales) | xla_rowwise | blockwise (Pallas)
   # SigLIP's blocks unrolled (the decoders always scan, their weights stored stacked): a scan stacks the
   # trained SigLIP's weights every step; unrolled, the compile-only H100 prices the step (8 samples) at
   # 265.1 vs 269.2 ms, the same memory (BENCHMARKS.md).
@@ -143,6 +150,8 @@ class Pi05(nnx.Module):
     self.settings = config = read(self.config)
     self.dtype = DTYPES[config.dtype]
     param_dtype = DTYPES[config.param_dtype]
+    if config.fp8 and config.fp8_impl not in FP8_IMPLS:
+      raise ValueError(f"model.fp8_impl={config.fp8_impl!r} is not one of {FP8_IMPLS}: set one of them")
     llm_config, expert_config, vision_config = config.paligemma, config.action_expert, config.vision
     common = dict(dtype=self.dtype, param_dtype=param_dtype, rngs=rngs)
     # Rematerialised per block like the decoders: the trained tower otherwise keeps every block's
@@ -268,7 +277,8 @@ class Pi05(nnx.Module):
 
   def _run(self, streams, **kwargs):
     return gemma.run_mixture([self.llm, self.expert], streams, dtype=self.dtype, remat=self.settings.remat,
-                             attention_impl=self.settings.attention_impl, **kwargs)
+                             attention_impl=self.settings.attention_impl,
+                             fp8=(self.settings.fp8_impl if self.settings.fp8 else None, None), **kwargs)
 
   def compute_loss(self, batch, rng, *, time=None, noise=None, train: bool = True):
     """Flow-matching loss (openpi convention), one joint pass over prefix and suffix.

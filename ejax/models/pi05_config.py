@@ -45,6 +45,8 @@ class Pi05Config:
   packing: PackingConfig
   remat: str
   attention_impl: str
+  fp8: bool
+  fp8_impl: str
   scan_layers: bool
   perception: PerceptionConfig | None
   perception_tokens: bool

@@ -71,6 +71,16 @@ def _fp8_dot_bwd(residuals, d_out):
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
+def fp8_matmul_trained(tokens: jax.Array, kernel: jax.Array, impl: str, out_dtype) -> jax.Array:
+  """tokens [n, in] @ a trained kernel [in, out] -> [n, out] in out_dtype, through `impl`'s FP8 GEMMs
+  (forward and backward): what Fp8Dense runs, for models whose weights are not Dense layers (pi0.5's
+  stacked Gemma einsum weights)."""
+  impl = _check_impl(impl)
+  if impl in _XLA_SCALING:
+    return xla.fp8_xla_dot(tokens, kernel, _XLA_SCALING[impl], out_dtype)
+  return fp8_dot(tokens, kernel).astype(out_dtype)
+
+
 class Fp8Weight(nnx.Variable):
   """Inference-only FP8 kernel storage (not an nnx.Param: optimisers leave it alone)."""
 
@@ -123,23 +133,18 @@ class Fp8Dense(nnx.Module):
       raise ValueError(f"Fp8Dense expects {self.in_features} input features, got shape {x.shape}")
     dtype = self.dtype or x.dtype
     tokens = x.reshape(-1, self.in_features)
-    if self.impl in _XLA_SCALING:
-      scaling = _XLA_SCALING[self.impl]
-      if self.is_quantized:
-        y, _ = xla.forward(tokens, self.kernel_fp8[...], self.kernel_scales[...], scaling, dtype)
-      else:
-        y = xla.fp8_xla_dot(tokens, self.kernel[...], scaling, dtype)
-      if self.bias is not None:
-        y = y.astype(jnp.float32) + self.bias[...].astype(jnp.float32)
-      return y.astype(dtype).reshape(*x.shape[:-1], self.out_features)
-    if self.is_quantized:
+    if not self.is_quantized:
+      # The XLA routes' GEMMs write the layer's dtype (cuBLASLt's output), the Pallas kernel fp32.
+      y = fp8_matmul_trained(tokens, self.kernel[...], self.impl,
+                             dtype if self.impl in _XLA_SCALING else jnp.float32)
+    elif self.impl in _XLA_SCALING:
+      y, _ = xla.forward(tokens, self.kernel_fp8[...], self.kernel_scales[...], _XLA_SCALING[self.impl], dtype)
+    else:
       kernel_q = Fp8Tensor(self.kernel_fp8[...], self.kernel_scales[...], WEIGHT_BLOCK,
                            (self.in_features, self.out_features))
       y = fp8_matmul(quantize_activations(tokens), kernel_q, jnp.float32)
-    else:
-      y = fp8_dot(tokens, self.kernel[...])
     if self.bias is not None:
-      y = y + self.bias[...].astype(jnp.float32)
+      y = y.astype(jnp.float32) + self.bias[...].astype(jnp.float32)
     return y.astype(dtype).reshape(*x.shape[:-1], self.out_features)
 
 
