@@ -8,7 +8,8 @@ or column: the entries the outliers should leave alone.
 
 GPU sections (skipped on CPU, where fp8 dots are emulated and say nothing about speed), 8192 tokens:
 - first, a training layer (forward + dX + dW, the weight quantised every step), bf16 against the XLA
-  FP8 impls, at Gemma 2B's MLP up and down (pi0.5's FP8 arm), then Qwen3's and the DiT's up;
+  FP8 impls (xla_delayed: scales from amax histories, which the step updates), at Gemma 2B's MLP up
+  and down (pi0.5's FP8 arm), then Qwen3's and the DiT's up;
 - GEMM TFLOP/s of XLA's bf16 dot (bf16 out) against each FP8 impl (bf16 out, activation
   quantisation included, weights quantised beforehand as for inference): "pallas" (the Pallas
   block-scaled GEMM, ejax.kernels.fp8.matmul), "pallas_fastacc" (the same kernel lowered with
@@ -261,15 +262,20 @@ def gpu_train_layers(tokens: int, budget: Budget) -> list[dict]:
     x = jax.random.normal(jax.random.key(1), (tokens, k_dim), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (k_dim, n_dim), jnp.float32) / np.sqrt(k_dim)
     d_out = jax.random.normal(jax.random.key(3), (tokens, n_dim), jnp.bfloat16)
-    dots = {"bf16": lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16)),
-            "xla": lambda x, w: fp8_xla_dot(x, w, "tensor", jnp.bfloat16),
-            "xla_rowwise": lambda x, w: fp8_xla_dot(x, w, "row", jnp.bfloat16)}
+    # Delayed scaling's history holds these tensors' amaxes (a steady state); its pushed history is a
+    # cotangent like dX and dW, so the step computes this step's amaxes as training does.
+    history = fp8_xla.new_history().at[:, 0].set(jnp.stack([jnp.abs(t).max().astype(jnp.float32)
+                                                           for t in (x, w, d_out)]))
+    dots = {"bf16": lambda x, w, h: jnp.dot(x, w.astype(jnp.bfloat16)),
+            "xla_delayed": lambda x, w, h: fp8_xla.fp8_xla_dot_delayed(x, w, h, jnp.bfloat16),
+            "xla": lambda x, w, h: fp8_xla_dot(x, w, "tensor", jnp.bfloat16),
+            "xla_rowwise": lambda x, w, h: fp8_xla_dot(x, w, "row", jnp.bfloat16)}
     arms: dict[str, dict] = {}
     for name, dot in dots.items():
-      def step(x, w, d_out, dot=dot):
-        y, backward = jax.vjp(dot, x, w)
+      def step(x, w, h, d_out, dot=dot):
+        y, backward = jax.vjp(dot, x, w, h)
         return y, *backward(d_out)
-      _run_arm(arms, name, budget, step, x, w, d_out, tag=f"train {model} {gemm}")
+      _run_arm(arms, name, budget, step, x, w, history, d_out, tag=f"train {model} {gemm}")
     flops = 3 * 2.0 * tokens * k_dim * n_dim
     bf16_seconds = arms["bf16"].get("seconds")
     print(f"training layer {model} {gemm} (forward + dX + dW, [{tokens} x {k_dim}] x [{k_dim} x {n_dim}]):")

@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ejax.kernels.attention import attention, block_ids_from_ar_flags  # noqa: F401  (re-exported for callers)
-from ejax.kernels.fp8.dense import fp8_matmul_trained
+from ejax.kernels.fp8.dense import Fp8History, fp8_matmul_trained
+from ejax.kernels.fp8.xla import new_history
 from ejax.models.layers import apply_rope, make_param
 from ejax.parallel import axes as ax
 from ejax.parallel import constrain, remat_policy
@@ -113,6 +114,13 @@ class GemmaLayers(nnx.Module):
                                 (ax.LAYERS, None, ax.EMBED, ax.MLP), param_dtype)
     self.linear = _param(rngs, _init(-2, -1), (L, c.mlp_dim, c.width),
                          (ax.LAYERS, ax.MLP, ax.EMBED), param_dtype)
+
+
+def add_fp8_history(decoder: "GemmaDecoder") -> None:
+  """Gives the decoder's feed-forward the amax histories of delayed-scaling FP8 ("xla_delayed"): one
+  per GEMM (FEED_FORWARD_FP8_SITES) a layer, stacked like the weights."""
+  shape = new_history(decoder.config.depth, len(FEED_FORWARD_FP8_SITES))
+  decoder.layers.fp8_history = Fp8History(shape, sharding_names=(ax.LAYERS, None, None, None))
 
 
 # Adapter weight shapes per einsum weight, as openpi's lora.Einsum / lora.FeedForward make them
@@ -217,17 +225,18 @@ def gated_residual(x: jax.Array, y: jax.Array, gate: jax.Array | None) -> jax.Ar
 
 
 def project(layer: dict, name: str, equation: str, x: jax.Array, index: int | None = None,
-            fp8: str | None = None) -> jax.Array:
+            fp8: str | None = None, history: jax.Array | None = None) -> jax.Array:
   """einsum(equation, x, layer[name]) plus the layer's LoRA adapter of that weight, if any (openpi's
   lora.Einsum: the rank axis "L" replaces the weight's output axis in a, its input axis in b).
 
   fp8: an ejax.kernels.fp8 impl: the weight's matmul (a 2-D weight, the feed-forward's) runs as FP8
-  GEMMs forward and backward (the adapter's stays in x.dtype)."""
+  GEMMs forward and backward (the adapter's stays in x.dtype); history: its amax history
+  ("xla_delayed")."""
   weight = layer[name] if index is None else layer[name][index]
   if fp8:
     if weight.ndim != 2:
       raise ValueError(f"FP8 projections take a 2-D weight; {name} is {weight.shape}")
-    y = fp8_matmul_trained(x.reshape(-1, x.shape[-1]), weight.astype(x.dtype), fp8, x.dtype)
+    y = fp8_matmul_trained(x.reshape(-1, x.shape[-1]), weight.astype(x.dtype), fp8, x.dtype, history)
     y = y.reshape(*x.shape[:-1], weight.shape[-1])
   else:
     y = jnp.einsum(equation, x, weight.astype(x.dtype))
@@ -245,12 +254,19 @@ def project(layer: dict, name: str, equation: str, x: jax.Array, index: int | No
   return y + delta * layer["lora_scale"].astype(x.dtype)
 
 
+# The feed-forward's FP8 GEMMs, in the order of their amax histories (FEED_FORWARD_FP8_SITES x
+# ejax.kernels.fp8.xla.new_history() a layer, "fp8_history" in layer_weights).
+FEED_FORWARD_FP8_SITES = ("gate", "up", "down")
+
+
 def feed_forward(layer: dict, x: jax.Array, fp8: str | None = None) -> jax.Array:
   """GeGLU: gelu_tanh(x W_gate) * (x W_up), then W_down; fp8: its three GEMMs' FP8 impl (project)."""
-  gate = project(layer, "gating_einsum", "BTD,DF->BTF", x, 0, fp8)
-  hidden = jax.nn.gelu(gate, approximate=True) * project(layer, "gating_einsum", "BTD,DF->BTF", x, 1, fp8)
+  history = layer.get("fp8_history") if fp8 == "xla_delayed" else None
+  site = (lambda i: None) if history is None else (lambda i: history[i])
+  gate = project(layer, "gating_einsum", "BTD,DF->BTF", x, 0, fp8, site(0))
+  hidden = jax.nn.gelu(gate, approximate=True) * project(layer, "gating_einsum", "BTD,DF->BTF", x, 1, fp8, site(1))
   hidden = constrain(hidden, (ax.ACT_BATCH, ax.ACT_LEN, ax.ACT_MLP))
-  return project(layer, "linear", "BTF,FD->BTD", hidden, None, fp8)
+  return project(layer, "linear", "BTF,FD->BTD", hidden, None, fp8, site(2))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,6 +305,9 @@ def layer_weights(decoder: GemmaDecoder, dtype) -> dict:
   layers = decoder.layers
   weights = {name: getattr(layers, name).value.astype(dtype)
              for name in ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear")}
+  history = getattr(layers, "fp8_history", None)
+  if history is not None:  # delayed-scaling FP8 feed-forward: [depth, sites, 3, history], not cast
+    weights["fp8_history"] = history.value
   lora = getattr(layers, "lora", None)
   if lora is not None:
     weights["lora"] = {f"{name}_{part}": getattr(lora, f"{name}_{part}").value.astype(dtype)

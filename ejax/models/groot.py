@@ -64,7 +64,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   #                                    1536-wide GEMMs FP8 measured 1.12x of bf16 on an H200, and the
   #                                    train step's FP8 arm 0.92x the bf16 one; BENCHMARKS.md, FP8)
   c.fp8_impl = "xla"                 # with fp8: xla (cuBLASLt FP8, per-tensor scales; 1.30x bf16 over
-  #                                    the DiT and LLM GEMMs) | xla_rowwise (1.12x) | blockwise (Pallas, 0.33x)
+  #                                    the DiT and LLM GEMMs) | xla_delayed (the same, scales from amax
+  #                                    histories) | xla_rowwise (1.12x) | blockwise (Pallas, 0.33x)
   # Trained blocks unrolled and not rematerialised: on jaxlib 0.11.2's compile-only H100 the step
   # (32 samples) prices at 100 vs 115 ms scanned with remat "full" (fewer launches, no per-step weight
   # stacking, no recomputed forwards) for 7.2 vs 3.6 GiB of temporaries and a longer compile

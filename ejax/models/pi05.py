@@ -92,7 +92,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # stay bf16, FP8 gains little there). Off until a GPU shows the FP8 train-step arm faster
   # (BENCHMARKS.md, FP8).
   c.fp8 = False
-  c.fp8_impl = "xla"                # xla (cuBLASLt, per-tensor scales) | xla_rowwise | blockwise (Pallas)
+  c.fp8_impl = "xla"                # xla (cuBLASLt, per-tensor scales) | xla_delayed (the same, scales from
+  #                                   each GEMM's amax history, as Transformer Engine) | xla_rowwise | blockwise
   # SigLIP's blocks unrolled (the decoders always scan, their weights stored stacked): a scan stacks the
   # trained SigLIP's weights every step; unrolled, the compile-only H100 prices the step (8 samples) at
   # 265.1 vs 269.2 ms, the same memory (BENCHMARKS.md).
@@ -163,6 +164,8 @@ class Pi05(nnx.Module):
     self.vision_projection = layers.Dense(vision_config.width, llm_config.width, axes=(ax.IN_FEATURES, ax.EMBED),
                                           **common)
     self.llm = gemma.GemmaDecoder(llm_config, rngs=rngs, param_dtype=param_dtype)
+    if config.fp8 and config.fp8_impl == "xla_delayed":
+      gemma.add_fp8_history(self.llm)
     self.expert = gemma.GemmaDecoder(expert_config, rngs=rngs, param_dtype=param_dtype)
     width = expert_config.width
     self.action_in_proj = layers.Dense(config.action_dim, width, axes=(ax.IN_FEATURES, ax.EMBED), **common)

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from flax import nnx
 from ml_collections import ConfigDict
 
+from ejax.kernels.fp8 import Fp8History
 from ejax.train import optim
 from ejax.train import rows as embodiment_rows
 from ejax.train.state import ModelParts, TrainState, compute_model
@@ -24,38 +26,46 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
   rows = embodiment_rows.from_train(train)
   view = rows.view if rows else (lambda params: params)
 
-  def loss_fn(params, state: TrainState, micro_batch, rng):
+  def loss_fn(params, histories, state: TrainState, micro_batch, rng):
     # bf16 (or configured) compute from fp32 master weights: gradients flow back through the cast.
-    model = compute_model(parts.graphdef, params, state.frozen, state.rest, compute_dtype)
+    rest = nnx.merge_state(state.rest, histories)
+    model = compute_model(parts.graphdef, params, state.frozen, rest, compute_dtype)
     loss, metrics = model.compute_loss(rows.remap(micro_batch) if rows else micro_batch, rng)
     return loss.astype(jnp.float32), metrics
 
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  # Delayed-scaling FP8 (ejax.kernels.fp8.Fp8History): the "gradient" with respect to a history is the
+  # history with this step's amaxes pushed in, its new value. Empty (nothing differentiated) otherwise.
+  grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
 
-  def gradients(trained, state, micro_batch, rng):
+  def gradients(trained, histories, state, micro_batch, rng):
     # With train.compute_copy the forward reads the optimizer's compute-dtype copy of the weights (the
     # cast it would make) and its gradients come back to the master dtype, as through the cast.
     copy = optim.compute_copy(state.opt_state)
     if copy is None:
-      return grad_fn(trained, state, micro_batch, rng)
-    out, grads = grad_fn(copy, state, micro_batch, rng)
-    return out, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
+      return grad_fn(trained, histories, state, micro_batch, rng)
+    out, (grads, pushed) = grad_fn(copy, histories, state, micro_batch, rng)
+    return out, (jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained), pushed)
 
   def train_step(state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict]:
     step_rng = jax.random.fold_in(state.rng, state.step)
     trained = view(state.params)
+    histories = nnx.filter_state(state.rest, Fp8History)
     if accum == 1:
-      (loss, aux), grads = gradients(trained, state, batch, step_rng)
+      (loss, aux), (grads, histories) = gradients(trained, histories, state, batch, step_rng)
     else:
       # The batch holds `accum` micro-batches stacked on axis 0 (ejax/train/inputs.py).
       def body(carry, inputs):
         index, micro_batch = inputs
-        (loss_i, aux_i), grads_i = gradients(trained, state, micro_batch, jax.random.fold_in(step_rng, index))
-        total_loss, total_grads = carry
-        return (total_loss + loss_i, jax.tree.map(jnp.add, total_grads, grads_i)), aux_i
+        (loss_i, aux_i), (grads_i, pushed_i) = gradients(trained, histories, state, micro_batch,
+                                                         jax.random.fold_in(step_rng, index))
+        total_loss, total_grads, pushed = carry
+        # Every micro-batch pushes its amax onto the same history: the step's amax is their maximum.
+        return (total_loss + loss_i, jax.tree.map(jnp.add, total_grads, grads_i),
+                jax.tree.map(jnp.maximum, pushed, pushed_i)), aux_i
 
       zeros = jax.tree.map(jnp.zeros_like, trained)
-      (loss, grads), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (jnp.arange(accum), batch))
+      carry = (jnp.zeros((), jnp.float32), zeros, jax.tree.map(jnp.zeros_like, histories))
+      (loss, grads, histories), aux = jax.lax.scan(body, carry, (jnp.arange(accum), batch))
       loss = loss / accum
       grads = jax.tree.map(lambda g: g / accum, grads)
       # Per-sample values come back [accum, micro]: flatten to the step's samples in order.
@@ -75,7 +85,8 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
         "learning_rate": schedule(state.step),
         **{k: (jnp.mean(v) if k != "per_sample_loss" else v) for k, v in aux.items()},
     }
-    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, ema_params=ema,
+                              rest=nnx.merge_state(state.rest, histories))
     return new_state, metrics
 
   return train_step

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from ejax.kernels.fp8 import (DENSE_IMPLS, E4M3, E5M2, Fp8Dense, Fp8Weight, dequantize, fp8_dot,
+from ejax.kernels.fp8 import (DENSE_IMPLS, E4M3, E5M2, Fp8Dense, Fp8History, Fp8Weight, dequantize, fp8_dot,
                               fp8_matmul_pallas, fp8_matmul_reference, fp8_xla_dot,
                               fp8_xla_dot_reference, make_dense, quantize_activations,
                               quantize_blockwise, quantize_params, quantize_per_tensor)
@@ -189,6 +189,32 @@ def test_xla_fp8_dot_gradients(gaussian, scaling):
     np.testing.assert_allclose(got[1], x_deq.T @ g, rtol=1e-5, atol=1e-5 * float(jnp.abs(x_deq.T @ g).max()))
 
 
+def test_delayed_scaling_with_this_steps_amaxes_is_current_scaling(gaussian):
+  """fp8_xla_dot_delayed quantises with the scale of its history's largest amax: given histories that
+  hold the tensors' own amaxes, it computes exactly what current scaling does, values and gradients.
+  Its "gradient" with respect to the history is the history with the step's amaxes pushed in front."""
+  a, b = gaussian
+  x, w = jnp.asarray(a[:128]), jnp.asarray(b) * 0.05
+  d_out = jnp.asarray(np.random.default_rng(5).normal(size=(128, N)), jnp.float32) * 1e-4
+  amaxes = [jnp.abs(t).max() for t in (x, w, d_out)]
+  history = fp8_xla.new_history().at[:, 3].set(jnp.stack(amaxes)).at[:, 5].set(jnp.stack(amaxes) / 4)
+  loss = lambda dot, x, w, *h: jnp.sum(dot(x, w, *h) * d_out)
+  got = jax.jit(jax.grad(lambda x, w, h: loss(fp8_xla.fp8_xla_dot_delayed, x, w, h), argnums=(0, 1, 2)))(x, w, history)
+  want = jax.jit(jax.grad(lambda x, w: loss(lambda x, w: fp8_xla_dot(x, w, "tensor"), x, w), argnums=(0, 1)))(x, w)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+  np.testing.assert_array_equal(jax.jit(fp8_xla.fp8_xla_dot_delayed)(x, w, history),
+                                jax.jit(lambda x, w: fp8_xla_dot(x, w, "tensor"))(x, w))
+  np.testing.assert_array_equal(got[2][:, 0], jnp.stack(amaxes))
+  np.testing.assert_array_equal(got[2][:, 1:], history[:, :-1])
+  # An empty history quantises with scale 1: a dY of 1e-7 flushes to e5m2's zero (its smallest
+  # subnormal is 1.5e-5) for that step. Transformer Engine's delayed scaling starts the same way.
+  tiny = d_out * 1e-3
+  empty = jax.grad(lambda w, h: jnp.sum(fp8_xla.fp8_xla_dot_delayed(x, w, h) * tiny), argnums=(0, 1))(
+      w, fp8_xla.new_history())
+  assert not np.any(np.asarray(empty[0])) and float(empty[1][2, 0]) == float(jnp.abs(tiny).max())
+
+
 def test_xla_rowwise_scaling_confines_outlier_tokens_per_tensor_does_not(gaussian):
   a, b = gaussian
   rng = np.random.default_rng(2)
@@ -223,15 +249,22 @@ class _Mlp(nnx.Module):
     return self.out(jax.nn.gelu(self.hidden(x)))
 
 
-def _loss_curve(fp8: bool | str, inputs, targets, steps: int = 40):
+def _loss_curve(fp8: bool | str, inputs, targets, steps: int = 40, trained: list | None = None):
   model = _Mlp(fp8, nnx.Rngs(0))
+  if trained is not None:
+    trained.append(model)
   optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
 
   @nnx.jit
   def step(model, optimizer):
     loss_fn = lambda m: jnp.mean((m(inputs).astype(jnp.float32) - targets) ** 2)
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
+    # As the trainer does: delayed scaling's histories are differentiated too, and their "gradients"
+    # (the histories with this step's amaxes pushed in) stored.
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, Fp8History))
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=wrt)(model)
+    histories, param_grads = nnx.split_state(grads, Fp8History, ...)
+    optimizer.update(model, param_grads)
+    nnx.update(model, histories)
     return loss
 
   return np.array([float(step(model, optimizer)) for _ in range(steps)])
@@ -244,10 +277,15 @@ def test_fp8_dense_training_tracks_bf16(impl):
   teacher = rng.normal(size=(128, 128)).astype(np.float32) / np.sqrt(128)
   targets = jnp.tanh(inputs @ teacher)
   bf16_curve = _loss_curve(False, inputs, targets)
-  fp8_curve = _loss_curve(impl, inputs, targets)
+  models = []
+  fp8_curve = _loss_curve(impl, inputs, targets, trained=models)
   assert bf16_curve[-1] < 0.3 * bf16_curve[0]  # the task is learnable in 40 steps
   # Same init, same data: the FP8 curve stays within 15 % of the bf16 curve at every step.
   np.testing.assert_allclose(fp8_curve, bf16_curve, rtol=0.15)
+  if impl == "xla_delayed":  # from the second step on, scales from the amaxes seen: close to current scaling's
+    np.testing.assert_allclose(fp8_curve[1:], _loss_curve("xla", inputs, targets)[1:], rtol=0.02)
+    history = np.asarray(models[0].hidden.fp8_history[...])
+    assert (history > 0).all()  # 40 steps filled all 16 places of x's, the kernel's and dY's amaxes
 
 
 def test_make_dense_and_quantize_params():

@@ -22,3 +22,71 @@ def test_command_buffers_put_loops_in_cuda_graphs_and_change_nothing_on_a_cpu(tm
   config.train.command_buffers = False
   without = train(config, str(tmp_path / "plain"))
   assert losses(with_graphs) == losses(without) and len(losses(without)) == 2
+
+
+def _pi05_delayed_fp8_steps(steps: int, accum: int = 1):
+  """configs/pi05.py:runlocal with model.fp8 "xla_delayed", trained `steps` steps on its example batch
+  of 4 samples. Returns the (bf16-cast) feed-forward weights before, the histories after, the losses."""
+  import jax
+  import numpy as np
+
+  from ejax.kernels.fp8 import Fp8History
+  from ejax.models.registry import get_model_spec
+  from ejax.parallel import global_batch, make_mesh
+  from ejax.train.optim import make_optimizer
+  from ejax.train.state import create_train_state, model_parts
+  from ejax.train.step import jit_train_step, make_train_step
+  from flax import nnx
+  from tests.train.helpers import load_config
+  config = load_config("configs/pi05.py", "runlocal")
+  config.model.update(fp8=True, fp8_impl="xla_delayed")
+  config.train.update(grad_accum_steps=accum, warmup_fraction=0.0)
+  mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  rules = [tuple(r) for r in config.sharding_rules]
+  tx, schedule = make_optimizer(config.train)
+  example = get_model_spec("pi05").example_batch(config.model, 4, 0)
+  arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
+  with mesh:
+    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+    layers = state.params["llm"]["layers"]
+    weights = [np.asarray(layers["gating_einsum"].get_value()[:, 0]), np.asarray(layers["gating_einsum"].get_value()[:, 1]),
+               np.asarray(layers["linear"].get_value())]
+    if accum > 1:
+      arrays = {k: v.reshape((accum, -1) + v.shape[1:]) for k, v in arrays.items()}
+    batch = global_batch(arrays, mesh, rules, batch_axis=int(accum > 1))
+    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
+                          jax.tree.map(lambda x: x.sharding, batch), mesh)
+    losses = []
+    for _ in range(steps):
+      state, metrics = step(state, batch)
+      losses.append(float(metrics["loss"]))
+  (history,) = [np.asarray(v.get_value()) for v in jax.tree.leaves(nnx.filter_state(state.rest, Fp8History),
+                                                                 is_leaf=lambda x: isinstance(x, nnx.Variable))]
+  return weights, history, losses
+
+
+def test_delayed_fp8_histories_are_the_steps_amaxes_kept_in_the_state():
+  """The trainer stores what the delayed-scaling FP8 GEMMs push into their histories: per PaliGemma layer
+  and feed-forward GEMM (gate, up, down), the newest amax first, of x, of the kernel (exactly max |W|
+  of the weights the step read) and of dY; with gradient accumulation, the micro-batches' maximum.
+  pi0.5's action expert starts with its adaRMS gates at zero, so no gradient reaches the prefix in the
+  first step: its dY amaxes are 0 there, and positive from the second but in the last layer (whose
+  feed-forward output only reaches the prefix's final norm, which no loss reads)."""
+  import numpy as np
+
+  weights, history, losses = _pi05_delayed_fp8_steps(steps=1)
+  depth = weights[0].shape[0]
+  assert history.shape == (depth, 3, 3, 16) and np.isfinite(losses).all()
+  assert (history[:, :, :2, 0] > 0).all() and not history[:, :, 2].any()
+  assert not history[..., 1:].any()  # one step: one amax each
+  for site, w in enumerate(weights):
+    np.testing.assert_array_equal(history[:, site, 1, 0], np.abs(w).reshape(depth, -1).max(axis=1))
+  _, two, _ = _pi05_delayed_fp8_steps(steps=2)
+  np.testing.assert_array_equal(two[..., 1], history[..., 0])  # pushed back one place
+  assert (two[:, :, :2, 0] > 0).all() and (two[:-1, :, 2, 0] > 0).all() and not two[-1, :, 2].any()
+  assert not two[..., 2:].any()
+  # Two micro-batches push into the same history: their maximum, not their sum (the kernel's amax is
+  # each micro-batch's; summed, it would double).
+  _, accumulated, _ = _pi05_delayed_fp8_steps(steps=1, accum=2)
+  np.testing.assert_array_equal(accumulated[:, :, 1, 0], history[:, :, 1, 0])
+  assert (accumulated[:, :, 0, 0] > 0).all() and not accumulated[..., 1:].any()

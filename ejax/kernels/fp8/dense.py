@@ -33,9 +33,11 @@ from ejax.kernels.fp8.quantize import (ACTIVATION_TILE, E4M3, E5M2, WEIGHT_BLOCK
 default_kernel_init = nnx.initializers.lecun_normal()
 # Fp8Dense's GEMMs: "blockwise" -> the Pallas block-scaled GEMM; the others -> xla.fp8_xla_dot with
 # that scaling. The default stays "blockwise" until a GPU run shows another one faster.
-IMPLS = ("blockwise", "xla", "xla_rowwise")
+IMPLS = ("blockwise", "xla", "xla_rowwise", "xla_delayed")
 DEFAULT_IMPL = "blockwise"
-_XLA_SCALING = {"xla": "tensor", "xla_rowwise": "row"}
+# xla_delayed quantises like xla (per tensor) with scales from an amax history (Fp8History): for
+# inference weights (quantize) it is xla.
+_XLA_SCALING = {"xla": "tensor", "xla_rowwise": "row", "xla_delayed": "tensor"}
 
 
 def _check_impl(impl: str) -> str:
@@ -71,11 +73,16 @@ def _fp8_dot_bwd(residuals, d_out):
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
-def fp8_matmul_trained(tokens: jax.Array, kernel: jax.Array, impl: str, out_dtype) -> jax.Array:
+def fp8_matmul_trained(tokens: jax.Array, kernel: jax.Array, impl: str, out_dtype,
+                       history: jax.Array | None = None) -> jax.Array:
   """tokens [n, in] @ a trained kernel [in, out] -> [n, out] in out_dtype, through `impl`'s FP8 GEMMs
   (forward and backward): what Fp8Dense runs, for models whose weights are not Dense layers (pi0.5's
-  stacked Gemma einsum weights)."""
+  stacked Gemma einsum weights). "xla_delayed" takes this GEMM's amax `history` (an Fp8History's value)."""
   impl = _check_impl(impl)
+  if impl == "xla_delayed":
+    if history is None:
+      raise ValueError("FP8 impl 'xla_delayed' needs the GEMM's amax history (an Fp8History variable)")
+    return xla.fp8_xla_dot_delayed(tokens, kernel, history, out_dtype)
   if impl in _XLA_SCALING:
     return xla.fp8_xla_dot(tokens, kernel, _XLA_SCALING[impl], out_dtype)
   return fp8_dot(tokens, kernel).astype(out_dtype)
@@ -83,6 +90,12 @@ def fp8_matmul_trained(tokens: jax.Array, kernel: jax.Array, impl: str, out_dtyp
 
 class Fp8Weight(nnx.Variable):
   """Inference-only FP8 kernel storage (not an nnx.Param: optimisers leave it alone)."""
+
+
+class Fp8History(nnx.Variable):
+  """The amax histories of delayed-scaling FP8 GEMMs ([..., 3, HISTORY_LENGTH], xla.new_history). Not
+  an nnx.Param: the trainer differentiates the loss with respect to it and stores the result, the
+  history with this step's amaxes pushed in, as its new value (ejax.train.step)."""
 
 
 class Fp8Dense(nnx.Module):
@@ -104,6 +117,7 @@ class Fp8Dense(nnx.Module):
                                    sharding_names=(kernel_axes[1],)) if use_bias else None)
     self.kernel_fp8: Fp8Weight | None = nnx.data(None)
     self.kernel_scales: Fp8Weight | None = nnx.data(None)
+    self.fp8_history = nnx.data(Fp8History(xla.new_history()) if impl == "xla_delayed" else None)
 
   @property
   def is_quantized(self) -> bool:
@@ -136,7 +150,8 @@ class Fp8Dense(nnx.Module):
     if not self.is_quantized:
       # The XLA routes' GEMMs write the layer's dtype (cuBLASLt's output), the Pallas kernel fp32.
       y = fp8_matmul_trained(tokens, self.kernel[...], self.impl,
-                             dtype if self.impl in _XLA_SCALING else jnp.float32)
+                             dtype if self.impl in _XLA_SCALING else jnp.float32,
+                             None if self.fp8_history is None else self.fp8_history[...])
     elif self.impl in _XLA_SCALING:
       y, _ = xla.forward(tokens, self.kernel_fp8[...], self.kernel_scales[...], _XLA_SCALING[self.impl], dtype)
     else:

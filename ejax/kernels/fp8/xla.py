@@ -159,6 +159,68 @@ def _dot_bwd(scaling, out_dtype, residuals, d_out):
 fp8_xla_dot.defvjp(_dot_fwd, _dot_bwd)
 
 
+# Delayed scaling (Transformer Engine's default recipe for Hopper): each FP8 GEMM keeps, per operand, the
+# amax of its last HISTORY_LENGTH steps, and quantises with the power-of-two scale of their maximum. The
+# scale is known before the tensor exists, so the conversion need not wait for an amax pass over the
+# tensor (current scaling, "tensor", must finish one first); this step's amax is computed beside it for
+# the next steps. On jaxlib 0.11.2's compile-only H100, pi0.5's FP8 step prices at 222.2 ms against
+# 226.4 with current scaling (213.0 if the amaxes cost nothing: XLA keeps some of them in passes of
+# their own; BENCHMARKS.md, FP8).
+HISTORY_LENGTH = 16
+HISTORY_ROWS = 3  # the histories of x (e4m3), the kernel (e4m3) and dY (e5m2), in this order
+
+
+def new_history(*leading: int) -> jax.Array:
+  """Empty amax histories [*leading, HISTORY_ROWS, HISTORY_LENGTH] for fp8_xla_dot_delayed: the first
+  step quantises with scale 1 (as Transformer Engine's delayed scaling starts), later ones with the
+  amaxes seen."""
+  return jnp.zeros((*leading, HISTORY_ROWS, HISTORY_LENGTH), jnp.float32)
+
+
+def _delayed(x: jax.Array, history_row: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x quantised with the scale of its history -> (fp8 values, scale, this x's amax)."""
+  scale = power_of_two_scale(jnp.max(history_row), dtype)
+  limit = fp8_max(dtype)
+  x = x.astype(jnp.float32)
+  return jnp.clip(x / scale, -limit, limit).astype(dtype), scale, jnp.max(jnp.abs(x))
+
+
+def _pushed(history_row: jax.Array, amax: jax.Array) -> jax.Array:
+  return jnp.concatenate([amax.reshape(1).astype(jnp.float32), history_row[:-1]])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_xla_dot_delayed(x: jax.Array, kernel: jax.Array, history: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+  """x [tokens, in] @ kernel [in, out] as cuBLASLt FP8 GEMMs (forward and backward), per-tensor scales
+  from `history` [HISTORY_ROWS, HISTORY_LENGTH] (new_history) rather than from the tensors themselves.
+
+  The gradient with respect to `history` is not a gradient: it is the history with this step's amaxes
+  pushed in front, which the trainer stores as the history's new value (ejax.train.step; flax's
+  fp8_ops passes its amax history back the same way). One history per GEMM, used once a step."""
+  return _delayed_fwd(x, kernel, history, out_dtype)[0]
+
+
+def _delayed_fwd(x, kernel, history, out_dtype):
+  x_q, x_scale, x_amax = _delayed(x, history[0], E4M3)
+  kernel_q, kernel_scale, kernel_amax = _delayed(kernel.T, history[1], E4M3)  # K-major [out, in]
+  y = scaled_gemm(x_q, x_scale, kernel_q, kernel_scale, (1, 1), out_dtype, FORWARD_PRECISION)
+  return y, (x_q, x_scale, kernel_q, kernel_scale, history, x_amax, kernel_amax,
+             jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
+
+
+def _delayed_bwd(out_dtype, residuals, d_out):
+  x_q, x_scale, kernel_q, kernel_scale, history, x_amax, kernel_amax, x_like, kernel_like = residuals
+  d_out_q, d_out_scale, d_out_amax = _delayed(d_out, history[2], E5M2)
+  d_x = scaled_gemm(d_out_q, d_out_scale, kernel_q, kernel_scale, (1, 0), x_like.dtype, BACKWARD_PRECISION)
+  d_kernel = scaled_gemm(x_q, x_scale, d_out_q, d_out_scale, (0, 0), kernel_like.dtype, BACKWARD_PRECISION)
+  pushed = jnp.stack([_pushed(history[0], x_amax), _pushed(history[1], kernel_amax),
+                      _pushed(history[2], d_out_amax)])
+  return d_x, d_kernel, pushed
+
+
+fp8_xla_dot_delayed.defvjp(_delayed_fwd, _delayed_bwd)
+
+
 def fp8_xla_dot_reference(x: jax.Array, kernel: jax.Array, scaling: str = "tensor") -> jax.Array:
   """The forward pass in fp32 on the dequantised operands: what the GEMM must compute."""
   kernel_q, kernel_scale = quantize_weight(kernel, scaling)
