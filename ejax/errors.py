@@ -12,3 +12,8 @@ class UserError(Exception):
 class BatchError(UserError, ValueError):
   """Samples that do not fit the model's input settings (packed row length, cameras, horizon,
   state room), found while assembling a batch. A ValueError too, for library callers."""
+
+
+class MissingFileError(UserError, FileNotFoundError):
+  """A file or directory the settings name (a tokenizer, a checkpoint, statistics) is not there. A
+  FileNotFoundError too, for library callers."""

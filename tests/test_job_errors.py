@@ -39,6 +39,8 @@ CASES = [
      ["was written with other settings", "model.", "new --workdir"]),
     ("train-stats-path-missing", "train", [TINY, "--config.data.stats_path=/no/stats.json"],
      ["data.stats_path '/no/stats.json' is not a file", "--config.job=stats"]),
+    ("train-pi05-tokenizer-missing", "train", ["--config=configs/pi05.py:runlocal", "--config.data.name=synthetic"],
+     ["PaliGemma tokenizer model '' not found", "config.model.tokenizer_path"]),
     ("train-wandb-mode", "train", [TINY, "--config.metrics.wandb=True", "--config.metrics.wandb_mode=cloud"],
      ["metrics.wandb_mode='cloud': use one of online, offline, disabled"]),
     ("train-encoder-cache-missing", "train", ["--config=configs/dreamzero.py:runlocal", "--config.data.encoder_cache=/no/such",

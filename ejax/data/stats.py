@@ -19,6 +19,7 @@ import numpy as np
 
 from ejax.data import lerobot_format as fmt
 from ejax.data import stats_math
+from ejax.errors import MissingFileError
 
 
 def normalized_keys(source) -> list[str]:
@@ -57,7 +58,7 @@ def load_or_compute_stats(data_config, source) -> dict[str, dict[str, np.ndarray
   path = data_config.get("stats_path", None)
   if path:
     if not os.path.exists(path):
-      raise FileNotFoundError(f"data.stats_path={path} does not exist: run the stats job first "
+      raise MissingFileError(f"data.stats_path={path} does not exist: run the stats job first "
                               "or unset data.stats_path")
     return load_stats(path)
   needed = ("q01", "q99") if data_config.get("normalization", "mean_std") == "quantile" else (

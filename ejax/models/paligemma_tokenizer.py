@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+from ejax.errors import MissingFileError
+
 STATE_BINS = 256
 
 
@@ -91,7 +93,7 @@ class PaligemmaTokenizer:
     import sentencepiece  # Lazy: only input assembly needs it.
 
     if not os.path.exists(model_path):
-      raise FileNotFoundError(
+      raise MissingFileError(
           f"PaliGemma tokenizer model {model_path!r} not found: copy paligemma_tokenizer.model to "
           "this path (it is big_vision's / openpi's released file) or set config.model.tokenizer_path")
     with open(model_path, "rb") as f:

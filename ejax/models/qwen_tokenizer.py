@@ -10,6 +10,8 @@ import os
 
 from tokenizers import Tokenizer
 
+from ejax.errors import MissingFileError
+
 IMAGE_START = "<img>"
 IMAGE_END = "</img>"
 IMAGE_CONTEXT = "<IMG_CONTEXT>"
@@ -25,7 +27,7 @@ class QwenTokenizer:
     if os.path.isdir(path):
       path = os.path.join(path, "tokenizer.json")
     if not os.path.exists(path):
-      raise FileNotFoundError(f"Qwen tokenizer file {path!r} does not exist: set config.model.tokenizer_path to a "
+      raise MissingFileError(f"Qwen tokenizer file {path!r} does not exist: set config.model.tokenizer_path to a "
                               "local tokenizer.json (no downloads at run time)")
     return cls(Tokenizer.from_file(path))
 

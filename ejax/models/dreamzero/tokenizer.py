@@ -13,6 +13,8 @@ import re
 
 import numpy as np
 
+from ejax.errors import MissingFileError
+
 PAD, EOS = 0, 1
 BYTE_OFFSET = 3
 
@@ -37,7 +39,7 @@ class UMT5Tokenizer:
     if os.path.isdir(path):
       path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"umT5 tokenizer {path!r} does not exist: set config.model.tokenizer_path to a local "
+      raise MissingFileError(f"umT5 tokenizer {path!r} does not exist: set config.model.tokenizer_path to a local "
                               "tokenizer.json (google/umt5-xxl's), or leave it empty for byte tokens at CPU size")
     from tokenizers import Tokenizer
     self._tokenizer = Tokenizer.from_file(path)

@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from ejax.errors import UserError
+from ejax.errors import MissingFileError, UserError
 
 
 class CheckpointMismatch(UserError, ValueError):
@@ -36,11 +36,11 @@ def load_tensors(path: str) -> dict[str, np.ndarray]:
     else:
       files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-      raise FileNotFoundError(f"no *.safetensors files in {path!r}")
+      raise MissingFileError(f"no *.safetensors files in {path!r}")
   elif os.path.exists(path):
     files = [path]
   else:
-    raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    raise MissingFileError(f"checkpoint {path!r} does not exist")
   tensors: dict[str, np.ndarray] = {}
   for file in files:
     for key, value in load_file(file).items():
