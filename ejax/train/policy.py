@@ -11,6 +11,7 @@ and sampled actions are unnormalised back to the environment's units.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -26,6 +27,7 @@ from ejax.models.registry import get_model_spec
 from ejax.parallel import make_mesh
 from ejax.train.optim import make_optimizer
 from ejax.train.state import abstract_train_state, model_parts
+from ejax.train.step import compiler_options
 
 IMAGE_PREFIX = "observation.images."
 
@@ -54,7 +56,9 @@ class CheckpointPolicy:
     self.collate = spec.make_collate(model_config, self.data, inference=True) if spec.make_collate else _stack
     graphdef, state = nnx.split(model)
 
-    @jax.jit
+    # Compiled as the train step is (its matmuls cuBLAS calls unless train.triton_gemm), so a GPU
+    # serves with the GEMMs the figures measured.
+    @functools.partial(jax.jit, compiler_options=compiler_options(config.train) if "train" in config else None)
     def sample(state, batch, rng, noise):
       return nnx.merge(graphdef, state).sample_actions(batch, rng, noise=noise)
 
