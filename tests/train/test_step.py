@@ -24,7 +24,7 @@ def test_command_buffers_put_loops_in_cuda_graphs_and_change_nothing_on_a_cpu(tm
   assert losses(with_graphs) == losses(without) and len(losses(without)) == 2
 
 
-def _pi05_delayed_fp8_steps(steps: int, accum: int = 1):
+def _pi05_delayed_fp8_steps(steps: int, accum: int = 1, mesh_shape=(1, 1, 1)):
   """configs/pi05.py:runlocal with model.fp8 "xla_delayed", trained `steps` steps on its example batch
   of 4 samples. Returns the (bf16-cast) feed-forward weights before, the histories after, the losses."""
   import jax
@@ -41,7 +41,8 @@ def _pi05_delayed_fp8_steps(steps: int, accum: int = 1):
   config = load_config("configs/pi05.py", "runlocal")
   config.model.update(fp8=True, fp8_impl="xla_delayed")
   config.train.update(grad_accum_steps=accum, warmup_fraction=0.0)
-  mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  data, fsdp, tensor = mesh_shape
+  mesh = make_mesh(dict(data=data, fsdp=fsdp, tensor=tensor), devices=jax.devices()[:data * fsdp * tensor])
   rules = [tuple(r) for r in config.sharding_rules]
   tx, schedule = make_optimizer(config.train)
   example = get_model_spec("pi05").example_batch(config.model, 4, 0)
@@ -90,3 +91,13 @@ def test_delayed_fp8_histories_are_the_steps_amaxes_kept_in_the_state():
   _, accumulated, _ = _pi05_delayed_fp8_steps(steps=1, accum=2)
   np.testing.assert_array_equal(accumulated[:, :, 1, 0], history[:, :, 1, 0])
   assert (accumulated[:, :, 0, 0] > 0).all() and not accumulated[..., 1:].any()
+
+
+def test_delayed_fp8_histories_are_global_on_a_sharded_mesh():
+  """On data=2 x fsdp=2 (weights and batch sharded) every amax is the whole tensor's: the histories
+  match one device's (to float rounding of the sharded reductions' order)."""
+  import numpy as np
+
+  _, one, _ = _pi05_delayed_fp8_steps(steps=2)
+  _, sharded, _ = _pi05_delayed_fp8_steps(steps=2, mesh_shape=(2, 2, 1))
+  np.testing.assert_allclose(sharded, one, rtol=1e-5, atol=1e-9)
