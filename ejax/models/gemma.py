@@ -262,11 +262,11 @@ FEED_FORWARD_FP8_SITES = ("gate", "up", "down")
 def feed_forward(layer: dict, x: jax.Array, fp8: str | None = None) -> jax.Array:
   """GeGLU: gelu_tanh(x W_gate) * (x W_up), then W_down; fp8: its three GEMMs' FP8 impl (project)."""
   history = layer.get("fp8_history") if fp8 == "xla_delayed" else None
-  site = (lambda i: None) if history is None else (lambda i: history[i])
-  gate = project(layer, "gating_einsum", "BTD,DF->BTF", x, 0, fp8, site(0))
-  hidden = jax.nn.gelu(gate, approximate=True) * project(layer, "gating_einsum", "BTD,DF->BTF", x, 1, fp8, site(1))
+  gate_h, up_h, down_h = (None,) * len(FEED_FORWARD_FP8_SITES) if history is None else history
+  gate = project(layer, "gating_einsum", "BTD,DF->BTF", x, 0, fp8, gate_h)
+  hidden = jax.nn.gelu(gate, approximate=True) * project(layer, "gating_einsum", "BTD,DF->BTF", x, 1, fp8, up_h)
   hidden = constrain(hidden, (ax.ACT_BATCH, ax.ACT_LEN, ax.ACT_MLP))
-  return project(layer, "linear", "BTF,FD->BTD", hidden, None, fp8, site(2))
+  return project(layer, "linear", "BTF,FD->BTD", hidden, None, fp8, down_h)
 
 
 # ----------------------------------------------------------------------------------------------
