@@ -160,6 +160,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
     local_batch, batch, step_fn = first_batch_and_step()
     stop.phase = "lowering the train step"
     beside = CompileBeside(step_fn, abstract, shardings, batch, compiler_options(train_cfg))
+    stop.phase = "compiling the train step"  # lowered: the compile runs from here, until the state's phase
     lowering_seconds = time.perf_counter() - lowering_started
     logging.info("first batch read and train step lowered in %.1f s; compiling the train step beside the state",
                  lowering_seconds)
