@@ -8,8 +8,11 @@ or column: the entries the outliers should leave alone.
 
 GPU sections (skipped on CPU, where fp8 dots are emulated and say nothing about speed), 8192 tokens:
 - first, a training layer (forward + dX + dW, the weight quantised every step), bf16 against the XLA
-  FP8 impls (xla_delayed: scales from amax histories, which the step updates), at Gemma 2B's MLP up
-  and down (pi0.5's FP8 arm), then Qwen3's and the DiT's up;
+  FP8 impls (xla_delayed: scales from amax histories, which the step updates; xla_delayed_fastacc:
+  that with dX and dW accumulated fast too), at Gemma 2B's MLP up and down (pi0.5's FP8 arm; Qwen3's
+  and the DiT's up come last);
+- the GEMMs alone at Gemma 2B's MLP shapes: forward, dX and dW with their operands quantised and laid
+  out K-major beforehand, bf16 against FP8 with full and with fast accumulation;
 - GEMM TFLOP/s of XLA's bf16 dot (bf16 out) against each FP8 impl (bf16 out, activation
   quantisation included, weights quantised beforehand as for inference): "pallas" (the Pallas
   block-scaled GEMM, ejax.kernels.fp8.matmul), "pallas_fastacc" (the same kernel lowered with
@@ -250,14 +253,16 @@ def gemm_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
 # Training layers, most telling first: Gemma's feed-forward (pi0.5's FP8 arm, model.fp8; never reached
 # before the budget ran out on 2026-11-28), then Qwen3's and the DiT's up-projections (1.18x and 1.07x
 # with xla then). The Pallas kernel is left out here: 0.31x in both windows.
-TRAIN_LAYERS = (("Gemma 2B", "MLP up"), ("Gemma 2B", "MLP down"), ("Qwen3-1.7B", "MLP up"), ("GR00T DiT", "MLP up"))
+# pi0.5's FP8 layers first; Qwen3's and the DiT's (measured in both windows) after the other sections.
+TRAIN_LAYERS = (("Gemma 2B", "MLP up"), ("Gemma 2B", "MLP down"))
+LATER_TRAIN_LAYERS = (("Qwen3-1.7B", "MLP up"), ("GR00T DiT", "MLP up"))
 
 
-def gpu_train_layers(tokens: int, budget: Budget) -> list[dict]:
-  """Forward + dX + dW of one Dense (f32 master weight, bf16 activations) per TRAIN_LAYERS row."""
+def gpu_train_layers(tokens: int, budget: Budget, layers=TRAIN_LAYERS) -> list[dict]:
+  """Forward + dX + dW of one Dense (f32 master weight, bf16 activations) per `layers` row."""
   rows = []
   shapes = {(model, gemm): (k_dim, n_dim) for model, gemm, k_dim, n_dim in GEMM_SHAPES}
-  for model, gemm in TRAIN_LAYERS:
+  for model, gemm in layers:
     k_dim, n_dim = shapes[model, gemm]
     x = jax.random.normal(jax.random.key(1), (tokens, k_dim), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (k_dim, n_dim), jnp.float32) / np.sqrt(k_dim)
@@ -268,6 +273,7 @@ def gpu_train_layers(tokens: int, budget: Budget) -> list[dict]:
                                                            for t in (x, w, d_out)]))
     dots = {"bf16": lambda x, w, h: jnp.dot(x, w.astype(jnp.bfloat16)),
             "xla_delayed": lambda x, w, h: fp8_xla.fp8_xla_dot_delayed(x, w, h, jnp.bfloat16),
+            "xla_delayed_fastacc": lambda x, w, h: fp8_xla.fp8_xla_dot_delayed(x, w, h, jnp.bfloat16, True),
             "xla": lambda x, w, h: fp8_xla_dot(x, w, "tensor", jnp.bfloat16),
             "xla_rowwise": lambda x, w, h: fp8_xla_dot(x, w, "row", jnp.bfloat16)}
     arms: dict[str, dict] = {}
@@ -283,6 +289,50 @@ def gpu_train_layers(tokens: int, budget: Budget) -> list[dict]:
       print(f"  {name:26s} {_describe(arm, flops, None if name == 'bf16' else bf16_seconds)}")
     rows.append({"model": model, "gemm": gemm, "tokens": tokens, "in": k_dim, "out": n_dim, "flops": flops,
                  "arms": arms})
+  return rows
+
+
+# The GEMMs alone: each of a training layer's three GEMMs at Gemma 2B's MLP shapes (pi0.5's FP8 arm), its
+# operands quantised and laid out K-major beforehand, as delayed scaling lets XLA do in their producers.
+# What the step's price needs: the forward table above includes the activation's amax and conversion
+# passes (at K = 16,384 most of the gap to 2x), and the backward GEMMs (full-precision accumulation
+# by default, Transformer Engine's split accumulator) were never timed alone.
+ALONE_SHAPES = (("Gemma 2B", "MLP up"), ("Gemma 2B", "MLP down"))
+
+
+def gpu_gemms_alone(tokens: int, budget: Budget) -> list[dict]:
+  """bf16 vs FP8 TFLOP/s of forward (Y = X W), dX (= dY W^T) and dW (= X^T dY), every operand K-major."""
+  rows = []
+  shapes = {(model, gemm): (k_dim, n_dim) for model, gemm, k_dim, n_dim in GEMM_SHAPES}
+  nt = (((1,), (1,)), ((), ()))  # both operands contracted along their minor dimension
+  bf16_gemm = lambda a, b: lax.dot_general(a, b, nt, preferred_element_type=jnp.bfloat16)
+  for model, gemm in ALONE_SHAPES:
+    k_dim, n_dim = shapes[model, gemm]
+    keys = jax.random.split(jax.random.key(k_dim + 3 * n_dim), 3)
+    x = jax.random.normal(keys[0], (tokens, k_dim), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (n_dim, k_dim), jnp.float32) / np.sqrt(k_dim)).astype(jnp.bfloat16)
+    d_out = jax.random.normal(keys[2], (tokens, n_dim), jnp.bfloat16)
+    # GEMM -> its operands, K-major ([m, k] and [n, k]), each with its FP8 type (gradients e5m2)
+    e4m3, e5m2 = fp8_xla.E4M3, fp8_xla.E5M2
+    gemms = {"forward": ((x, e4m3), (w, e4m3)), "dX": ((d_out, e5m2), (w.T, e4m3)),
+             "dW": ((x.T, e4m3), (d_out.T, e5m2))}
+    for name, ((a, a_type), (b, b_type)) in gemms.items():
+      (a_q, a_scale), (b_q, b_scale) = fp8_xla.quantize(a, a_type), fp8_xla.quantize(b, b_type)
+      arms: dict[str, dict] = {}
+      _run_arm(arms, "bf16", budget, bf16_gemm, a, b, tag=f"alone {model} {gemm} {name}")
+      # The forward GEMM always accumulates fast (FORWARD_PRECISION); the backward ones both ways.
+      accumulations = (("fp8 full accumulation", lax.Precision.HIGHEST),) if name != "forward" else ()
+      for arm, precision in accumulations + (("fp8 fast accumulation", lax.Precision.DEFAULT),):
+        fp8_gemm = lambda a_q, a_s, b_q, b_s, precision=precision: fp8_xla.scaled_gemm(
+            a_q, a_s, b_q, b_s, (1, 1), jnp.bfloat16, precision)
+        _run_arm(arms, arm, budget, fp8_gemm, a_q, a_scale, b_q, b_scale, tag=f"alone {model} {gemm} {name} {arm}")
+      flops = 2.0 * a.shape[0] * a.shape[1] * b.shape[0]
+      print(f"GEMM alone {model} {gemm} {name} [{a.shape[0]} x {a.shape[1]}] x [{a.shape[1]} x {b.shape[0]}]:")
+      bf16_seconds = arms["bf16"].get("seconds")
+      for arm_name, arm in arms.items():
+        print(f"  {arm_name:26s} {_describe(arm, flops, None if arm_name == 'bf16' else bf16_seconds)}")
+      rows.append({"model": model, "gemm": gemm, "pass": name, "m": a.shape[0], "k": a.shape[1], "n": b.shape[0],
+                   "flops": flops, "arms": arms})
   return rows
 
 
@@ -373,6 +423,8 @@ def main():
     # at pi0.5's shapes were never reached.
     print(f"[{budget.elapsed:.0f} s] training layers")
     report["train_layers"] = gpu_train_layers(args.gpu_tokens, budget)
+    print(f"[{budget.elapsed:.0f} s] GEMMs alone (operands quantised beforehand)")
+    report["gemm_alone"] = gpu_gemms_alone(args.gpu_tokens, budget)
     print(f"[{budget.elapsed:.0f} s] GEMMs")
     report["gemm"] = gpu_gemms(args.gpu_tokens, budget)
     report["gemm_summary"] = summary = gemm_summary(report["gemm"])
@@ -382,6 +434,8 @@ def main():
                                          if group != "shapes") + f" ({groups['shapes']} shapes)")
     print(f"[{budget.elapsed:.0f} s] inference")
     report["inference"] = gpu_inference(args.gpu_batch, budget)
+    print(f"[{budget.elapsed:.0f} s] training layers of Qwen3 and the DiT")
+    report["train_layers"] += gpu_train_layers(args.gpu_tokens, budget, LATER_TRAIN_LAYERS)
     print(f"[{budget.elapsed:.0f} s] done")
     print(error_line)
     complete = {impl: groups for impl, groups in summary.items() if groups["shapes"] == len(GEMM_SHAPES)}

@@ -10,8 +10,8 @@ skipping what no longer fits the total budget, and writes all.json and most figu
               arms; the configured arm's profile (ms a step per kind of op, the top kernels)
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
-  train_step_pi05  the same for pi0.5: configured, FP8 (fp8_xla_delayed, fp8_xla), its scanned blocks in CUDA
-                   graphs (graphs)
+  train_step_pi05  the same for pi0.5: configured, FP8 (fp8_xla_delayed, fp8_xla_delayed_fastacc,
+                   fp8_xla), its scanned blocks in CUDA graphs (graphs)
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
   serve       benchmarks/serve.py: served vs in-process chunks per second
@@ -76,11 +76,13 @@ FIGURES = (
            ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
             "--profile", PROFILE), 250),
     # pi0.5's state and compile did not finish in 100 s on 2026-11-28: never measured, so it goes second.
-    # Then its FP8 arms (model.fp8: the PaliGemma feed-forward's GEMMs; delayed scaling priced 1.05-1.20x
-    # by the rate cuBLASLt's FP8 reaches, current scaling 1.04-1.18x) and, its blocks being scanned, its
+    # Then its FP8 arms (model.fp8: the PaliGemma feed-forward's GEMMs; delayed scaling priced 1.07-1.13x
+    # at the GEMM rates the H200 windows imply, 1.20x at the datasheet's; BENCHMARKS.md, FP8), delayed
+    # scaling with its dX and dW accumulated fast as well (the backward GEMMs' full-precision
+    # accumulation is the bracket's low end), current scaling and, its blocks being scanned, its
     # `graphs` arm where they fit.
     Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
-                               "configured,fp8_xla_delayed,fp8_xla,graphs",
+                               "configured,fp8_xla_delayed,fp8_xla_delayed_fastacc,fp8_xla,graphs",
                                "--steps", "5"),
            (), 150),  # --smoke: the same script as train_step's
     # Block-causal rows first, every route (~100 s with tokamax's autotuning cache empty); the causal

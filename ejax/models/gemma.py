@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ejax.kernels.attention import attention, block_ids_from_ar_flags  # noqa: F401  (re-exported for callers)
-from ejax.kernels.fp8.dense import Fp8History, fp8_matmul_trained
+from ejax.kernels.fp8.dense import DELAYED_IMPLS, Fp8History, fp8_matmul_trained
 from ejax.kernels.fp8.xla import new_history
 from ejax.models.layers import apply_rope, make_param
 from ejax.parallel import axes as ax
@@ -117,7 +117,7 @@ class GemmaLayers(nnx.Module):
 
 
 def add_fp8_history(decoder: "GemmaDecoder") -> None:
-  """Gives the decoder's feed-forward the amax histories of delayed-scaling FP8 ("xla_delayed"): one
+  """Gives the decoder's feed-forward the amax histories of delayed-scaling FP8 (DELAYED_IMPLS): one
   per GEMM (FEED_FORWARD_FP8_SITES) a layer, stacked like the weights."""
   shape = new_history(decoder.config.depth, len(FEED_FORWARD_FP8_SITES))
   decoder.layers.fp8_history = Fp8History(shape, sharding_names=(ax.LAYERS, None, None, None))
@@ -231,7 +231,7 @@ def project(layer: dict, name: str, equation: str, x: jax.Array, index: int | No
 
   fp8: an ejax.kernels.fp8 impl: the weight's matmul (a 2-D weight, the feed-forward's) runs as FP8
   GEMMs forward and backward (the adapter's stays in x.dtype); history: its amax history
-  ("xla_delayed")."""
+  (the delayed-scaling impls, DELAYED_IMPLS)."""
   weight = layer[name] if index is None else layer[name][index]
   if fp8:
     if weight.ndim != 2:
@@ -261,7 +261,7 @@ FEED_FORWARD_FP8_SITES = ("gate", "up", "down")
 
 def feed_forward(layer: dict, x: jax.Array, fp8: str | None = None) -> jax.Array:
   """GeGLU: gelu_tanh(x W_gate) * (x W_up), then W_down; fp8: its three GEMMs' FP8 impl (project)."""
-  history = layer.get("fp8_history") if fp8 == "xla_delayed" else None
+  history = layer.get("fp8_history") if fp8 in DELAYED_IMPLS else None
   gate_h, up_h, down_h = (None,) * len(FEED_FORWARD_FP8_SITES) if history is None else history
   gate = project(layer, "gating_einsum", "BTD,DF->BTF", x, 0, fp8, gate_h)
   hidden = jax.nn.gelu(gate, approximate=True) * project(layer, "gating_einsum", "BTD,DF->BTF", x, 1, fp8, up_h)

@@ -39,6 +39,7 @@ import ml_collections
 from flax import nnx
 
 from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
+from ejax.kernels.fp8.dense import DELAYED_IMPLS as FP8_DELAYED_IMPLS
 from ejax.models import flow, gemma, layers, perception, pi05_inputs
 from ejax.models.config_upgrade import upgrade_model_config
 from ejax.models.pi05_config import Pi05Config, read
@@ -93,7 +94,8 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   # (BENCHMARKS.md, FP8).
   c.fp8 = False
   c.fp8_impl = "xla"                # xla (cuBLASLt, per-tensor scales) | xla_delayed (the same, scales from
-  #                                   each GEMM's amax history, as Transformer Engine) | xla_rowwise | blockwise
+  #                                   each GEMM's amax history, as Transformer Engine) | xla_delayed_fastacc
+  #                                   (that, dX and dW with fast accumulation too) | xla_rowwise | blockwise
   # SigLIP's blocks unrolled (the decoders always scan, their weights stored stacked): a scan stacks the
   # trained SigLIP's weights every step; unrolled, the compile-only H100 prices the step (8 samples) at
   # 265.1 vs 269.2 ms, the same memory (BENCHMARKS.md).
@@ -164,7 +166,7 @@ class Pi05(nnx.Module):
     self.vision_projection = layers.Dense(vision_config.width, llm_config.width, axes=(ax.IN_FEATURES, ax.EMBED),
                                           **common)
     self.llm = gemma.GemmaDecoder(llm_config, rngs=rngs, param_dtype=param_dtype)
-    if config.fp8 and config.fp8_impl == "xla_delayed":
+    if config.fp8 and config.fp8_impl in FP8_DELAYED_IMPLS:
       gemma.add_fp8_history(self.llm)
     self.expert = gemma.GemmaDecoder(expert_config, rngs=rngs, param_dtype=param_dtype)
     width = expert_config.width

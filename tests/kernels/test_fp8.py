@@ -215,6 +215,44 @@ def test_delayed_scaling_with_this_steps_amaxes_is_current_scaling(gaussian):
   assert not np.any(np.asarray(empty[0])) and float(empty[1][2, 0]) == float(jnp.abs(tiny).max())
 
 
+def _dot_precisions(fn, *args) -> list[str]:
+  """The precision of each dot_general in fn's jaxpr (its forward and backward), in program order."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append(str(eqn.params["precision"][0] if eqn.params["precision"] else "DEFAULT"))
+      for sub in jax.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def test_fast_backward_changes_only_the_backward_gemms_precision(gaussian):
+  """"xla_delayed_fastacc" is xla_delayed whose dX and dW GEMMs accumulate fast (precision DEFAULT, as
+  the forward does) instead of in full precision (HIGHEST, Transformer Engine's split accumulator).
+  Off a GPU the precision changes nothing, so values and gradients are exactly xla_delayed's."""
+  a, b = gaussian
+  x, w = jnp.asarray(a[:128]), jnp.asarray(b) * 0.05
+  d_out = jnp.asarray(np.random.default_rng(6).normal(size=(128, N)), jnp.float32) * 1e-3
+  history = fp8_xla.new_history().at[:, 0].set(jnp.stack([jnp.abs(t).max() for t in (x, w, d_out)]))
+  grads = {fast: jax.jit(jax.grad(lambda x, w, h, fast=fast: jnp.sum(
+      fp8_xla.fp8_xla_dot_delayed(x, w, h, jnp.float32, fast) * d_out), argnums=(0, 1, 2)))(x, w, history)
+      for fast in (False, True)}
+  for got, want in zip(grads[True], grads[False]):
+    np.testing.assert_array_equal(got, want)
+  precisions = {fast: _dot_precisions(jax.grad(lambda x, w, h, fast=fast: jnp.sum(
+      fp8_xla.fp8_xla_dot_delayed(x, w, h, jnp.float32, fast) * d_out), argnums=(0, 1)), x, w, history)
+      for fast in (False, True)}
+  assert precisions[False] == ["DEFAULT", "HIGHEST", "HIGHEST"], precisions
+  assert precisions[True] == ["DEFAULT", "DEFAULT", "DEFAULT"], precisions
+  # Through the Dense layer's impl name as well.
+  dense = make_dense(128, 64, fp8="xla_delayed_fastacc", kernel_axes=(None, None), rngs=nnx.Rngs(0))
+  assert dense.fp8_history is not None
+
+
 def test_xla_rowwise_scaling_confines_outlier_tokens_per_tensor_does_not(gaussian):
   a, b = gaussian
   rng = np.random.default_rng(2)

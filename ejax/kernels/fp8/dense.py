@@ -33,11 +33,13 @@ from ejax.kernels.fp8.quantize import (ACTIVATION_TILE, E4M3, E5M2, WEIGHT_BLOCK
 default_kernel_init = nnx.initializers.lecun_normal()
 # Fp8Dense's GEMMs: "blockwise" -> the Pallas block-scaled GEMM; the others -> xla.fp8_xla_dot with
 # that scaling. The default stays "blockwise" until a GPU run shows another one faster.
-IMPLS = ("blockwise", "xla", "xla_rowwise", "xla_delayed")
+IMPLS = ("blockwise", "xla", "xla_rowwise", "xla_delayed", "xla_delayed_fastacc")
+DELAYED_IMPLS = ("xla_delayed", "xla_delayed_fastacc")  # the impls that keep an amax history (Fp8History)
 DEFAULT_IMPL = "blockwise"
-# xla_delayed quantises like xla (per tensor) with scales from an amax history (Fp8History): for
-# inference weights (quantize) it is xla.
-_XLA_SCALING = {"xla": "tensor", "xla_rowwise": "row", "xla_delayed": "tensor"}
+# xla_delayed quantises like xla (per tensor) with scales from an amax history (Fp8History);
+# xla_delayed_fastacc is that with dX and dW accumulated fast as well. For inference weights
+# (quantize) both are xla.
+_XLA_SCALING = {"xla": "tensor", "xla_rowwise": "row", "xla_delayed": "tensor", "xla_delayed_fastacc": "tensor"}
 
 
 def _check_impl(impl: str) -> str:
@@ -79,10 +81,10 @@ def fp8_matmul_trained(tokens: jax.Array, kernel: jax.Array, impl: str, out_dtyp
   (forward and backward): what Fp8Dense runs, for models whose weights are not Dense layers (pi0.5's
   stacked Gemma einsum weights). "xla_delayed" takes this GEMM's amax `history` (an Fp8History's value)."""
   impl = _check_impl(impl)
-  if impl == "xla_delayed":
+  if impl in DELAYED_IMPLS:
     if history is None:
-      raise ValueError("FP8 impl 'xla_delayed' needs the GEMM's amax history (an Fp8History variable)")
-    return xla.fp8_xla_dot_delayed(tokens, kernel, history, out_dtype)
+      raise ValueError(f"FP8 impl {impl!r} needs the GEMM's amax history (an Fp8History variable)")
+    return xla.fp8_xla_dot_delayed(tokens, kernel, history, out_dtype, impl == "xla_delayed_fastacc")
   if impl in _XLA_SCALING:
     return xla.fp8_xla_dot(tokens, kernel, _XLA_SCALING[impl], out_dtype)
   return fp8_dot(tokens, kernel).astype(out_dtype)
@@ -117,7 +119,7 @@ class Fp8Dense(nnx.Module):
                                    sharding_names=(kernel_axes[1],)) if use_bias else None)
     self.kernel_fp8: Fp8Weight | None = nnx.data(None)
     self.kernel_scales: Fp8Weight | None = nnx.data(None)
-    self.fp8_history = nnx.data(Fp8History(xla.new_history()) if impl == "xla_delayed" else None)
+    self.fp8_history = nnx.data(Fp8History(xla.new_history()) if impl in DELAYED_IMPLS else None)
 
   @property
   def is_quantized(self) -> bool:

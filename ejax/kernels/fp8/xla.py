@@ -189,18 +189,23 @@ def _pushed(history_row: jax.Array, amax: jax.Array) -> jax.Array:
   return jnp.concatenate([amax.reshape(1).astype(jnp.float32), history_row[:-1]])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def fp8_xla_dot_delayed(x: jax.Array, kernel: jax.Array, history: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fp8_xla_dot_delayed(x: jax.Array, kernel: jax.Array, history: jax.Array, out_dtype=jnp.float32,
+                        fast_backward: bool = False) -> jax.Array:
   """x [tokens, in] @ kernel [in, out] as cuBLASLt FP8 GEMMs (forward and backward), per-tensor scales
   from `history` [HISTORY_ROWS, HISTORY_LENGTH] (new_history) rather than from the tensors themselves.
 
   The gradient with respect to `history` is not a gradient: it is the history with this step's amaxes
   pushed in front, which the trainer stores as the history's new value (ejax.train.step; flax's
-  fp8_ops passes its amax history back the same way). One history per GEMM, used once a step."""
-  return _delayed_fwd(x, kernel, history, out_dtype)[0]
+  fp8_ops passes its amax history back the same way). One history per GEMM, used once a step.
+
+  fast_backward: dX and dW with cuBLASLt's fast accumulation too (FORWARD_PRECISION), a departure from
+  Transformer Engine's recipe, which accumulates its dgrad and wgrad GEMMs in full precision (its
+  "split accumulator"): the impl "xla_delayed_fastacc", for measuring what that precision costs."""
+  return _delayed_fwd(x, kernel, history, out_dtype, fast_backward)[0]
 
 
-def _delayed_fwd(x, kernel, history, out_dtype):
+def _delayed_fwd(x, kernel, history, out_dtype, fast_backward):
   x_q, x_scale, x_amax = _delayed(x, history[0], E4M3)
   kernel_q, kernel_scale, kernel_amax = _delayed(kernel.T, history[1], E4M3)  # K-major [out, in]
   y = scaled_gemm(x_q, x_scale, kernel_q, kernel_scale, (1, 1), out_dtype, FORWARD_PRECISION)
@@ -208,11 +213,12 @@ def _delayed_fwd(x, kernel, history, out_dtype):
              jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
 
 
-def _delayed_bwd(out_dtype, residuals, d_out):
+def _delayed_bwd(out_dtype, fast_backward, residuals, d_out):
   x_q, x_scale, kernel_q, kernel_scale, history, x_amax, kernel_amax, x_like, kernel_like = residuals
   d_out_q, d_out_scale, d_out_amax = _delayed(d_out, history[2], E5M2)
-  d_x = scaled_gemm(d_out_q, d_out_scale, kernel_q, kernel_scale, (1, 0), x_like.dtype, BACKWARD_PRECISION)
-  d_kernel = scaled_gemm(x_q, x_scale, d_out_q, d_out_scale, (0, 0), kernel_like.dtype, BACKWARD_PRECISION)
+  precision = FORWARD_PRECISION if fast_backward else BACKWARD_PRECISION
+  d_x = scaled_gemm(d_out_q, d_out_scale, kernel_q, kernel_scale, (1, 0), x_like.dtype, precision)
+  d_kernel = scaled_gemm(x_q, x_scale, d_out_q, d_out_scale, (0, 0), kernel_like.dtype, precision)
   pushed = jnp.stack([_pushed(history[0], x_amax), _pushed(history[1], kernel_amax),
                       _pushed(history[2], d_out_amax)])
   return d_x, d_kernel, pushed
