@@ -163,26 +163,55 @@ fp8_xla_dot.defvjp(_dot_fwd, _dot_bwd)
 # amax of its last HISTORY_LENGTH steps, and quantises with the power-of-two scale of their maximum. The
 # scale is known before the tensor exists, so the conversion need not wait for an amax pass over the
 # tensor (current scaling, "tensor", must finish one first); this step's amax is computed beside it for
-# the next steps. On jaxlib 0.11.2's compile-only H100, pi0.5's FP8 step prices at 222.2 ms against
-# 226.4 with current scaling (213.0 if the amaxes cost nothing: XLA keeps some of them in passes of
-# their own; BENCHMARKS.md, FP8).
+# the next steps (_amax_bound). On jaxlib 0.11.2's compile-only H100, pi0.5's FP8 step prices at
+# 218 ms against 226.4 with current scaling (213.0 if the amaxes cost nothing; BENCHMARKS.md, FP8).
 HISTORY_LENGTH = 16
 HISTORY_ROWS = 3  # the histories of x (e4m3), the kernel (e4m3) and dY (e5m2), in this order
+# The scale of an empty history: x's and the kernel's 1, as Transformer Engine starts; dY's 2^-16
+# (e5m2 then holds 2.3e-10 to 0.875): at 1, gradients below 7.6e-6 would all flush to zero, and an
+# all-zero dY says nothing about its magnitude (_amax_bound), so its scale would never move.
+START_SCALES = (1.0, 1.0, 2.0 ** -16)
+# _amax_bound's record for a saturated tensor: this many times the largest FP8 value (times the scale),
+# so its scale grows 16x a step until nothing saturates.
+SATURATED_GROWTH = 16.0
 
 
 def new_history(*leading: int) -> jax.Array:
   """Empty amax histories [*leading, HISTORY_ROWS, HISTORY_LENGTH] for fp8_xla_dot_delayed: the first
-  step quantises with scale 1 (as Transformer Engine's delayed scaling starts), later ones with the
-  amaxes seen."""
+  step quantises with START_SCALES, later ones with the amaxes seen."""
   return jnp.zeros((*leading, HISTORY_ROWS, HISTORY_LENGTH), jnp.float32)
 
 
-def _delayed(x: jax.Array, history_row: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """x quantised with the scale of its history -> (fp8 values, scale, this x's amax)."""
-  scale = power_of_two_scale(jnp.max(history_row), dtype)
+def _amax_bound(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+  """An upper bound on max |x| from its FP8 values q = clip(round(x / scale)): the rounding boundary above
+  the largest |q| (at most half an FP8 step above the true amax: 6 % for e4m3, 12.5 % for e5m2);
+  SATURATED_GROWTH x the FP8 max where q saturated; 0 where q is all zero (x was zero, or flushed: no
+  information, the history keeps its older amaxes); NaN where q holds a NaN.
+
+  Read from q's bits behind an optimisation barrier: a reduction of x itself keeps XLA from fusing x's
+  producer with the transposed FP8 copies the dW GEMM needs (it writes x in bf16, then converts it in
+  a second pass), while q is written anyway for the GEMMs. Transformer Engine takes the exact amax in
+  its fused cast-transpose kernel; this is the bound XLA can fuse (pi0.5's step: 218.0 vs 222.2 ms)."""
+  codes = lax.bitcast_convert_type(lax.optimization_barrier(q), jnp.uint8) & jnp.uint8(0x7F)  # |q|'s bits
+  code = jnp.max(codes)
+  top = lax.bitcast_convert_type(jnp.asarray(fp8_max(dtype), dtype), jnp.uint8)
+  value = lax.bitcast_convert_type(code, dtype).astype(jnp.float32)
+  above = lax.bitcast_convert_type(code + jnp.uint8(1), dtype).astype(jnp.float32)
+  bound = jnp.where(code == 0, 0.0, jnp.where(code < top, (value + above) / 2,
+                                               jnp.where(code == top, SATURATED_GROWTH * fp8_max(dtype), jnp.nan)))
+  return bound * scale
+
+
+def _delayed(x: jax.Array, history: jax.Array, row: int, dtype, *,
+             exact_amax: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """x quantised with the scale of its history's row -> (fp8 values, scale, this x's amax, or the
+  _amax_bound of it)."""
+  largest = jnp.max(history[row])
+  scale = jnp.where(largest == 0, START_SCALES[row], power_of_two_scale(largest, dtype))  # NaN stays NaN
   limit = fp8_max(dtype)
   x = x.astype(jnp.float32)
-  return jnp.clip(x / scale, -limit, limit).astype(dtype), scale, jnp.max(jnp.abs(x))
+  q = jnp.clip(x / scale, -limit, limit).astype(dtype)
+  return q, scale, jnp.max(jnp.abs(x)) if exact_amax else _amax_bound(q, scale, dtype)
 
 
 def _pushed(history_row: jax.Array, amax: jax.Array) -> jax.Array:
@@ -206,8 +235,9 @@ def fp8_xla_dot_delayed(x: jax.Array, kernel: jax.Array, history: jax.Array, out
 
 
 def _delayed_fwd(x, kernel, history, out_dtype, fast_backward):
-  x_q, x_scale, x_amax = _delayed(x, history[0], E4M3)
-  kernel_q, kernel_scale, kernel_amax = _delayed(kernel.T, history[1], E4M3)  # K-major [out, in]
+  x_q, x_scale, x_amax = _delayed(x, history, 0, E4M3)
+  # The kernel's exact amax: its reduction fuses with its conversion (no transposed copy to keep apart).
+  kernel_q, kernel_scale, kernel_amax = _delayed(kernel.T, history, 1, E4M3, exact_amax=True)  # [out, in]
   y = scaled_gemm(x_q, x_scale, kernel_q, kernel_scale, (1, 1), out_dtype, FORWARD_PRECISION)
   return y, (x_q, x_scale, kernel_q, kernel_scale, history, x_amax, kernel_amax,
              jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
@@ -215,7 +245,7 @@ def _delayed_fwd(x, kernel, history, out_dtype, fast_backward):
 
 def _delayed_bwd(out_dtype, fast_backward, residuals, d_out):
   x_q, x_scale, kernel_q, kernel_scale, history, x_amax, kernel_amax, x_like, kernel_like = residuals
-  d_out_q, d_out_scale, d_out_amax = _delayed(d_out, history[2], E5M2)
+  d_out_q, d_out_scale, d_out_amax = _delayed(d_out, history, 2, E5M2)
   precision = FORWARD_PRECISION if fast_backward else BACKWARD_PRECISION
   d_x = scaled_gemm(d_out_q, d_out_scale, kernel_q, kernel_scale, (1, 0), x_like.dtype, precision)
   d_kernel = scaled_gemm(x_q, x_scale, d_out_q, d_out_scale, (0, 0), kernel_like.dtype, precision)
