@@ -255,8 +255,11 @@ def _dot_precisions(fn, *args) -> list[str]:
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "dot_general":
         found.append(str(eqn.params["precision"][0] if eqn.params["precision"] else "DEFAULT"))
-      for sub in jax.core.jaxprs_in_params(eqn.params):
-        walk(sub)
+      for value in eqn.params.values():  # sub-jaxprs (custom_vjp, pjit, cond branches), any jax version
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
   return found
