@@ -76,8 +76,8 @@ FIGURES = (
            ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
             "--profile", PROFILE), 250),
     # pi0.5's state and compile did not finish in 100 s on 2026-11-28: never measured, so it goes second.
-    # Then its FP8 arms (model.fp8: the PaliGemma feed-forward's GEMMs; delayed scaling priced 1.07-1.13x
-    # at the GEMM rates the H200 windows imply, 1.20x at the datasheet's; BENCHMARKS.md, FP8), delayed
+    # Then its FP8 arms (model.fp8: the PaliGemma feed-forward's GEMMs; delayed scaling priced 1.09-1.15x
+    # at the GEMM rates the H200 windows imply, 1.22x at the datasheet's; BENCHMARKS.md, FP8), delayed
     # scaling with its dX and dW accumulated fast as well (the backward GEMMs' full-precision
     # accumulation is the bracket's low end), current scaling and, its blocks being scanned, its
     # `graphs` arm where they fit.
