@@ -52,12 +52,15 @@ def power_of_two_scale(amax: jax.Array, dtype=E4M3) -> jax.Array:
   Read off the float's bits: the exponent of amax / fp8 max, plus one if its mantissa is not 0.
   NaN or inf amax gives an inf scale, so a bad tensor stays visibly bad (NaN) after quantisation.
   """
-  ratio = amax.astype(jnp.float32) / fp8_max(dtype)
+  return jnp.where(amax > 0, _power_of_two_at_or_above(amax.astype(jnp.float32) / fp8_max(dtype)),
+                   1.0).astype(jnp.float32)
+
+
+def _power_of_two_at_or_above(ratio: jax.Array) -> jax.Array:
   bits = lax.bitcast_convert_type(ratio, jnp.int32)
   biased_exponent = (bits >> 23) & 0xFF
   biased_exponent = biased_exponent + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
-  scale = lax.bitcast_convert_type(jnp.clip(biased_exponent, 1, 255) << 23, jnp.float32)
-  return jnp.where(amax > 0, scale, 1.0).astype(jnp.float32)
+  return lax.bitcast_convert_type(jnp.clip(biased_exponent, 1, 255) << 23, jnp.float32)
 
 
 def quantize(x: jax.Array, dtype=E4M3, *, reduce_axis: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -167,6 +170,7 @@ fp8_xla_dot.defvjp(_dot_fwd, _dot_bwd)
 # 218 ms against 226.4 with current scaling (213.0 if the amaxes cost nothing; BENCHMARKS.md, FP8).
 HISTORY_LENGTH = 16
 HISTORY_ROWS = 3  # the histories of x (e4m3), the kernel (e4m3) and dY (e5m2), in this order
+HISTORY_DTYPES = (E4M3, E4M3, E5M2)
 # The scale of an empty history: x's and the kernel's 1, as Transformer Engine starts; dY's 2^-16
 # (e5m2 then holds 2.3e-10 to 0.875): at 1, gradients below 7.6e-6 would all flush to zero, and an
 # all-zero dY says nothing about its magnitude (_amax_bound), so its scale would never move.
@@ -202,20 +206,21 @@ def _amax_bound(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
   return bound * scale
 
 
-def _delayed(x: jax.Array, history: jax.Array, row: int, dtype, *,
-             exact_amax: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """x quantised with the scale of its history's row -> (fp8 values, scale, this x's amax, or the
-  _amax_bound of it)."""
-  largest = jnp.max(history[row])
-  scale = jnp.where(largest == 0, START_SCALES[row], power_of_two_scale(largest, dtype))  # NaN stays NaN
+def _delayed_scales(history: jax.Array) -> jax.Array:
+  """The scales [HISTORY_ROWS] of x, the kernel and dY from their histories' largest amaxes (START_SCALES
+  where a history is empty; NaN stays NaN), as one vector: one kernel, not one per operand."""
+  largest = jnp.max(history, axis=-1)
+  limits = jnp.asarray([fp8_max(dtype) for dtype in HISTORY_DTYPES], jnp.float32)
+  return jnp.where(largest == 0, jnp.asarray(START_SCALES, jnp.float32),
+                   _power_of_two_at_or_above(largest / limits))
+
+
+def _delayed(x: jax.Array, scale: jax.Array, dtype, *, exact_amax: bool = False) -> tuple[jax.Array, jax.Array]:
+  """x quantised with `scale` -> (fp8 values, this x's amax, or the _amax_bound of it)."""
   limit = fp8_max(dtype)
   x = x.astype(jnp.float32)
   q = jnp.clip(x / scale, -limit, limit).astype(dtype)
-  return q, scale, jnp.max(jnp.abs(x)) if exact_amax else _amax_bound(q, scale, dtype)
-
-
-def _pushed(history_row: jax.Array, amax: jax.Array) -> jax.Array:
-  return jnp.concatenate([amax.reshape(1).astype(jnp.float32), history_row[:-1]])
+  return q, jnp.max(jnp.abs(x)) if exact_amax else _amax_bound(q, scale, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -235,22 +240,23 @@ def fp8_xla_dot_delayed(x: jax.Array, kernel: jax.Array, history: jax.Array, out
 
 
 def _delayed_fwd(x, kernel, history, out_dtype, fast_backward):
-  x_q, x_scale, x_amax = _delayed(x, history, 0, E4M3)
+  scales = _delayed_scales(history)
+  x_q, x_amax = _delayed(x, scales[0], E4M3)
   # The kernel's exact amax: its reduction fuses with its conversion (no transposed copy to keep apart).
-  kernel_q, kernel_scale, kernel_amax = _delayed(kernel.T, history, 1, E4M3, exact_amax=True)  # [out, in]
-  y = scaled_gemm(x_q, x_scale, kernel_q, kernel_scale, (1, 1), out_dtype, FORWARD_PRECISION)
-  return y, (x_q, x_scale, kernel_q, kernel_scale, history, x_amax, kernel_amax,
+  kernel_q, kernel_amax = _delayed(kernel.T, scales[1], E4M3, exact_amax=True)  # K-major [out, in]
+  y = scaled_gemm(x_q, scales[0], kernel_q, scales[1], (1, 1), out_dtype, FORWARD_PRECISION)
+  return y, (x_q, kernel_q, scales, history, x_amax, kernel_amax,
              jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
 
 
 def _delayed_bwd(out_dtype, fast_backward, residuals, d_out):
-  x_q, x_scale, kernel_q, kernel_scale, history, x_amax, kernel_amax, x_like, kernel_like = residuals
-  d_out_q, d_out_scale, d_out_amax = _delayed(d_out, history, 2, E5M2)
+  x_q, kernel_q, scales, history, x_amax, kernel_amax, x_like, kernel_like = residuals
+  d_out_q, d_out_amax = _delayed(d_out, scales[2], E5M2)
   precision = FORWARD_PRECISION if fast_backward else BACKWARD_PRECISION
-  d_x = scaled_gemm(d_out_q, d_out_scale, kernel_q, kernel_scale, (1, 0), x_like.dtype, precision)
-  d_kernel = scaled_gemm(x_q, x_scale, d_out_q, d_out_scale, (0, 0), kernel_like.dtype, precision)
-  pushed = jnp.stack([_pushed(history[0], x_amax), _pushed(history[1], kernel_amax),
-                      _pushed(history[2], d_out_amax)])
+  d_x = scaled_gemm(d_out_q, scales[2], kernel_q, scales[1], (1, 0), x_like.dtype, precision)
+  d_kernel = scaled_gemm(x_q, scales[0], d_out_q, scales[2], (0, 0), kernel_like.dtype, precision)
+  amaxes = jnp.stack([x_amax, kernel_amax, d_out_amax]).astype(jnp.float32)
+  pushed = jnp.concatenate([amaxes[:, None], history[:, :-1]], axis=1)
   return d_x, d_kernel, pushed
 
 
