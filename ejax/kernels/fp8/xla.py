@@ -167,7 +167,7 @@ fp8_xla_dot.defvjp(_dot_fwd, _dot_bwd)
 # scale is known before the tensor exists, so the conversion need not wait for an amax pass over the
 # tensor (current scaling, "tensor", must finish one first); this step's amax is computed beside it for
 # the next steps (_amax_bound). On jaxlib 0.11.2's compile-only H100, pi0.5's FP8 step prices at
-# 218 ms against 226.4 with current scaling (213.0 if the amaxes cost nothing; BENCHMARKS.md, FP8).
+# 217.9 ms against 226.4 with current scaling (213.0 if the amaxes cost nothing; BENCHMARKS.md, FP8).
 HISTORY_LENGTH = 16
 HISTORY_ROWS = 3  # the histories of x (e4m3), the kernel (e4m3) and dY (e5m2), in this order
 HISTORY_DTYPES = (E4M3, E4M3, E5M2)
@@ -195,7 +195,7 @@ def _amax_bound(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
   Read from q's bits behind an optimisation barrier: a reduction of x itself keeps XLA from fusing x's
   producer with the transposed FP8 copies the dW GEMM needs (it writes x in bf16, then converts it in
   a second pass), while q is written anyway for the GEMMs. Transformer Engine takes the exact amax in
-  its fused cast-transpose kernel; this is the bound XLA can fuse (pi0.5's step: 218.0 vs 222.2 ms)."""
+  its fused cast-transpose kernel; this is the bound XLA can fuse (pi0.5's step: 217.9 vs 222.2 ms)."""
   codes = lax.bitcast_convert_type(lax.optimization_barrier(q), jnp.uint8) & jnp.uint8(0x7F)  # |q|'s bits
   code = jnp.max(codes)
   top = lax.bitcast_convert_type(jnp.asarray(fp8_max(dtype), dtype), jnp.uint8)
