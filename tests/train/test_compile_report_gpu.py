@@ -239,24 +239,32 @@ aot_target.run_jax_on_cpu()
 from ejax.kernels import platform
 from ejax.train import compile_report
 from tests.train.helpers import load_config
+import sys
 config = load_config("configs/pi05.py", "")
-config.model.fp8 = True
+config.model.update(fp8=True, fp8_impl=sys.argv[1])
 mesh = make_mesh({"data": 1}, aot_target.compile_only_devices("h100", 1))
 with platform.lowering_for("gpu"):
   text = compile_report.compile_train_step(config, mesh, 8).compiled.as_text()
-shapes = re.findall(r'= \\(bf16\\[([0-9,]+)\\][^\\n]*custom_call_target="__cublas.lt.matmul.f8"', text)
-print(sorted(collections.Counter(shapes).items()))
+calls = re.findall(r'= \\(bf16\\[([0-9,]+)\\][^\\n]*custom_call_target="__cublas.lt.matmul.f8"[^\\n]*'
+                   r'"operand_precision":\\["(\\w+)"', text)
+print(sorted(collections.Counter(shape for shape, _ in calls).items()))
+print(sorted(collections.Counter(precision for _, precision in calls).items()))
 """
 
 
 @needs_plugin
-def test_pi05_fp8_runs_the_paligemma_feed_forward_as_cublaslt_fp8_gemms():
+@pytest.mark.parametrize("impl", ["xla", "xla_delayed", "xla_delayed_fastacc"])
+def test_pi05_fp8_runs_the_paligemma_feed_forward_as_cublaslt_fp8_gemms(impl):
   """model.fp8 at full size (8 samples of 640 tokens): the PaliGemma feed-forward's gate, up and down
   projections are cuBLASLt FP8 GEMMs in the decoder scan's bodies: forward (3), the rematerialised
-  gate and up (2), dX and dW of each (6). At runlocal sizes XLA merges gate and up into one bf16 GEMM
-  (its DotMerger takes small dots), which is why this compiles the full size (~1 min)."""
-  done = subprocess.run([sys.executable, "-c", PI05_FP8_PROBE], cwd=REPO, capture_output=True, text=True,
+  gate and up (2), dX and dW of each (6), whichever scaling (delayed scaling's scales are sliced from
+  one vector: XLA's GEMM rewriter folds only scalar scales). The forward accumulates fast (DEFAULT),
+  dX and dW in full precision (HIGHEST), but all fast with xla_delayed_fastacc. At runlocal sizes XLA
+  merges gate and up into one bf16 GEMM (its DotMerger takes small dots), which is why this compiles
+  the full size (~1 min each)."""
+  done = subprocess.run([sys.executable, "-c", PI05_FP8_PROBE, impl], cwd=REPO, capture_output=True, text=True,
                         env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert done.stdout.strip().splitlines()[-1] == str(
-      [("16384,2048", 1), ("2048,16384", 2), ("5120,16384", 5), ("5120,2048", 3)])
+  shapes, precisions = done.stdout.strip().splitlines()[-2:]
+  assert shapes == str([("16384,2048", 1), ("2048,16384", 2), ("5120,16384", 5), ("5120,2048", 3)])
+  assert precisions == str([("DEFAULT", 11)] if impl == "xla_delayed_fastacc" else [("DEFAULT", 5), ("HIGHEST", 6)])
