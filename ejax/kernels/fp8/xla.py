@@ -176,8 +176,11 @@ HISTORY_DTYPES = (E4M3, E4M3, E5M2)
 # all-zero dY says nothing about its magnitude (_amax_bound), so its scale would never move.
 START_SCALES = (1.0, 1.0, 2.0 ** -16)
 # _amax_bound's record for a saturated tensor: this many times the largest FP8 value (times the scale),
-# so its scale grows 16x a step until nothing saturates.
-SATURATED_GROWTH = 16.0
+# so its scale doubles each step until nothing saturates. A record stays in the history for
+# HISTORY_LENGTH steps, and the true amax of a saturated tensor is at least the largest FP8 value
+# times its scale: doubling keeps every record within 2x of the truth (a larger step would leave the
+# scale that much too coarse for 16 steps after one saturated step).
+SATURATED_GROWTH = 2.0
 
 
 def new_history(*leading: int) -> jax.Array:
