@@ -191,7 +191,8 @@ def new_history(*leading: int) -> jax.Array:
 
 def _amax_bound(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
   """An upper bound on max |x| from its FP8 values q = clip(round(x / scale)): the rounding boundary above
-  the largest |q| (at most half an FP8 step above the true amax: 6 % for e4m3, 12.5 % for e5m2);
+  the largest |q| (in the normal range at most one FP8 step above the true amax: 1.1x for e4m3, 1.2x
+  for e5m2);
   SATURATED_GROWTH x the FP8 max where q saturated; 0 where q is all zero (x was zero, or flushed: no
   information, the history keeps its older amaxes); NaN where q holds a NaN.
 
