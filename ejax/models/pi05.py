@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from ejax.kernels.fp8 import DELAYED_IMPLS as FP8_DELAYED_IMPLS
 from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
-from ejax.kernels.fp8.dense import DELAYED_IMPLS as FP8_DELAYED_IMPLS
 from ejax.models import flow, gemma, layers, perception, pi05_inputs
 from ejax.models.config_upgrade import upgrade_model_config
 from ejax.models.pi05_config import Pi05Config, read

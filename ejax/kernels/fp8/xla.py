@@ -73,8 +73,13 @@ def quantize(x: jax.Array, dtype=E4M3, *, reduce_axis: int | None = None) -> tup
   keep = reduce_axis is not None
   amax = jnp.max(jnp.abs(x), axis=reduce_axis, keepdims=keep)
   scale = power_of_two_scale(amax, dtype)
+  return to_fp8(x, scale, dtype), scale
+
+
+def to_fp8(x: jax.Array, scale: jax.Array, dtype=E4M3) -> jax.Array:
+  """x / scale in `dtype`, clipped to its largest finite value (fp8 types have no room above it)."""
   limit = fp8_max(dtype)
-  return jnp.clip(x / scale, -limit, limit).astype(dtype), scale
+  return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
 
 
 def scaled_gemm(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array,
@@ -169,8 +174,8 @@ fp8_xla_dot.defvjp(_dot_fwd, _dot_bwd)
 # the next steps (_amax_bound). On jaxlib 0.11.2's compile-only H100, pi0.5's FP8 step prices at
 # 217.9 ms against 226.4 with current scaling (213.0 if the amaxes cost nothing; BENCHMARKS.md, FP8).
 HISTORY_LENGTH = 16
-HISTORY_ROWS = 3  # the histories of x (e4m3), the kernel (e4m3) and dY (e5m2), in this order
-HISTORY_DTYPES = (E4M3, E4M3, E5M2)
+HISTORY_DTYPES = (E4M3, E4M3, E5M2)  # the histories of x, the kernel and dY, in this order
+HISTORY_ROWS = len(HISTORY_DTYPES)
 # The scale of an empty history: x's and the kernel's 1, as Transformer Engine starts; dY's 2^-16
 # (e5m2 then holds 2.3e-10 to 0.875): at 1, gradients below 7.6e-6 would all flush to zero, and an
 # all-zero dY says nothing about its magnitude (_amax_bound), so its scale would never move.
@@ -221,10 +226,8 @@ def _delayed_scales(history: jax.Array) -> jax.Array:
 
 def _delayed(x: jax.Array, scale: jax.Array, dtype, *, exact_amax: bool = False) -> tuple[jax.Array, jax.Array]:
   """x quantised with `scale` -> (fp8 values, this x's amax, or the _amax_bound of it)."""
-  limit = fp8_max(dtype)
-  x = x.astype(jnp.float32)
-  q = jnp.clip(x / scale, -limit, limit).astype(dtype)
-  return q, jnp.max(jnp.abs(x)) if exact_amax else _amax_bound(q, scale, dtype)
+  q = to_fp8(x, scale, dtype)
+  return q, jnp.max(jnp.abs(x.astype(jnp.float32))) if exact_amax else _amax_bound(q, scale, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
