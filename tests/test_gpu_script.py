@@ -102,7 +102,8 @@ def test_train_step_sets_the_profile_beside_the_kernel_models_floor():
 def test_the_layout_arms_flip_blocks_between_scanned_and_unrolled():
   """GR00T's full config unrolls its blocks, so its comparison arm is the scanned, rematerialised
   layout it had before; DreamZero's 5B scans, so its arm unrolls."""
-  from benchmarks.train_step import load_config, other_layout
+  from benchmarks.train_step import load_config
+  from benchmarks.train_step_arms import other_layout
   groot = load_config("configs/groot.py", None).model
   assert (groot.scan_layers, groot.remat) == (False, "none")
   name, other = other_layout(groot)
@@ -113,7 +114,8 @@ def test_the_layout_arms_flip_blocks_between_scanned_and_unrolled():
 
 
 def test_the_graphs_arm_is_the_configured_step_with_its_loops_in_cuda_graphs():
-  from benchmarks.train_step import arm_configs, load_config
+  from benchmarks.train_step import load_config
+  from benchmarks.train_step_arms import arm_configs
   arms = arm_configs(load_config("configs/pi05.py", "runlocal"), ["configured", "graphs"], 2)
   (configured, batch), (graphs, graphs_batch) = arms["configured"], arms["graphs"]
   assert graphs.train.command_buffers and not configured.train.command_buffers
