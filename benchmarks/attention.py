@@ -13,7 +13,8 @@ On GPU it then measures every route side by side in TFLOP/s, forward and forward
 FLOPs counted over the (query, key) pairs the mask allows (4 * pairs * head_dim * heads forward,
 3.5x that with the backward): ejax's Triton-backend kernel ("pallas"), tokamax's Mosaic GPU kernel
 ("tokamax"; "tokamax_fwd": its forward with ejax's Triton backward; "mosaic": its forward with ejax's
-Mosaic GPU backward, whose loops are bounded by each query's key range), cuDNN over the segments as offsets
+Mosaic GPU backward, whose loops are bounded by each query's key range; "mosaic_own": ejax's Mosaic GPU
+kernels both ways, its forward's warpgroups computing only their own queries' tiles), cuDNN over the segments as offsets
 ("cudnn_packed": causal rows only, it has no block-causal form), cuDNN with the dense mask ("cudnn")
 and the XLA loop ("xla"), on the VLA rows (block-causal) and on the same rows as causal LM segments. `--sweep` adds tile / launch settings of
 ejax's kernel and tokamax configs. An arm that fails prints its error and the others go on;
@@ -38,7 +39,7 @@ import numpy as np
 
 from ejax.data.packing import pack_sequences
 from ejax.kernels.attention import (BlockSizes, attention_mask, flash_attention, intervals, mosaic_backward,
-                                    ops, tokamax_gpu)
+                                    mosaic_forward, ops, tokamax_gpu)
 from ejax.kernels.attention.ops import choose_impl
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           MaskInputs, active_fraction, normalise_mask)
@@ -61,9 +62,14 @@ TOKAMAX_SWEEP = (dict(block_q=64, block_kv=128, num_stages=2, persistent=False),
 MOSAIC_FORWARD_CONFIGS = (dict(block_q=64, block_kv=128, num_stages=3, persistent=True),
                           dict(block_q=64, block_kv=128, num_stages=2, persistent=False),
                           dict(block_q=64, block_kv=64, num_stages=3, persistent=True))
-MOSAIC_DKV_WGS = "_mosaic_dkv_warpgroups"  # an arm kwarg make() takes off before flash_attention
+# ejax's own forward ("mosaic_own", mosaic_forward.py) at other settings than its defaults (two compute
+# warpgroups taking turns, 64-key tiles, 2 stages): one warpgroup's turns are skipped, or wider tiles.
+MOSAIC_OWN_VARIANTS = (("no ping-pong", dict(PINGPONG=False)), ("128-key tiles", dict(BLOCK_KV=128)),
+                       ("3 stages", dict(STAGES=3)))
+# An arm kwarg make() takes off before flash_attention: ((module, name, value), ...) set while it traces.
+SETTINGS = "_module_settings"
 # Arms also timed on the causal rows (the rest, baselines and the sweep, on the VLA rows only).
-CAUSAL_ARMS = ("pallas", "tokamax", "tokamax_fwd", "mosaic", "cudnn_packed")
+CAUSAL_ARMS = ("pallas", "tokamax", "tokamax_fwd", "mosaic", "mosaic_own", "cudnn_packed")
 
 
 def vla_lengths(num_samples: int, rng: np.random.Generator) -> np.ndarray:
@@ -120,8 +126,10 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
     return []
   # pallas first (the other arms' gradients are checked against it), then the mosaic route and its
   # variants; the routes measured in both H200 windows last, where the figure's time limit cuts first.
-  listed = [("pallas", "pallas", {}), ("mosaic", "mosaic", {}),
-            ("mosaic, dK/dV in 2 warpgroups", "mosaic", {MOSAIC_DKV_WGS: 2})]
+  own = lambda **settings: {SETTINGS: tuple((mosaic_forward, name, value) for name, value in settings.items())}
+  listed = [("pallas", "pallas", {}), ("mosaic", "mosaic", {}), ("mosaic_own", "mosaic_own", {})]
+  listed += [(f"mosaic_own, {label}", "mosaic_own", own(**settings)) for label, settings in MOSAIC_OWN_VARIANTS]
+  listed.append(("mosaic, dK/dV in 2 warpgroups", "mosaic", {SETTINGS: ((mosaic_backward, "DKV_WGS", 2),)}))
   if on_gpu and tokamax_gpu.available():
     for config in MOSAIC_FORWARD_CONFIGS:
       label = (f"mosaic, forward {config['block_q']}x{config['block_kv']} s{config['num_stages']}"
@@ -144,14 +152,18 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
   return listed
 
 
-def with_dkv_warpgroups(jitted, warpgroups: int):
-  """`jitted` traced (on its first call) with mosaic_backward.DKV_WGS = warpgroups."""
+def with_settings(jitted, settings):
+  """`jitted` traced (on its first call) with each (module, name, value) of `settings` set: the Mosaic
+  GPU kernels' module settings, read as they trace (mosaic_backward.DKV_WGS, mosaic_forward.PINGPONG...)."""
   def call(*args):
-    saved, mosaic_backward.DKV_WGS = mosaic_backward.DKV_WGS, warpgroups
+    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
     try:
+      for module, name, value in settings:
+        setattr(module, name, value)
       return jitted(*args)
     finally:
-      mosaic_backward.DKV_WGS = saved
+      for module, name, value in saved:
+        setattr(module, name, value)
   return call
 
 
@@ -163,7 +175,7 @@ def relative_error(got, want):
 
 
 def mosaic_work(mask: dict, pairs: int) -> str:
-  """The pairs the "mosaic" backward's tile loops visit on these rows (mosaic_backward.visited_pairs)."""
+  """The pairs the Mosaic GPU kernels' tile loops visit on these rows (mosaic_backward / mosaic_forward)."""
   rows, row_length = mask["q_segment_ids"].shape
   names = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "q_block_ids", "kv_block_ids")
   arrays = {name: jnp.asarray(mask[name]) if name in mask else None for name in names}
@@ -174,8 +186,11 @@ def mosaic_work(mask: dict, pairs: int) -> str:
   k_start = jnp.where(ranges.has_keys, ranges.k_start, 0)
   k_end = jnp.where(ranges.has_keys, ranges.k_end, 0)
   dq, dkv = mosaic_backward.visited_pairs(k_start, k_end, row_length)
+  computed, streamed = mosaic_forward.visited_pairs(k_start, k_end)
   return (f"the mosaic backward visits {dq / 1e6:.1f}M (dQ) / {dkv / 1e6:.1f}M (dK/dV) pairs, "
-          f"{pairs / max(dq, dkv):.0%} allowed; the dense rows are {rows * row_length**2 / 1e6:.0f}M")
+          f"{pairs / max(dq, dkv):.0%} allowed; mosaic_own's forward computes {computed / 1e6:.1f}M "
+          f"({pairs / computed:.0%} allowed) of the {streamed / 1e6:.1f}M its CTAs stream; the dense rows are "
+          f"{rows * row_length**2 / 1e6:.0f}M")
 
 
 def unchecked_tokamax(q, k, v, mask: dict, on_gpu: bool):
@@ -252,10 +267,10 @@ def main():
         json.dump(report, file, indent=1)
 
   def make(impl, mask, **kwargs):
-    if MOSAIC_DKV_WGS in kwargs:  # the backward's dK/dV warpgroups, a module setting read as it traces
-      warpgroups = kwargs.pop(MOSAIC_DKV_WGS)
+    if SETTINGS in kwargs:  # the Mosaic GPU kernels' module settings, read as they trace
+      settings = kwargs.pop(SETTINGS)
       forward, train = make(impl, mask, **kwargs)
-      return with_dkv_warpgroups(forward, warpgroups), with_dkv_warpgroups(train, warpgroups)
+      return with_settings(forward, settings), with_settings(train, settings)
     if impl == "dense":  # XLA's dense masked attention: the baseline (faster than the reference)
       dense_mask = attention_mask(args.row_length, args.row_length, batch=args.rows, **mask)[:, None]
       attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense_mask, implementation="xla")
@@ -296,7 +311,7 @@ def main():
   best, first_grads = {}, {}
   listed = arms(on_gpu, args.sweep, args.all_arms)
   if not listed:
-    print("GPU TFLOP/s (pallas, tokamax, tokamax_fwd, mosaic, cudnn_packed, cudnn, xla): pending: no GPU")
+    print("GPU TFLOP/s (pallas, tokamax, tokamax_fwd, mosaic, mosaic_own, cudnn_packed, cudnn, xla): pending: no GPU")
   for mask_kind in args.masks.split(",") if listed else ():
     pairs = allowed_pairs(host_masks[mask_kind], args.rows, args.row_length)
     flops = 4.0 * pairs * args.head_dim * args.heads

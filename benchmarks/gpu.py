@@ -85,8 +85,9 @@ FIGURES = (
                                "configured,fp8_xla_delayed,fp8_xla_delayed_fastacc,fp8_xla,graphs",
                                "--steps", "5"),
            (), 150),  # --smoke: the same script as train_step's
-    # Block-causal rows first, every route (~100 s with tokamax's autotuning cache empty); the causal
-    # rows after them are cut off at the limit (the sweep never fitted).
+    # Block-causal rows first, every route (~100 s with tokamax's autotuning cache empty): pallas, the
+    # mosaic route, then ejax's own Mosaic GPU forward (mosaic_own, never run on a GPU) and its variants;
+    # the causal rows after them are cut off at the limit (the sweep never fitted).
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),

@@ -330,6 +330,9 @@ def test_new_impls_refuse_clearly():
   else:  # the Mosaic GPU backward takes 16-bit floats only
     with pytest.raises(ValueError, match="impl='mosaic'.*bf16/f16.*float32"):
       flash_attention(q, q, q, impl="mosaic")
+  # ejax's own Mosaic GPU kernels: jax >= 0.11 and 16-bit floats, no tokamax.
+  with pytest.raises(ValueError, match="impl='mosaic_own'.*(bf16/f16.*float32|use impl='auto')"):
+    flash_attention(q, q, q, impl="mosaic_own")
 
 
 def test_block_sizes_carry_launch_settings():

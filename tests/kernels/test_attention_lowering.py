@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ejax.kernels.attention import BlockSizes, flash_attention, tokamax_gpu
+from ejax.kernels.attention import BlockSizes, flash_attention, mosaic_backward, tokamax_gpu
 from tests.cuda_lowering import (TRITON, custom_calls, forbid_fallbacks, lower_for_cuda,  # noqa: F401
                                  tokamax_h100, triton_kernels)
 
@@ -81,6 +81,16 @@ def test_tokamax_lowers_to_mosaic_gpu_kernels(forbid_fallbacks, tokamax_h100, im
   # backward is ejax's (Triton) as in the fallback branch; mosaic: its forward and ejax's Mosaic GPU
   # dQ and dK/dV kernels (mosaic_backward.py).
   assert calls["mosaic_gpu_v2"] == (1 if impl == "tokamax_fwd" else 3)
+  assert set(triton_kernels(module)) == ATTENTION_KERNELS
+
+
+@pytest.mark.skipif(mosaic_backward.available() is not None, reason=str(mosaic_backward.available()))
+@pytest.mark.parametrize("mask_kind", ["block_causal", "causal"])
+def test_mosaic_own_lowers_to_three_mosaic_gpu_kernels(forbid_fallbacks, mask_kind):
+  """impl="mosaic_own": ejax's forward, dQ and dK/dV Mosaic GPU kernels, no tokamax; the Triton kernels
+  are the branch for batches whose mask is not key ranges."""
+  module = lower_for_cuda(_loss("mosaic_own", mask_kind), *_args())
+  assert custom_calls(module)["mosaic_gpu_v2"] == 3
   assert set(triton_kernels(module)) == ATTENTION_KERNELS
 
 

@@ -1,4 +1,5 @@
-"""ejax's Mosaic GPU attention backward (mosaic_backward.py, impl "mosaic") against the reference.
+"""ejax's Mosaic GPU attention kernels against the reference: the backward (mosaic_backward.py, impls
+"mosaic" and "mosaic_own") and the forward (mosaic_forward.py, impl "mosaic_own").
 
 The kernels run in Mosaic GPU interpret mode on this CPU (jax >= 0.11: .ci/jax011-tests; on the pinned
 jax they skip). The loop bounds are plain jnp and are checked everywhere: every tile pair the mask
@@ -15,15 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejax.kernels.attention import attention_reference, flash_attention, mosaic_backward, tokamax_gpu
-from ejax.kernels.attention.mosaic_backward import DKV_WGS, DQ_WGS, _tile_bounds
+from ejax.kernels.attention import (attention_reference, flash_attention, mosaic_backward, mosaic_forward,
+                                    tokamax_gpu)
+from ejax.kernels.attention.mosaic_backward import DKV_WGS, DQ_WGS, _tile_bounds, kv_spans
 from ejax.parallel import aot_target
 from tests.train.helpers import REPO
 
 MOSAIC = pytest.mark.skipif(mosaic_backward.available() is not None, reason=str(mosaic_backward.available()))
-# impl "mosaic" takes tokamax's forward.
-MOSAIC_OP = pytest.mark.skipif(not tokamax_gpu.available() or mosaic_backward.available() is not None,
-                               reason=tokamax_gpu.unavailable_reason() or str(mosaic_backward.available()))
 
 
 def _ranges(layout: str, length: int, rng: np.random.Generator, longest: int = 90):
@@ -78,9 +77,19 @@ def test_tile_bounds_visit_every_allowed_tile_and_on_packed_rows_only_those(layo
       assert set(active) <= set(visited), (b, j)
       if layout == "packed":
         assert len(active) == len(visited), (b, j)
+  # The forward's warpgroups: 64 queries each compute kv tiles [lo, hi) of their span only.
+  wg_lo, wg_hi = map(np.asarray, kv_spans(k_start, k_end, block_q, block_kv))
+  for b, (start, end) in enumerate(rows):
+    allowed = _allowed(start, end, length)
+    for i in range(length // block_q):
+      active = np.flatnonzero(allowed[i * block_q:(i + 1) * block_q].reshape(block_q, -1, block_kv).any((0, 2)))
+      assert set(active) <= set(range(wg_lo[b, i], wg_hi[b, i])), (b, i)
+  computed, streamed = mosaic_forward.visited_pairs(k_start, k_end, block_q, block_kv)
+  assert computed <= streamed
   # The packed rows skip most of the work: the visited tile pairs are far fewer than the dense row's.
   if layout == "packed":
     assert (kv_hi - kv_lo).sum() < 0.5 * kv_hi.size * (length // block_kv)
+    assert computed < streamed  # the warpgroups' own spans skip tiles of the CTA's
 
 
 def _reference_grads(q, k, v, d_out, k_start, k_end, scale):
@@ -129,11 +138,42 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
   assert empty.any() and not np.asarray(got[0], np.float32)[empty].any()
 
 
-@MOSAIC_OP
+@MOSAIC
+@pytest.mark.parametrize("head_dim,heads,kv_heads,compute_wgs,pingpong,block_kv",
+                         [(64, 2, 1, 2, True, 64), (128, 2, 2, 2, True, 64), (64, 2, 1, 2, False, 128),
+                          (64, 2, 2, 1, False, 64)])
+def test_forward_kernel_matches_the_reference(head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv):
+  """Out and lse over packed and shuffled ranges, with queries whose first tiles are all masked and
+  padding queries that see no key (0 out and lse, the backward's convention)."""
+  rng = np.random.default_rng(3)
+  length = 256
+  rows = [_ranges(layout, length, rng, longest=200) for layout in ("packed", "shuffled")]
+  k_start = np.stack([r[0] for r in rows])
+  k_end = np.stack([r[1] for r in rows])
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q = normal(2, length, heads, head_dim)
+  k, v = normal(2, length, kv_heads, head_dim), normal(2, length, kv_heads, head_dim)
+  scale = head_dim**-0.5
+  want_out, want_lse, _ = _reference_grads(q, k, v, q, k_start, k_end, scale)
+  out, lse = mosaic_forward.forward(q, k, v, jnp.asarray(k_start), jnp.asarray(k_end), scale=scale,
+                                    compute_wgs=compute_wgs, pingpong=pingpong, block_kv=block_kv)
+  assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, heads, length)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=1e-2)
+  np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4, rtol=1e-5)
+  empty = k_end <= k_start
+  assert empty.any() and not np.asarray(out, np.float32)[empty].any() and not np.asarray(lse)[:, 0][empty].any()
+
+
+@pytest.mark.parametrize("impl", ["mosaic", "mosaic_own"])
 @pytest.mark.parametrize("mask_kind", ["bidirectional", "causal", "block_causal"])
-def test_impl_mosaic_values_and_gradients_through_the_op(mask_kind):
-  """impl="mosaic" (tokamax's forward, the Mosaic GPU backward) on packed rows of odd length with a
-  head size the kernel pads (32 -> 64) and grouped kv heads: the reference's answer."""
+def test_impl_mosaic_values_and_gradients_through_the_op(impl, mask_kind):
+  """impl="mosaic" (tokamax's forward, the Mosaic GPU backward) and "mosaic_own" (ejax's Mosaic GPU
+  kernels both ways) on packed rows of odd length with a head size the kernels pad (32 -> 64) and
+  grouped kv heads: the reference's answer."""
+  if mosaic_backward.available() is not None:
+    pytest.skip(str(mosaic_backward.available()))
+  if impl == "mosaic" and not tokamax_gpu.available():
+    pytest.skip(tokamax_gpu.unavailable_reason())
   rng = np.random.default_rng(2)
   batch, length, heads, kv_heads, head_dim = 2, 200, 4, 2, 32
   segment_ids = np.zeros((batch, length), np.int32)
@@ -153,7 +193,7 @@ def test_impl_mosaic_values_and_gradients_through_the_op(mask_kind):
     loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
 
-  value, got = grads(lambda q, k, v: flash_attention(q, k, v, impl="mosaic", **kwargs), q, k, v)
+  value, got = grads(lambda q, k, v: flash_attention(q, k, v, impl=impl, **kwargs), q, k, v)
   want_value, want = grads(lambda q, k, v: attention_reference(q, k, v, **kwargs),
                            *(x.astype(jnp.float32) for x in (q, k, v)))
   np.testing.assert_allclose(value, want_value, rtol=2e-2)
@@ -170,7 +210,7 @@ from ejax.parallel import aot_target
 aot_target.run_jax_on_cpu()
 import jax, jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
-from ejax.kernels.attention import mosaic_backward
+from ejax.kernels.attention import mosaic_backward, mosaic_forward
 device = aot_target.compile_only_devices("h100", 1)[0]
 head_dim = int(sys.argv[1])
 arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
@@ -178,6 +218,8 @@ x = arg((2, 512, 4, head_dim), jnp.bfloat16)
 ids = arg((2, 512), jnp.int32)
 backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False))
 backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
+forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 """
 
 
@@ -191,6 +233,7 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
   assert done.returncode == 0, done.stderr[-3000:]
   report = done.stdout + done.stderr
   kernels = re.findall(r"Compiling entry function '(\w+)'", report)
-  assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel"} <= set(kernels), report[-2000:]
+  assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel", "forward_kernel_mosaic_gpu_kernel"} <= set(kernels), \
+      report[-2000:]
   spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
   assert spills and all(stores == loads == "0" for stores, loads in spills), report[-3000:]

@@ -123,3 +123,16 @@ def test_groot_train_step_lowers_with_the_mosaic_attention_route(forbid_fallback
   assert calls["mosaic_gpu_v2"] >= 3  # a forward, a dQ and a dK/dV kernel at least (export dedups)
   assert set(triton_kernels(module)) == ATTENTION_GRAD
 
+
+
+@pytest.mark.skipif(mosaic_backward.available() is not None, reason=str(mosaic_backward.available()))
+def test_groot_train_step_lowers_with_ejax_own_mosaic_kernels(forbid_fallbacks):
+  """model.attention_impl="mosaic_own": every attention of the step runs ejax's Mosaic GPU forward and
+  backward kernels (no tokamax), ejax's Triton kernels only in the branch for other layouts."""
+  config = load_config("configs/groot.py", "runlocal")
+  config.model.update(attention_impl="mosaic_own", dtype="bfloat16")
+  module = _lowered_train_step(config)
+  calls = custom_calls(module)
+  assert set(calls) == {TRITON, "mosaic_gpu_v2"}
+  assert calls["mosaic_gpu_v2"] >= 3
+  assert set(triton_kernels(module)) == ATTENTION_GRAD

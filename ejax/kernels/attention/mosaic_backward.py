@@ -88,32 +88,48 @@ def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bo
           and LENGTH_MULTIPLE % (DQ_WGS * block_q) == 0 and LENGTH_MULTIPLE % (DKV_WGS * block_kv) == 0)
 
 
-def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
-  """Loop bounds [lo, hi) a CTA, int32 [batch, tiles]: the kv tiles (of block_kv keys) each dQ tile of
-  2 * block_q queries visits, and the q blocks (of block_q) each dK/dV tile of 2 * block_kv keys visits.
-  Both are spans, so any query layout is right; on packed rows they are tight."""
+def _key_spans(k_start, k_end, tile_q: int):
+  """Per tile of tile_q queries: the least start and the greatest end of their ranges, in keys (queries
+  with an empty range left out; an all-empty tile gives hi 0)."""
   batch = k_start.shape[0]
   nonempty = k_end > k_start
-  big = jnp.iinfo(jnp.int32).max
+  lo = jnp.where(nonempty, k_start, jnp.iinfo(jnp.int32).max).reshape(batch, -1, tile_q).min(-1)
+  return lo, jnp.where(nonempty, k_end, 0).reshape(batch, -1, tile_q).max(-1)
 
-  def span(tile):  # min start, max end over each tile of queries, empty queries left out
-    lo = jnp.where(nonempty, k_start, big).reshape(batch, -1, tile).min(-1)
-    hi = jnp.where(nonempty, k_end, 0).reshape(batch, -1, tile).max(-1)
-    return lo, hi
 
-  lo, hi = span(DQ_WGS * block_q)
-  kv_lo = jnp.where(hi > 0, lo // block_kv, 0)
-  kv_hi = jnp.where(hi > 0, -(-hi // block_kv), 0)
+def kv_spans(k_start, k_end, tile_q: int, block_kv: int):
+  """Loop bounds [lo, hi) in kv tiles of block_kv keys, int32 [batch, q_len // tile_q]: the tiles the
+  ranges of each tile_q queries touch (one span; 0, 0 where none). Any query layout is right; on packed
+  rows the span is tight."""
+  lo, hi = _key_spans(k_start, k_end, tile_q)
+  return (jnp.where(hi > 0, lo // block_kv, 0).astype(jnp.int32),
+          jnp.where(hi > 0, -(-hi // block_kv), 0).astype(jnp.int32))
+
+
+def inner_ranges(k_start, k_end, block_q: int):
+  """Per block of block_q queries, int32 [batch, q_len // block_q]: keys [inner_lo, inner_hi) lie in
+  every one of its queries' ranges, so a tile inside them needs no element-wise mask (most tiles of
+  long segments). A query with no key empties it."""
+  batch = k_start.shape[0]
+  return (k_start.reshape(batch, -1, block_q).max(-1).astype(jnp.int32),
+          k_end.reshape(batch, -1, block_q).min(-1).astype(jnp.int32))
+
+
+def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
+  """Loop bounds [lo, hi) a CTA, int32 [batch, tiles]: the kv tiles (of block_kv keys) each dQ tile of
+  DQ_WGS * block_q queries visits, and the q blocks (of block_q) each dK/dV tile of DKV_WGS * block_kv
+  keys visits. Both are spans, so any query layout is right; on packed rows they are tight."""
+  kv_lo, kv_hi = kv_spans(k_start, k_end, DQ_WGS * block_q, block_kv)
 
   # q block i reaches kv tile j when some query's range meets the tile's keys [j * t, (j + 1) * t).
-  lo, hi = span(block_q)
+  lo, hi = _key_spans(k_start, k_end, block_q)
   tile_kv = DKV_WGS * block_kv
   starts = jnp.arange(kv_len // tile_kv, dtype=jnp.int32) * tile_kv
   meets = (lo[:, :, None] < starts + tile_kv) & (hi[:, :, None] > starts)
   blocks = jnp.arange(lo.shape[1], dtype=jnp.int32)[None, :, None]
   q_hi = jnp.max(jnp.where(meets, blocks + 1, 0), axis=1)
   q_lo = jnp.where(q_hi > 0, jnp.min(jnp.where(meets, blocks, lo.shape[1]), axis=1), 0)
-  return tuple(x.astype(jnp.int32) for x in (kv_lo, kv_hi, q_lo, q_hi))
+  return kv_lo, kv_hi, q_lo.astype(jnp.int32), q_hi.astype(jnp.int32)
 
 
 def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int = 64) -> tuple[int, int]:
@@ -122,6 +138,57 @@ def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int 
   dq = int(jnp.sum(kv_hi - kv_lo)) * DQ_WGS * block_q * block_kv
   dkv = int(jnp.sum(q_hi - q_lo)) * DKV_WGS * block_kv * block_q
   return dq, dkv
+
+
+def kernel_params(interpret: bool) -> tuple[dict, str, str]:
+  """(plgpu.kernel keyword arguments, the output's and the scratch's keyword names) of ejax's Mosaic GPU
+  kernels. jax 0.11 says out_type / scratch_types, 0.9 out_shape / scratch_shapes (with 0.9's CUDA
+  plugin the kernels build into a program for a compile-only H100 here)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), thread_name="wg")
+  if interpret:
+    params["interpret"] = plgpu.InterpretGPUParams()
+  new_names = "out_type" in inspect.signature(plgpu.kernel).parameters
+  return (params,) + (("out_type", "scratch_types") if new_names else ("out_shape", "scratch_shapes"))
+
+
+def mma(acc, lhs, rhs, interpret: bool):
+  """acc + lhs @ rhs (lhs in registers, rhs in shared memory) on the tensor cores, waited for.
+  Interpret mode runs neither a register operand nor an accumulator-initialised wgmma (run_state),
+  so there the same sum is a dot of the values."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  if interpret:
+    return acc + jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
+
+  def accumulate(ref):
+    plgpu.wgmma(ref, lhs, rhs)
+
+  return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
+
+
+def feed_ring(fetch, frees, steps, stages: int):
+  """The copying warpgroup's loop: fetch(i, slot) puts step i's tiles in ring slot i % stages once
+  the compute warpgroups have freed it (an arrive on each barrier of `frees` at that slot)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  for i in range(stages):
+    pl.when(i < steps)(functools.partial(fetch, i, i))
+
+  @pl.loop(0, lax.max(steps - stages, 0))
+  def _refill(i):
+    slot = lax.rem(i, stages)
+    for free in frees:
+      plgpu.barrier_wait(free.at[slot])
+    fetch(i + stages, slot)
+
+  @pl.loop(lax.max(steps - stages, 0), steps)
+  def _drain(i):  # observe the last frees too: each barrier phase is waited for once
+    for free in frees:
+      plgpu.barrier_wait(free.at[lax.rem(i, stages)])
 
 
 def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q: int = 64,
@@ -150,10 +217,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   rows = jnp.concatenate([jnp.stack([lse.astype(jnp.float32) * LOG2E, delta], 2), ranges], 2)
 
   kv_lo, kv_hi, qb_lo, qb_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
-  # Per q block: keys [inner_lo, inner_hi) are in every one of its queries' ranges; a tile inside them
-  # skips the element-wise mask (most tiles of long segments). A query with no key empties it.
-  inner_lo = k_start.reshape(batch, -1, block_q).max(-1).astype(jnp.int32)
-  inner_hi = k_end.reshape(batch, -1, block_q).min(-1).astype(jnp.int32)
+  inner_lo, inner_hi = inner_ranges(k_start, k_end, block_q)
   tile_kv = DKV_WGS * block_kv
 
   tiling = plgpu.TilingTransform((8, 64))
@@ -161,44 +225,10 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a value per row of a [m, n] WGMMA array
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # a value per column
-  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), thread_name="wg")
-  if interpret:
-    params["interpret"] = plgpu.InterpretGPUParams()
-  # jax 0.11 says out_type / scratch_types, 0.9 out_shape / scratch_shapes (with 0.9's CUDA plugin the
-  # backward builds into a program for a compile-only H100 here).
-  new_names = "out_type" in inspect.signature(plgpu.kernel).parameters
-  out_name, scratch_name = ("out_type", "scratch_types") if new_names else ("out_shape", "scratch_shapes")
+  params, out_name, scratch_name = kernel_params(interpret)
   c = scale * LOG2E
-
-  def mma(acc, lhs, rhs):
-    """acc + lhs @ rhs (lhs in registers, rhs in shared memory) on the tensor cores, waited for.
-    Interpret mode runs neither a register operand nor an accumulator-initialised wgmma (run_state),
-    so there the same sum is a dot of the values."""
-    if interpret:
-      return acc + jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
-
-    def accumulate(ref):
-      plgpu.wgmma(ref, lhs, rhs)
-
-    return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
-
-  def feed_ring(fetch, frees, steps):
-    """The copying warpgroup's loop: fetch(i, slot) puts step i's tiles in ring slot i % stages once
-    the compute warpgroups have freed it (an arrive on each barrier of `frees` at that slot)."""
-    for i in range(stages):
-      pl.when(i < steps)(functools.partial(fetch, i, i))
-
-    @pl.loop(0, lax.max(steps - stages, 0))
-    def _refill(i):
-      slot = lax.rem(i, stages)
-      for free in frees:
-        plgpu.barrier_wait(free.at[slot])
-      fetch(i + stages, slot)
-
-    @pl.loop(lax.max(steps - stages, 0), steps)
-    def _drain(i):  # observe the last frees too: each barrier phase is waited for once
-      for free in frees:
-        plgpu.barrier_wait(free.at[lax.rem(i, stages)])
+  mma_ = functools.partial(mma, interpret=interpret)
+  feed_ring_ = functools.partial(feed_ring, stages=stages)
 
   def tiles(count, rows_):  # `count` [rows_, head_dim] tiles in wgmma's swizzled layout
     return plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
@@ -253,7 +283,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         p = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
         ds = p * (dp - row(delta_))
 
-        dq_acc = mma(dq_acc, ds.astype(dtype), k_smem.at[slot])
+        dq_acc = mma_(dq_acc, ds.astype(dtype), k_smem.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
         return dq_acc
 
@@ -273,7 +303,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
 
-      feed_ring(fetch, (k_free, v_free), steps)
+      feed_ring_(fetch, (k_free, v_free), steps)
 
   dq = plgpu.kernel(
       dq_kernel, **{out_name: jax.ShapeDtypeStruct(q.shape, dtype)},
@@ -332,7 +362,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         p_t = lax.cond(inside, lambda p_t: p_t, mask, p_t)
         plgpu.barrier_wait(do_bar.at[slot])
 
-        dv_acc = mma(dv_acc, p_t.astype(dtype), do_smem.at[slot])
+        dv_acc = mma_(dv_acc, p_t.astype(dtype), do_smem.at[slot])
 
         def dp_t(dp_ref):
           plgpu.wgmma(dp_ref, v_s, do_smem.at[slot].T)
@@ -342,7 +372,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         ds_t = p_t * (pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)) - row(1))
         plgpu.barrier_arrive(rows_free.at[slot])
         plgpu.barrier_arrive(do_free.at[slot])
-        dk_acc = mma(dk_acc, ds_t.astype(dtype), q_smem.at[slot])
+        dk_acc = mma_(dk_acc, ds_t.astype(dtype), q_smem.at[slot])
         plgpu.barrier_arrive(q_free.at[slot])
         return dk_acc, dv_acc
 
@@ -365,7 +395,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_bar.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[b, queries, h], do_smem.at[slot], do_bar.at[slot])
 
-      feed_ring(fetch, (q_free, rows_free, do_free), steps)
+      feed_ring_(fetch, (q_free, rows_free, do_free), steps)
 
   per_head = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), dtype)
   dk, dv = plgpu.kernel(

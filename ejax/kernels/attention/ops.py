@@ -16,9 +16,12 @@ impl:
 - "mosaic": tokamax's forward with ejax's Mosaic GPU backward (mosaic_backward.py: wgmma + TMA, its
   loops bounded by the key ranges); needs what tokamax needs. Off GPU the backward runs in Mosaic GPU
   interpret mode (tests).
+- "mosaic_own": ejax's Mosaic GPU kernels both ways (mosaic_forward.py, whose warpgroups compute only
+  the tiles their own queries' ranges touch, and mosaic_backward.py); needs jax >= 0.11, not tokamax.
+  Off GPU both run in Mosaic GPU interpret mode (tests).
 - "cudnn_packed": cuDNN flash attention over the segments as offsets (cudnn_packed.py); GPU (Hopper)
   only, self-attention with the "bidirectional" or "causal" mask kind.
-  The four run where the rows are packed (each segment contiguous, order keys rising along it); a batch
+  The five run where the rows are packed (each segment contiguous, order keys rising along it); a batch
   that is not runs ejax's own kernel instead (a `lax.cond` on a check made on device), so every impl
   gives reference.py's answer.
 - "auto": on a GPU, a call with no mask at all goes to cuDNN where it takes the head size unpadded
@@ -39,15 +42,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ejax.kernels import platform
-from ejax.kernels.attention import cudnn_packed, intervals, mosaic_backward, pallas_gpu, tokamax_gpu, xla
+from ejax.kernels.attention import (cudnn_packed, intervals, mosaic_backward, mosaic_forward, pallas_gpu,
+                                    tokamax_gpu, xla)
 from ejax.kernels.attention.reference import MASK_KINDS, attention_mask, attention_reference
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           BlockSizes, MaskInputs, normalise_mask, pad_to_blocks)
 from ejax.parallel.axes import ACT_BATCH, ACT_HEADS
 from ejax.parallel.rules import current_context, logical_to_spec
 
-IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd", "mosaic", "cudnn_packed")
-_TOKAMAX_IMPLS = ("tokamax", "tokamax_fwd", "mosaic")
+IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd", "mosaic", "mosaic_own",
+         "cudnn_packed")
+_RANGE_IMPLS = ("tokamax", "tokamax_fwd", "mosaic", "mosaic_own")  # each query's keys as one range
+_MOSAIC_BACKWARD_IMPLS = ("mosaic", "mosaic_own")
 # What "auto" runs on a Hopper GPU (compute capability 9.x): the first of these that applies (else
 # "pallas"), ordered by benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128
 # (BENCHMARKS.md): on an H200 (2026-11-28) forward / forward+backward mosaic 150 / 166, tokamax_fwd
@@ -110,37 +116,61 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _tokamax_forward(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *mask):
-  return _tokamax_forward_fwd(plan, options, q, k, v, k_start, k_end, has_keys, *mask)[0]
+def _ranged(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *mask):
+  """Attention over each query's key range; options (tokamax config, on_gpu, impl)."""
+  return _ranged_fwd(plan, options, q, k, v, k_start, k_end, has_keys, *mask)[0]
 
 
-def _tokamax_forward_fwd(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *mask):
-  config, on_gpu, _ = options
-  ranges = intervals.KeyRanges(k_start, k_end, has_keys, jnp.bool_(True))
-  out, lse = tokamax_gpu.forward_with_lse(q, k, v, ranges, scale=plan.scale, on_gpu=on_gpu, config=config)
+def _ranged_fwd(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *mask):
+  config, on_gpu, impl = options
+  if impl == "mosaic_own":
+    out, lse = _mosaic_forward(plan, q, k, v, (k_start, k_end, has_keys))
+  else:
+    ranges = intervals.KeyRanges(k_start, k_end, has_keys, jnp.bool_(True))
+    out, lse = tokamax_gpu.forward_with_lse(q, k, v, ranges, scale=plan.scale, on_gpu=on_gpu, config=config)
   return out, (q, k, v, (k_start, k_end, has_keys), MaskInputs(*mask), out, lse)
+
+
+_pad_rows = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+
+
+def _mosaic_ranges(ranges, q_len: int):
+  """(k_start, k_end, q_pad): the ranges padded to whole tiles of the Mosaic GPU kernels, an empty
+  range (0, 0) where a query sees no key and for the padded queries."""
+  k_start, k_end, has_keys = ranges
+  q_pad = -q_len % mosaic_backward.LENGTH_MULTIPLE
+  return (_pad_rows(jnp.where(has_keys, k_start, 0), q_pad), _pad_rows(jnp.where(has_keys, k_end, 0), q_pad),
+          q_pad)
+
+
+def _mosaic_forward(plan: _Plan, q, k, v, ranges):
+  """mosaic_forward's kernel on copies padded to whole tiles: (out, lse), 0 where a query sees no key."""
+  q_len, kv_len = q.shape[1], k.shape[1]
+  k_start, k_end, q_pad = _mosaic_ranges(ranges, q_len)
+  kv_pad = -kv_len % mosaic_backward.LENGTH_MULTIPLE
+  out, lse = mosaic_forward.forward(_pad_rows(q, q_pad), _pad_rows(k, kv_pad), _pad_rows(v, kv_pad), k_start,
+                                    k_end, scale=plan.scale)
+  return out[:, :q_len], lse[..., :q_len]
 
 
 def _mosaic_backward(plan: _Plan, q, k, v, ranges, out, lse, d_out):
   """mosaic_backward's kernels on copies padded to whole tiles (padded queries see no key)."""
-  k_start, k_end, has_keys = ranges
   q_len, kv_len = q.shape[1], k.shape[1]
-  tile = mosaic_backward.LENGTH_MULTIPLE
-  q_pad, kv_pad = -q_len % tile, -kv_len % tile
-  rows = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
-  k_start = rows(jnp.where(has_keys, k_start, 0), q_pad)
-  k_end = rows(jnp.where(has_keys, k_end, 0), q_pad)
+  k_start, k_end, q_pad = _mosaic_ranges(ranges, q_len)
+  kv_pad = -kv_len % mosaic_backward.LENGTH_MULTIPLE
+  rows = _pad_rows
   lse = jnp.pad(lse, [(0, 0), (0, 0), (0, q_pad)])
   dq, dk, dv = mosaic_backward.backward(rows(q, q_pad), rows(k, kv_pad), rows(v, kv_pad), rows(out, q_pad),
                                         lse, rows(d_out, q_pad), k_start, k_end, scale=plan.scale)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
 
 
-def _tokamax_forward_bwd(plan: _Plan, options, residuals, d_out):
-  """ejax's backward from tokamax's out and lse: the Mosaic GPU kernels over the key ranges
-  (impl "mosaic"), or the blockwise one over the mask on block-padded copies ("tokamax_fwd")."""
+def _ranged_bwd(plan: _Plan, options, residuals, d_out):
+  """ejax's backward from the forward's out and lse: the Mosaic GPU kernels over the key ranges
+  (impls "mosaic", "mosaic_own"), or the blockwise one over the mask on block-padded copies
+  ("tokamax_fwd")."""
   q, k, v, ranges, mask, out, lse = residuals
-  if options[2] == "mosaic":
+  if options[2] in _MOSAIC_BACKWARD_IMPLS:
     return _mosaic_backward(plan, q, k, v, ranges, out, lse, d_out) + (None,) * (3 + len(mask))
   q_len, kv_len = q.shape[1], k.shape[1]
   q_p, k_p, v_p, mask_p = pad_to_blocks(q, k, v, mask, plan.blocks)
@@ -153,7 +183,7 @@ def _tokamax_forward_bwd(plan: _Plan, options, residuals, d_out):
   return (dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]) + (None,) * (3 + len(mask))
 
 
-_tokamax_forward.defvjp(_tokamax_forward_fwd, _tokamax_forward_bwd)
+_ranged.defvjp(_ranged_fwd, _ranged_bwd)
 
 
 def _cudnn_attention(q, k, v, scale: float, **mask_kwargs):
@@ -209,7 +239,7 @@ def _hopper() -> bool:
 
 def _applies(impl: str, q, k, mask_kind: str) -> bool:
   """Whether `impl` takes this case on a GPU (shapes, mask kind, installed libraries)."""
-  if mask_kind in _OWN_KERNEL_ONLY and impl in (*_TOKAMAX_IMPLS, "cudnn_packed"):
+  if mask_kind in _OWN_KERNEL_ONLY and impl in (*_RANGE_IMPLS, "cudnn_packed"):
     return False
   if impl == "pallas":
     return pallas_gpu.supports(q, k)
@@ -218,7 +248,9 @@ def _applies(impl: str, q, k, mask_kind: str) -> bool:
   if impl == "tokamax_fwd":
     return _applies("tokamax", q, k, mask_kind) and pallas_gpu.supports(q, k)
   if impl == "mosaic":
-    return (_applies("tokamax", q, k, mask_kind) and mosaic_backward.available() is None
+    return _applies("tokamax", q, k, mask_kind) and _applies("mosaic_own", q, k, mask_kind)
+  if impl == "mosaic_own":
+    return (mosaic_backward.available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
             and mosaic_backward.head_dim_fits(q.shape[-1]))
   if impl == "cudnn_packed":
     return (mask_kind in cudnn_packed.MASK_KINDS and q.shape[1] == k.shape[1]
@@ -261,7 +293,7 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
                        f"{q_len} and {kv_len}) with mask_kind in {cudnn_packed.MASK_KINDS} (here "
                        f"{mask_kind!r}), bf16/fp16 and head_dim <= 256 a multiple of 8 (here {q.dtype}, "
                        f"{q.shape[-1]}); use impl='auto'")
-  elif not tokamax_gpu.available():
+  elif impl != "mosaic_own" and not tokamax_gpu.available():
     raise ValueError(f"attention impl={impl!r}: {tokamax_gpu.unavailable_reason()}; use impl='auto'")
   mask, ordered = normalise_mask(batch, q_len, kv_len, **mask_kwargs)
   k, v = k.astype(q.dtype), v.astype(q.dtype)
@@ -278,19 +310,19 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
     valid = ranges.valid
     blocks = (block_sizes or (GPU_BLOCK_SIZES if on_gpu else CPU_BLOCK_SIZES)).fitted(q_len, kv_len)
     plan = _Plan("pallas" if on_gpu else "xla", ordered, scale, blocks, False)
-    fast = lambda q, k, v: _tokamax_forward(plan, (tokamax_config, on_gpu, "ejax"), q, k, v, ranges.k_start,
-                                            ranges.k_end, ranges.has_keys, *mask)
-  elif impl == "mosaic":
+    fast = lambda q, k, v: _ranged(plan, (tokamax_config, on_gpu, "ejax"), q, k, v, ranges.k_start,
+                                   ranges.k_end, ranges.has_keys, *mask)
+  elif impl in _MOSAIC_BACKWARD_IMPLS:
     if not _applies(impl, q, k, mask_kind):
       missing = mosaic_backward.available()
-      raise ValueError(f"attention impl='mosaic': {missing}; use impl='auto'" if missing else
-                       f"attention impl='mosaic' runs a Mosaic GPU backward that takes bf16/f16 and head_dim "
+      raise ValueError(f"attention impl={impl!r}: {missing}; use impl='auto'" if missing else
+                       f"attention impl={impl!r} runs Mosaic GPU kernels that take bf16/f16 and head_dim "
                        f"up to {mosaic_backward.MAX_HEAD_DIM}, got {q.dtype} and {q.shape[-1]}; use impl='auto'")
     ranges = intervals.key_ranges(mask, ordered)
     valid = ranges.valid
     plan = _Plan("mosaic", ordered, scale, CPU_BLOCK_SIZES, False)
-    fast = lambda q, k, v: _tokamax_forward(plan, (tokamax_config, on_gpu, "mosaic"), q, k, v, ranges.k_start,
-                                            ranges.k_end, ranges.has_keys, *mask)
+    fast = lambda q, k, v: _ranged(plan, (tokamax_config, on_gpu, impl), q, k, v, ranges.k_start,
+                                   ranges.k_end, ranges.has_keys, *mask)
   else:
     segments = intervals.packed_segments(mask, ordered, cudnn_packed.MAX_SEGMENTS)
     valid = segments.valid
@@ -337,14 +369,14 @@ def _cudnn_unmasked(q, k, v, scale: float):
 
 def _kernel_head_dim(q, impl: str) -> int:
   """The head size the GPU kernels run `q` at: its own, or the next one they support when the call
-  would take a GPU kernel (impl pallas / tokamax / tokamax_fwd / mosaic, or auto on a GPU) and they
+  would take a GPU kernel (impl pallas / tokamax / tokamax_fwd / mosaic / mosaic_own, or auto on a GPU) and they
   lack it. The Mosaic GPU backward takes multiples of 64 (128-byte swizzled rows)."""
   head_dim = q.shape[-1]
   impl = _SCOPED_IMPL.get() if impl == "auto" else impl  # a model's attention_impl (default_impl)
-  wants_kernel = impl in ("pallas", *_TOKAMAX_IMPLS) or (impl == "auto" and platform.on_gpu())
+  wants_kernel = impl in ("pallas", *_RANGE_IMPLS) or (impl == "auto" and platform.on_gpu())
   if not wants_kernel or head_dim > pallas_gpu.SUPPORTED_HEAD_DIMS[-1] or not jnp.issubdtype(q.dtype, jnp.floating):
     return head_dim
-  sizes = (64, mosaic_backward.MAX_HEAD_DIM) if impl == "mosaic" else pallas_gpu.SUPPORTED_HEAD_DIMS
+  sizes = (64, mosaic_backward.MAX_HEAD_DIM) if impl in _MOSAIC_BACKWARD_IMPLS else pallas_gpu.SUPPORTED_HEAD_DIMS
   return next((d for d in sizes if d >= head_dim), head_dim)
 
 
@@ -400,7 +432,7 @@ def flash_attention(
     return attention_reference(q, k, v, scale=scale, **mask_kwargs)
   if impl == "cudnn":
     return _cudnn_attention(q, k, v, scale, **mask_kwargs)
-  if impl in (*_TOKAMAX_IMPLS, "cudnn_packed"):
+  if impl in (*_RANGE_IMPLS, "cudnn_packed"):
     return _external_attention(impl, q, k, v, mask_kind, mask_kwargs, scale, block_sizes, interpret,
                                tokamax_config)
   if impl == "pallas" and not pallas_gpu.supports(q, k):

@@ -1,0 +1,226 @@
+"""Attention forward as a Pallas Mosaic GPU kernel (wgmma + TMA, Hopper) over per-query key ranges.
+
+The forward of `impl="mosaic_own"` (ops.py), whose backward is mosaic_backward.py's: ejax's own
+kernels both ways, with no tokamax. tokamax's SM90 forward (impl "mosaic"'s) bounds a CTA of 128
+queries by their ranges' hull: 64 % of the pairs it visits on the VLA rows of benchmarks/attention.py
+are allowed. Here each compute warpgroup of 64 queries runs the wgmmas and the softmax only for the kv
+tiles its own queries' ranges touch (79 % useful on those rows); the CTA's ring of K/V tiles covers
+the hull, and a warpgroup steps over the tiles outside its span without computing (it still waits
+and frees each slot, keeping the barriers' phases).
+
+Layout (as FlashAttention-3 and jax's Mosaic GPU attention example): a warpgroup issues the TMA
+copies of K and V into a ring of `stages` shared-memory slots; FWD_WGS compute warpgroups keep their
+accumulator in registers. With two, a schedule barrier takes turns between them (PINGPONG): one runs
+its softmax while the other's wgmmas hold the tensor cores. The element-wise mask is applied only on
+tiles that cross an edge of some query's range.
+
+Inputs are ejax's: q [batch, q_len, heads, d], k / v [batch, kv_len, kv_heads, d] (bf16 / f16), per
+query k_start / k_end [batch, q_len] (an empty range where it sees none). Returns out (q's dtype) and
+lse [batch, heads, q_len] f32 (natural log): both 0 where a query sees no key, the convention of the
+backward. q_len and kv_len multiples of 128 (ops.py pads them), d 64 or 128. Off GPU the kernel runs
+in Mosaic GPU interpret mode (jax >= 0.11; tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ejax.kernels import platform
+from ejax.kernels.attention import mosaic_backward
+from ejax.kernels.attention.mosaic_backward import (LOG2E, MEMORY_REGISTERS, compute_registers, feed_ring,
+                                                    inner_ranges, kernel_params, kv_spans, mma)
+
+FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
+PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
+BLOCK_KV = 64  # keys a ring slot: smaller tiles skip more of the pairs the ranges forbid
+STAGES = 2  # ring slots
+LN2 = math.log(2.0)
+
+
+def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2,
+               compute_wgs: int = FWD_WGS) -> int:
+  """Shared memory a CTA: its queries' tiles (reused for the output), the K/V ring and the lse rows."""
+  return 2 * (compute_wgs * block_q + 2 * stages * block_kv) * head_dim + compute_wgs * block_q * 4
+
+
+def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2, compute_wgs: int = FWD_WGS) -> bool:
+  """Whether the kernel takes these operands as they are (ops.py pads lengths first)."""
+  tile = mosaic_backward.LENGTH_MULTIPLE
+  return (mosaic_backward.available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
+          and q.shape[-1] % 64 == 0 and q.shape[-1] <= mosaic_backward.MAX_HEAD_DIM
+          and smem_bytes(q.shape[-1], block_q, block_kv, stages, compute_wgs) <= mosaic_backward.SMEM_BYTES
+          and q.shape[1] % tile == 0 and k.shape[1] % tile == 0
+          and tile % (compute_wgs * block_q) == 0 and tile % block_kv == 0)
+
+
+def visited_pairs(k_start, k_end, block_q: int = 64, block_kv: int = 64,
+                  compute_wgs: int = FWD_WGS) -> tuple[int, int]:
+  """(pairs the warpgroups compute, pairs the CTAs' K/V rings stream past them) for these ranges."""
+  lo, hi = kv_spans(k_start, k_end, block_q, block_kv)
+  cta_lo, cta_hi = kv_spans(k_start, k_end, compute_wgs * block_q, block_kv)
+  tile = block_q * block_kv
+  return int(jnp.sum(hi - lo)) * tile, int(jnp.sum(cta_hi - cta_lo)) * compute_wgs * tile
+
+
+def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_kv: int | None = None,
+            stages: int | None = None, compute_wgs: int | None = None, pingpong: bool | None = None,
+            interpret: bool | None = None):
+  """(out, lse) of attention over each query's key range [k_start, k_end); settings left None are the
+  module's (FWD_WGS, PINGPONG, BLOCK_KV, STAGES), read as the call is traced."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  wgs = FWD_WGS if compute_wgs is None else compute_wgs
+  block_kv = BLOCK_KV if block_kv is None else block_kv
+  stages = STAGES if stages is None else stages
+  pingpong = (PINGPONG if pingpong is None else pingpong) and wgs == 2
+  batch, q_len, heads, head_dim = q.shape
+  _, kv_len, kv_heads, _ = k.shape
+  if not supports(q, k, block_q, block_kv, stages, wgs):
+    missing = mosaic_backward.available()
+    raise ValueError(f"mosaic attention forward: needs bf16/f16, head_dim 64 or 128, q_len and kv_len "
+                     f"multiples of {mosaic_backward.LENGTH_MULTIPLE}; got {q.dtype}, q {q.shape}, k {k.shape}"
+                     + (f" ({missing})" if missing else ""))
+  if interpret is None:
+    interpret = not platform.on_gpu()
+  groups = heads // kv_heads
+  dtype = q.dtype
+  k, v = k.astype(dtype), v.astype(dtype)
+
+  # Per query its range as f32 rows [batch, 2, q_len] (indices below 2^24 are exact); per CTA the kv
+  # tiles its ring streams, per warpgroup those it computes and the keys inside all its queries' ranges.
+  ranges = jnp.stack([k_start, k_end], 1).astype(jnp.float32)
+  cta_lo, cta_hi = kv_spans(k_start, k_end, wgs * block_q, block_kv)
+  wg_lo, wg_hi = kv_spans(k_start, k_end, block_q, block_kv)
+  inner_lo, inner_hi = inner_ranges(k_start, k_end, block_q)
+
+  tiling = plgpu.TilingTransform((8, 64))
+  swizzle = plgpu.SwizzleTransform(128)
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = plgpu.Layout.WGMMA.reduce(1)
+  params, out_name, scratch_name = kernel_params(interpret)
+  c = scale * LOG2E  # scores times c are in log2 units: exp2 and an FMA, as FlashAttention
+  shape = (block_q, block_kv)
+
+  def forward_kernel(q_ref, k_ref, v_ref, ranges_ref, cta_lo_ref, cta_hi_ref, wg_lo_ref, wg_hi_ref, inner_lo_ref,
+                     inner_hi_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar,
+                     k_free, v_free, schedule):
+    b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+    wg = lax.axis_index("wg")
+    hk = lax.div(h, jnp.array(groups, h.dtype))
+    lo = cta_lo_ref[b, qi]
+    steps = cta_hi_ref[b, qi] - lo
+
+    def take_turn():  # both compute warpgroups arrive, then wait: one turn of the schedule barrier
+      if pingpong:
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < wgs)
+    def _compute():
+      plgpu.set_max_registers(compute_registers(wgs), action="increase")
+      block = qi * wgs + wg
+      rows_q = pl.ds(block * block_q, block_q)
+      q_s = q_smem.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows_q, h], q_s, q_bar.at[wg])
+      start, end = (plgpu.load(ranges_ref.at[b, i, rows_q], (), layout=row_layout, optimized=False)
+                    for i in range(2))
+      first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
+      last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
+      inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
+      row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
+      plgpu.barrier_wait(q_bar.at[wg])
+
+      def pass_by(i):  # a tile of the ring outside this warpgroup's span
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+        take_turn()
+        take_turn()
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+
+      def step(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def scores(s_ref):
+          plgpu.wgmma(s_ref, q_s, k_smem.at[slot].T)
+          take_turn()  # the other warpgroup's PV wgmma may start
+          return s_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+        plgpu.barrier_arrive(k_free.at[slot])
+        kv_base = (lo + i) * block_kv
+
+        def mask(s):
+          key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
+          return jnp.where((key >= row(start)) & (key < row(end)), s, -jnp.inf)
+
+        s = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
+        m_new = jnp.maximum(m, s.max(axis=1) * c)
+        # Masked scores are -inf, and a row may have seen nothing else yet: it subtracts 0 then, so
+        # its weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
+        # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - shift)
+        p = jnp.exp2(s * c - row(shift))
+        acc *= row(alpha, head_dim)
+        l = l * alpha + p.sum(axis=1)
+        p16 = p.astype(dtype)
+        # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
+        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+        if pingpong:
+          plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_bar.at[slot])
+        if pingpong:
+          plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
+        acc = mma(acc, p16, v_smem.at[slot], interpret)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m_new, l
+
+      m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+      l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+      acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+      pl.when(wg == 1)(take_turn)  # offsets the two warpgroups by one turn
+      pl.loop(0, first)(pass_by)
+      acc, m, l = lax.fori_loop(first, last, step, (acc, m, l))
+      pl.loop(last, steps)(pass_by)
+      pl.when(wg == 0)(take_turn)
+
+      seen = end > start  # l > 0 then: the span holds a key of each of its queries
+      total = jnp.where(seen, l, 1.0)
+      q_s[...] = (acc * row(jnp.where(seen, 1.0 / total, 0.0), head_dim)).astype(dtype)
+      lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(total), 0.0)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_s, out_ref.at[b, rows_q, h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows_q])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _memory():
+      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+      def fetch(i, slot):
+        keys = pl.ds((lo + i) * block_kv, block_kv)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
+
+      feed_ring(fetch, (k_free, v_free), steps, stages)
+
+  tiles = lambda count, rows_: plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
+  out, lse = plgpu.kernel(
+      forward_kernel, **{out_name: (jax.ShapeDtypeStruct(q.shape, dtype),
+                            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))},
+      **{scratch_name: [tiles(wgs, block_q), tiles(stages, block_kv), tiles(stages, block_kv),
+                        plgpu.SMEM((wgs, block_q), jnp.float32),
+                        plgpu.Barrier(num_barriers=wgs)] + [plgpu.Barrier(num_barriers=stages)] * 2
+      + [plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] * 2 + [plgpu.Barrier(num_arrivals=wgs)]},
+      grid=(heads, q_len // (wgs * block_q), batch), grid_names=("heads", "q_tiles", "batch"),
+      num_threads=wgs + 1, **params)(q, k, v, ranges, cta_lo, cta_hi, wg_lo, wg_hi, inner_lo, inner_hi)
+  return out, lse
