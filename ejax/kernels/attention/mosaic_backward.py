@@ -4,8 +4,9 @@ The backward of `impl="mosaic"` (ops.py): tokamax's Mosaic GPU forward gives out
 kernels give dQ and dK/dV. tokamax's own SM90 backward masks each query's key range element-wise but
 bounds its loops only for causal masks, so over packed rows it does the dense row's work; ejax's
 Triton backward skips by segment but runs at ~75 TFLOP/s on an H200 (BENCHMARKS.md). These kernels
-bound every loop by the ranges: a dQ tile visits only the kv tiles its queries' ranges touch, a dK/dV
-tile only the q blocks whose ranges reach it (tile bounds computed in XLA, read by the kernel).
+bound every loop by the ranges: a dQ tile visits only the kv tiles its queries' ranges touch (each of
+its warpgroups computes those of its own 64 queries only), a dK/dV tile only the q blocks whose ranges
+reach it (tile bounds computed in XLA, read by the kernel).
 
 Layout (as in jax's Mosaic GPU attention example): a warpgroup issues the TMA copies of the streamed
 operand into a ring of `stages` shared-memory slots, and compute warpgroups of 64 rows each (two in
@@ -133,9 +134,11 @@ def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
 
 
 def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int = 64) -> tuple[int, int]:
-  """(query, key) pairs the dQ and the dK/dV kernel compute for these ranges (their tile loops)."""
-  kv_lo, kv_hi, q_lo, q_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
-  dq = int(jnp.sum(kv_hi - kv_lo)) * DQ_WGS * block_q * block_kv
+  """(query, key) pairs the dQ and the dK/dV kernel compute for these ranges (their tile loops; a dQ
+  warpgroup computes the tiles of its own queries' span only)."""
+  _, _, q_lo, q_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
+  wg_lo, wg_hi = kv_spans(k_start, k_end, block_q, block_kv)
+  dq = int(jnp.sum(wg_hi - wg_lo)) * block_q * block_kv
   dkv = int(jnp.sum(q_hi - q_lo)) * DKV_WGS * block_kv * block_q
   return dq, dkv
 
@@ -217,6 +220,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   rows = jnp.concatenate([jnp.stack([lse.astype(jnp.float32) * LOG2E, delta], 2), ranges], 2)
 
   kv_lo, kv_hi, qb_lo, qb_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
+  wg_lo, wg_hi = kv_spans(k_start, k_end, block_q, block_kv)
   inner_lo, inner_hi = inner_ranges(k_start, k_end, block_q)
   tile_kv = DKV_WGS * block_kv
 
@@ -234,7 +238,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
     return plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
 
   # ---- dQ: a CTA per (head, 128 queries, batch); K and V stream through the ring. ----
-  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, inner_lo_ref, inner_hi_ref, dq_ref,
+  def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, wg_lo_ref, wg_hi_ref, inner_lo_ref,
+                inner_hi_ref, dq_ref,
                 q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, k_bar, v_bar, k_free, v_free):
     b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
     wg = lax.axis_index("wg")
@@ -253,7 +258,12 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       info = [plgpu.load(rows_ref.at[b, h, i, rows_q], (), layout=row_layout, optimized=False)
               for i in range(4)]
       lse2, delta_, start, end = info
-      inner_lo, inner_hi = inner_lo_ref[b, base // block_q], inner_hi_ref[b, base // block_q]
+      block = base // block_q
+      inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
+      # This warpgroup computes only the kv tiles its own queries' ranges touch, steps [first, last) of
+      # the CTA's; it waits for and frees the others (each barrier phase is waited for once).
+      first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
+      last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
       plgpu.barrier_wait(q_bar.at[wg])
       plgpu.barrier_wait(do_bar.at[wg])
       shape = (block_q, block_kv)
@@ -288,7 +298,16 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         return dq_acc
 
       dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
-      dq = lax.fori_loop(0, steps, step, dq)
+      def pass_by(i):
+        slot = lax.rem(i, stages)
+        plgpu.barrier_wait(k_bar.at[slot])
+        plgpu.barrier_wait(v_bar.at[slot])
+        plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
+
+      pl.loop(0, first)(pass_by)
+      dq = lax.fori_loop(first, last, step, dq)
+      pl.loop(last, steps)(pass_by)
       q_s[...] = (dq * scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows_q, h])
@@ -311,7 +330,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       + [plgpu.Barrier(num_barriers=DQ_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 2
       + [plgpu.Barrier(num_arrivals=DQ_WGS, num_barriers=stages)] * 2},
       grid=(heads, q_len // (DQ_WGS * block_q), batch), grid_names=("heads", "q_tiles", "batch"),
-      num_threads=DQ_WGS + 1, **params)(q, k, v, d_out, rows, kv_lo, kv_hi, inner_lo, inner_hi)
+      num_threads=DQ_WGS + 1, **params)(q, k, v, d_out, rows, kv_lo, kv_hi, wg_lo, wg_hi, inner_lo, inner_hi)
 
   # ---- dK, dV: a CTA per (q head, 128 keys, batch); Q, dO and the rows stream through the ring. ----
   def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, inner_lo_ref, inner_hi_ref, dk_ref, dv_ref,
