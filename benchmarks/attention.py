@@ -62,10 +62,11 @@ TOKAMAX_SWEEP = (dict(block_q=64, block_kv=128, num_stages=2, persistent=False),
 MOSAIC_FORWARD_CONFIGS = (dict(block_q=64, block_kv=128, num_stages=3, persistent=True),
                           dict(block_q=64, block_kv=128, num_stages=2, persistent=False),
                           dict(block_q=64, block_kv=64, num_stages=3, persistent=True))
-# ejax's own forward ("mosaic_own", mosaic_forward.py) at other settings than its defaults (two compute
-# warpgroups taking turns, 64-key tiles, 2 stages): one warpgroup's turns are skipped, or wider tiles.
-MOSAIC_OWN_VARIANTS = (("no ping-pong", dict(PINGPONG=False)), ("128-key tiles", dict(BLOCK_KV=128)),
-                       ("3 stages", dict(STAGES=3)))
+# ejax's own forward ("mosaic_own", mosaic_forward.py) at other settings than its defaults (a CTA a work
+# item, two compute warpgroups taking turns, 64-key tiles, 2 stages): a persistent kernel (a CTA an SM,
+# the next item's copies during the last one's compute), no turns, wider tiles, a deeper ring.
+MOSAIC_OWN_VARIANTS = (("persistent", dict(PERSISTENT=True)), ("no ping-pong", dict(PINGPONG=False)),
+                       ("128-key tiles", dict(BLOCK_KV=128)), ("persistent, 3 stages", dict(PERSISTENT=True, STAGES=3)))
 # An arm kwarg make() takes off before flash_attention: ((module, name, value), ...) set while it traces.
 SETTINGS = "_module_settings"
 # Arms also timed on the causal rows (the rest, baselines and the sweep, on the VLA rows only).

@@ -139,12 +139,15 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
 
 
 @MOSAIC
-@pytest.mark.parametrize("head_dim,heads,kv_heads,compute_wgs,pingpong,block_kv",
-                         [(64, 2, 1, 2, True, 64), (128, 2, 2, 2, True, 64), (64, 2, 1, 2, False, 128),
-                          (64, 2, 2, 1, False, 64)])
-def test_forward_kernel_matches_the_reference(head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv):
+@pytest.mark.parametrize("head_dim,heads,kv_heads,compute_wgs,pingpong,block_kv,ctas",
+                         [(64, 2, 1, 2, True, 64, None), (128, 2, 2, 2, True, 64, None),
+                          (64, 2, 1, 2, False, 128, None), (64, 2, 2, 1, False, 64, None),
+                          (64, 2, 1, 2, True, 64, 3), (64, 2, 2, 1, False, 128, 1)])
+def test_forward_kernel_matches_the_reference(head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv, ctas):
   """Out and lse over packed and shuffled ranges, with queries whose first tiles are all masked and
-  padding queries that see no key (0 out and lse, the backward's convention)."""
+  padding queries that see no key (0 out and lse, the backward's convention). `ctas`: a persistent
+  kernel of that many CTAs, each looping over several of the 8 work items (its ring and Q buffers
+  carried from one to the next; interpret mode checks every barrier phase is observed)."""
   rng = np.random.default_rng(3)
   length = 256
   rows = [_ranges(layout, length, rng, longest=200) for layout in ("packed", "shuffled")]
@@ -156,7 +159,8 @@ def test_forward_kernel_matches_the_reference(head_dim, heads, kv_heads, compute
   scale = head_dim**-0.5
   want_out, want_lse, _ = _reference_grads(q, k, v, q, k_start, k_end, scale)
   out, lse = mosaic_forward.forward(q, k, v, jnp.asarray(k_start), jnp.asarray(k_end), scale=scale,
-                                    compute_wgs=compute_wgs, pingpong=pingpong, block_kv=block_kv)
+                                    compute_wgs=compute_wgs, pingpong=pingpong, block_kv=block_kv,
+                                    persistent=ctas is not None, ctas=ctas)
   assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, heads, length)
   np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=1e-2)
   np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4, rtol=1e-5)
@@ -218,8 +222,9 @@ x = arg((2, 512, 4, head_dim), jnp.bfloat16)
 ids = arg((2, 512), jnp.int32)
 backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False))
 backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
-forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
-forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+for persistent in (False, True):
+  forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
+  forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 """
 
 

@@ -38,13 +38,25 @@ FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying on
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
 BLOCK_KV = 64  # keys a ring slot: smaller tiles skip more of the pairs the ranges forbid
 STAGES = 2  # ring slots
+# A CTA an SM looping over the work items (static round-robin), its copying warpgroup fetching the
+# next item's Q and K/V while the compute ones finish the last: no CTA start-up between items. Else a
+# CTA an item.
+PERSISTENT = False
+H100_SMS = 132  # an H100's / H200's; the CTAs of a persistent kernel lowered off a GPU
 LN2 = math.log(2.0)
 
 
 def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2,
                compute_wgs: int = FWD_WGS) -> int:
-  """Shared memory a CTA: its queries' tiles (reused for the output), the K/V ring and the lse rows."""
-  return 2 * (compute_wgs * block_q + 2 * stages * block_kv) * head_dim + compute_wgs * block_q * 4
+  """Shared memory a CTA: its queries' tiles, two items' (reused for the output), the K/V ring and
+  the lse rows."""
+  return 2 * (2 * compute_wgs * block_q + 2 * stages * block_kv) * head_dim + compute_wgs * block_q * 4
+
+
+def _core_count() -> int:
+  """SMs of the GPU the kernel runs on (an H100's when lowered off a GPU)."""
+  device = jax.devices()[0]
+  return int(getattr(device, "core_count", 0) or H100_SMS) if platform.on_gpu() else H100_SMS
 
 
 def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2, compute_wgs: int = FWD_WGS) -> bool:
@@ -68,15 +80,17 @@ def visited_pairs(k_start, k_end, block_q: int = 64, block_kv: int = 64,
 
 def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_kv: int | None = None,
             stages: int | None = None, compute_wgs: int | None = None, pingpong: bool | None = None,
-            interpret: bool | None = None):
+            persistent: bool | None = None, ctas: int | None = None, interpret: bool | None = None):
   """(out, lse) of attention over each query's key range [k_start, k_end); settings left None are the
-  module's (FWD_WGS, PINGPONG, BLOCK_KV, STAGES), read as the call is traced."""
+  module's (FWD_WGS, PINGPONG, BLOCK_KV, STAGES, PERSISTENT), read as the call is traced. `ctas`: a
+  persistent kernel's CTAs (None: the GPU's SMs)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   wgs = FWD_WGS if compute_wgs is None else compute_wgs
   block_kv = BLOCK_KV if block_kv is None else block_kv
   stages = STAGES if stages is None else stages
+  persistent = PERSISTENT if persistent is None else persistent
   pingpong = (PINGPONG if pingpong is None else pingpong) and wgs == 2
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
@@ -106,121 +120,168 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   c = scale * LOG2E  # scores times c are in log2 units: exp2 and an FMA, as FlashAttention
   shape = (block_q, block_kv)
 
+  items = (heads, q_len // (wgs * block_q), batch)  # a work item: 128 queries of one head and row
+  num_items = math.prod(items)
+  ctas = num_items if not persistent else min(num_items, ctas or _core_count())
+
   def forward_kernel(q_ref, k_ref, v_ref, ranges_ref, cta_lo_ref, cta_hi_ref, wg_lo_ref, wg_hi_ref, inner_lo_ref,
-                     inner_hi_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar,
-                     k_free, v_free, schedule):
-    b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+                     inner_hi_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar, q_free, k_bar,
+                     v_bar, k_free, v_free, schedule):
     wg = lax.axis_index("wg")
-    hk = lax.div(h, jnp.array(groups, h.dtype))
-    lo = cta_lo_ref[b, qi]
-    steps = cta_hi_ref[b, qi] - lo
 
     def take_turn():  # both compute warpgroups arrive, then wait: one turn of the schedule barrier
       if pingpong:
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
+    def work_items(body):
+      """body(h, qi, b, j, g) over this CTA's items: j counts its items (the Q buffer is j % 2), g the
+      ring steps before this item (ring slot (g + i) % stages), carried across items. Returns both
+      after the last item."""
+      def loop_body(info, carry):
+        (h, qi, b), (j, g) = info.index, carry
+        body(h, qi, b, j, g)
+        return j + 1, g + cta_hi_ref[b, qi] - cta_lo_ref[b, qi]
+
+      return plgpu.nd_loop(items, collective_axes="ctas", init_carry=(jnp.int32(0), jnp.int32(0)))(loop_body)
+
     @pl.when(wg < wgs)
     def _compute():
       plgpu.set_max_registers(compute_registers(wgs), action="increase")
-      block = qi * wgs + wg
-      rows_q = pl.ds(block * block_q, block_q)
-      q_s = q_smem.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows_q, h], q_s, q_bar.at[wg])
-      start, end = (plgpu.load(ranges_ref.at[b, i, rows_q], (), layout=row_layout, optimized=False)
-                    for i in range(2))
-      first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
-      last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
-      inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
-      row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
-      plgpu.barrier_wait(q_bar.at[wg])
 
-      def pass_by(i):  # a tile of the ring outside this warpgroup's span
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
-        take_turn()
-        take_turn()
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
+      @work_items
+      def _item(h, qi, b, j, g):
+        lo = cta_lo_ref[b, qi]
+        steps = cta_hi_ref[b, qi] - lo
+        block = qi * wgs + wg
+        rows_q = pl.ds(block * block_q, block_q)
+        buf = lax.rem(j, 2) * wgs + wg
+        q_s = q_smem.at[buf]
+        start, end = (plgpu.load(ranges_ref.at[b, i, rows_q], (), layout=row_layout, optimized=False)
+                      for i in range(2))
+        first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
+        last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
+        inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
+        row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
+        plgpu.barrier_wait(q_bar.at[buf])
 
-      def step(i, carry):
-        acc, m, l = carry
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(k_bar.at[slot])
+        def pass_by(i):  # a tile of the ring outside this warpgroup's span
+          slot = lax.rem(g + i, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
+          plgpu.barrier_arrive(k_free.at[slot])
+          take_turn()
+          take_turn()
+          plgpu.barrier_wait(v_bar.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
 
-        def scores(s_ref):
-          plgpu.wgmma(s_ref, q_s, k_smem.at[slot].T)
-          take_turn()  # the other warpgroup's PV wgmma may start
-          return s_ref[...]
+        def step(i, carry):
+          acc, m, l = carry
+          slot = lax.rem(g + i, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
 
-        s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
-        kv_base = (lo + i) * block_kv
+          def scores(s_ref):
+            plgpu.wgmma(s_ref, q_s, k_smem.at[slot].T)
+            take_turn()  # the other warpgroup's PV wgmma may start
+            return s_ref[...]
 
-        def mask(s):
-          key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
-          return jnp.where((key >= row(start)) & (key < row(end)), s, -jnp.inf)
+          s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
+          kv_base = (lo + i) * block_kv
 
-        s = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
-        m_new = jnp.maximum(m, s.max(axis=1) * c)
-        # Masked scores are -inf, and a row may have seen nothing else yet: it subtracts 0 then, so
-        # its weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
-        # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
-        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - shift)
-        p = jnp.exp2(s * c - row(shift))
-        acc *= row(alpha, head_dim)
-        l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
-        # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
-        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        if pingpong:
-          plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(v_bar.at[slot])
-        if pingpong:
-          plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
-        acc = mma(acc, p16, v_smem.at[slot], interpret)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m_new, l
+          def mask(s):
+            key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
+            return jnp.where((key >= row(start)) & (key < row(end)), s, -jnp.inf)
 
-      m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
-      l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
-      acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
-      pl.when(wg == 1)(take_turn)  # offsets the two warpgroups by one turn
-      pl.loop(0, first)(pass_by)
-      acc, m, l = lax.fori_loop(first, last, step, (acc, m, l))
-      pl.loop(last, steps)(pass_by)
-      pl.when(wg == 0)(take_turn)
+          s = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
+          m_new = jnp.maximum(m, s.max(axis=1) * c)
+          # Masked scores are -inf, and a row may have seen nothing else yet: it subtracts 0 then, so
+          # its weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
+          # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
+          shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m - shift)
+          p = jnp.exp2(s * c - row(shift))
+          acc *= row(alpha, head_dim)
+          l = l * alpha + p.sum(axis=1)
+          p16 = p.astype(dtype)
+          # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
+          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+          if pingpong:
+            plgpu.barrier_arrive(schedule)
+          plgpu.barrier_wait(v_bar.at[slot])
+          if pingpong:
+            plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
+          acc = mma(acc, p16, v_smem.at[slot], interpret)
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc, m_new, l
 
-      seen = end > start  # l > 0 then: the span holds a key of each of its queries
-      total = jnp.where(seen, l, 1.0)
-      q_s[...] = (acc * row(jnp.where(seen, 1.0 / total, 0.0), head_dim)).astype(dtype)
-      lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(total), 0.0)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_s, out_ref.at[b, rows_q, h])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows_q])
-      plgpu.wait_smem_to_gmem(0)
+        m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
+        l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+        acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+        pl.when(wg == 1)(take_turn)  # offsets the two warpgroups by one turn
+        pl.loop(0, first)(pass_by)
+        acc, m, l = lax.fori_loop(first, last, step, (acc, m, l))
+        pl.loop(last, steps)(pass_by)
+        pl.when(wg == 0)(take_turn)
+
+        seen = end > start  # l > 0 then: the span holds a key of each of its queries
+        total = jnp.where(seen, l, 1.0)
+        q_s[...] = (acc * row(jnp.where(seen, 1.0 / total, 0.0), head_dim)).astype(dtype)
+        lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(total), 0.0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, out_ref.at[b, rows_q, h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows_q])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers may take the next item's
+        plgpu.barrier_arrive(q_free.at[lax.rem(j, 2)])
 
     @pl.when(wg == wgs)
     def _memory():
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-      def fetch(i, slot):
-        keys = pl.ds((lo + i) * block_kv, block_kv)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
+      def item(h, qi, b, j, g):
+        lo = cta_lo_ref[b, qi]
+        hk = lax.div(h, jnp.array(groups, h.dtype))
+        # This item's queries go to Q buffer j % 2 once the item two before has stored its output from it.
+        pl.when(j >= 2)(lambda: plgpu.barrier_wait(q_free.at[lax.rem(j, 2)]))
+        for w in range(wgs):
+          buf = lax.rem(j, 2) * wgs + w
+          plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((qi * wgs + w) * block_q, block_q), h], q_smem.at[buf],
+                                  q_bar.at[buf])
 
-      feed_ring(fetch, (k_free, v_free), steps, stages)
+        @pl.loop(0, cta_hi_ref[b, qi] - lo)
+        def _fetch(i):
+          slot = lax.rem(g + i, stages)
+
+          @pl.when(g + i >= stages)
+          def _():
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+          keys = pl.ds((lo + i) * block_kv, block_kv)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
+
+      items_done, steps_done = work_items(item)
+
+      # Observe the frees not waited for yet (each barrier phase is waited for once): the last two
+      # items' Q buffers, the last ring steps' slots.
+      @pl.loop(lax.max(items_done - 2, 0), items_done)
+      def _drain_q(j):
+        plgpu.barrier_wait(q_free.at[lax.rem(j, 2)])
+
+      @pl.loop(lax.max(steps_done - stages, 0), steps_done)
+      def _drain_ring(t):
+        plgpu.barrier_wait(k_free.at[lax.rem(t, stages)])
+        plgpu.barrier_wait(v_free.at[lax.rem(t, stages)])
 
   tiles = lambda count, rows_: plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
   out, lse = plgpu.kernel(
       forward_kernel, **{out_name: (jax.ShapeDtypeStruct(q.shape, dtype),
-                            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))},
-      **{scratch_name: [tiles(wgs, block_q), tiles(stages, block_kv), tiles(stages, block_kv),
+                                    jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))},
+      **{scratch_name: [tiles(2 * wgs, block_q), tiles(stages, block_kv), tiles(stages, block_kv),
                         plgpu.SMEM((wgs, block_q), jnp.float32),
-                        plgpu.Barrier(num_barriers=wgs)] + [plgpu.Barrier(num_barriers=stages)] * 2
+                        plgpu.Barrier(num_barriers=2 * wgs), plgpu.Barrier(num_arrivals=wgs, num_barriers=2)]
+      + [plgpu.Barrier(num_barriers=stages)] * 2
       + [plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] * 2 + [plgpu.Barrier(num_arrivals=wgs)]},
-      grid=(heads, q_len // (wgs * block_q), batch), grid_names=("heads", "q_tiles", "batch"),
-      num_threads=wgs + 1, **params)(q, k, v, ranges, cta_lo, cta_hi, wg_lo, wg_hi, inner_lo, inner_hi)
+      grid=(ctas,), grid_names=("ctas",), num_threads=wgs + 1, **params)(
+          q, k, v, ranges, cta_lo, cta_hi, wg_lo, wg_hi, inner_lo, inner_hi)
   return out, lse
