@@ -54,19 +54,20 @@ PALLAS_SWEEP = (BlockSizes(128, 64, 64, 64, num_warps=8, num_stages=3),
 # tokamax SM90 configs beside its own heuristics (which pick a persistent kernel for these masks).
 TOKAMAX_SWEEP = (dict(block_q=64, block_kv=128, num_stages=2, persistent=False),)
 # The mosaic route's forward (tokamax's kernel) at other configs than its heuristics' (64 x 128, 2
-# stages, persistent), and its backward with two dK/dV compute warpgroups (DKV_WGS; ptxas: 168
-# registers a thread, 8 bytes spilled, against one warpgroup's 255 and none). Timed right after the
-# mosaic arm, every run: its 150 TFLOP/s forward and 174 backward are what the goals wait on.
-# The third: 64-key tiles. Its CTAs of 128 queries then visit 27.2M pairs of the VLA rows' 18.7M allowed
-# (69 % useful) against 29.3M (64 %) with 128-key tiles: +8 % useful work at the same raw rate.
-MOSAIC_FORWARD_CONFIGS = (dict(block_q=64, block_kv=128, num_stages=3, persistent=True),
-                          dict(block_q=64, block_kv=128, num_stages=2, persistent=False),
-                          dict(block_q=64, block_kv=64, num_stages=3, persistent=True))
-# ejax's own forward ("mosaic_own", mosaic_forward.py) at other settings than its defaults (a CTA a work
-# item, two compute warpgroups taking turns, 64-key tiles, 2 stages): a persistent kernel (a CTA an SM,
-# the next item's copies during the last one's compute), no turns, wider tiles, a deeper ring.
-MOSAIC_OWN_VARIANTS = (("persistent", dict(PERSISTENT=True)), ("no ping-pong", dict(PINGPONG=False)),
-                       ("128-key tiles", dict(BLOCK_KV=128)), ("persistent, 3 stages", dict(PERSISTENT=True, STAGES=3)))
+# stages, persistent), timed after ejax's own kernels' settings. First 64-key tiles: its CTAs of 128
+# queries then visit 27.2M pairs of the VLA rows' 18.7M allowed (69 % useful) against 29.3M (64 %).
+MOSAIC_FORWARD_CONFIGS = (dict(block_q=64, block_kv=64, num_stages=3, persistent=True),
+                          dict(block_q=64, block_kv=128, num_stages=3, persistent=True),
+                          dict(block_q=64, block_kv=128, num_stages=2, persistent=False))
+# Settings of ejax's Mosaic GPU kernels beside their defaults (a CTA a work item, the forward's two
+# compute warpgroups taking turns, 64-key tiles, one dK/dV warpgroup), as (module, name, value):
+# persistent kernels (a CTA an SM, the next item's copies during the last one's compute), no turns,
+# wider forward tiles, two dK/dV warpgroups (since the persistent rewrite 168 registers, no spills).
+PERSISTENT = ((mosaic_forward, "PERSISTENT", True), (mosaic_backward, "PERSISTENT", True))
+DKV_2 = ((mosaic_backward, "DKV_WGS", 2),)
+MOSAIC_OWN_VARIANTS = (("persistent", PERSISTENT), ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
+                       ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
+                       ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)))
 # An arm kwarg make() takes off before flash_attention: ((module, name, value), ...) set while it traces.
 SETTINGS = "_module_settings"
 # Arms also timed on the causal rows (the rest, baselines and the sweep, on the VLA rows only).
@@ -127,10 +128,10 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
     return []
   # pallas first (the other arms' gradients are checked against it), then the mosaic route and its
   # variants; the routes measured in both H200 windows last, where the figure's time limit cuts first.
-  own = lambda **settings: {SETTINGS: tuple((mosaic_forward, name, value) for name, value in settings.items())}
   listed = [("pallas", "pallas", {}), ("mosaic", "mosaic", {}), ("mosaic_own", "mosaic_own", {})]
-  listed += [(f"mosaic_own, {label}", "mosaic_own", own(**settings)) for label, settings in MOSAIC_OWN_VARIANTS]
-  listed.append(("mosaic, dK/dV in 2 warpgroups", "mosaic", {SETTINGS: ((mosaic_backward, "DKV_WGS", 2),)}))
+  listed += [(f"mosaic_own, {label}", "mosaic_own", {SETTINGS: settings}) for label, settings in MOSAIC_OWN_VARIANTS]
+  listed += [("mosaic, persistent backward", "mosaic", {SETTINGS: PERSISTENT[1:]}),
+             ("mosaic, dK/dV in 2 warpgroups", "mosaic", {SETTINGS: DKV_2})]
   if on_gpu and tokamax_gpu.available():
     for config in MOSAIC_FORWARD_CONFIGS:
       label = (f"mosaic, forward {config['block_q']}x{config['block_kv']} s{config['num_stages']}"

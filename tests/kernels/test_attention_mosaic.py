@@ -114,8 +114,10 @@ def _reference_grads(q, k, v, d_out, k_start, k_end, scale):
 
 
 @MOSAIC
-@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 2, 1), (128, 2, 2)])
-def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_heads):
+@pytest.mark.parametrize("head_dim,heads,kv_heads,ctas", [(64, 2, 1, None), (128, 2, 2, None), (64, 2, 1, 3)])
+def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_heads, ctas):
+  """`ctas`: persistent kernels of that many CTAs, each looping over several work items (8 for dQ, 16
+  for dK/dV), their own tiles double-buffered and the ring carried from one item to the next."""
   rng = np.random.default_rng(1)
   length = 256
   # Segments up to 200 tokens: some tiles lie inside every range of their queries (no mask applied).
@@ -128,7 +130,7 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
   scale = head_dim**-0.5
   out, lse, want = _reference_grads(q, k, v, d_out, k_start, k_end, scale)
   got = mosaic_backward.backward(q, k, v, out.astype(jnp.bfloat16), lse, d_out, jnp.asarray(k_start),
-                                 jnp.asarray(k_end), scale=scale)
+                                 jnp.asarray(k_end), scale=scale, persistent=ctas is not None, ctas=ctas)
   for name, g, w, primal in zip("qkv", got, want, (q, k, v)):
     assert g.shape == primal.shape and g.dtype == primal.dtype, name
     np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=2e-2 * float(jnp.abs(w).max()),
@@ -220,9 +222,9 @@ head_dim = int(sys.argv[1])
 arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(device))
 x = arg((2, 512, 4, head_dim), jnp.bfloat16)
 ids = arg((2, 512), jnp.int32)
-backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False))
-backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 for persistent in (False, True):
+  backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
+  backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
   forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
   forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 """

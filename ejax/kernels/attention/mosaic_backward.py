@@ -1,16 +1,20 @@
 """Attention backward as Pallas Mosaic GPU kernels (wgmma + TMA, Hopper) over per-query key ranges.
 
-The backward of `impl="mosaic"` (ops.py): tokamax's Mosaic GPU forward gives out and lse, these two
-kernels give dQ and dK/dV. tokamax's own SM90 backward masks each query's key range element-wise but
+The backward of impls "mosaic" and "mosaic_own" (ops.py): tokamax's or ejax's Mosaic GPU forward
+(mosaic_forward.py) gives out and lse, these two kernels give dQ and dK/dV. tokamax's own SM90 backward masks each query's key range element-wise but
 bounds its loops only for causal masks, so over packed rows it does the dense row's work; ejax's
 Triton backward skips by segment but runs at ~75 TFLOP/s on an H200 (BENCHMARKS.md). These kernels
 bound every loop by the ranges: a dQ tile visits only the kv tiles its queries' ranges touch (each of
 its warpgroups computes those of its own 64 queries only), a dK/dV tile only the q blocks whose ranges
 reach it (tile bounds computed in XLA, read by the kernel).
 
-Layout (as in jax's Mosaic GPU attention example): a warpgroup issues the TMA copies of the streamed
-operand into a ring of `stages` shared-memory slots, and compute warpgroups of 64 rows each (two in
-dQ, one in dK/dV: DQ_WGS, DKV_WGS) hand a slot back with an arrive on its "free" barrier. The scores are recomputed in both kernels (7 matmuls a tile pair, as FlashAttention-2).
+Layout (as in jax's Mosaic GPU attention example): a warpgroup issues the TMA copies, of each work
+item's own tiles (two items' buffers) and of the streamed operand into a ring of `stages`
+shared-memory slots; compute warpgroups of 64 rows each (two in dQ, one in dK/dV: DQ_WGS, DKV_WGS)
+hand a buffer or slot back with an arrive on its "free" barrier. A CTA runs one work item, or with
+PERSISTENT one an SM loops over them, the ring and buffers carried from one item to the next (the
+helpers work_items, feed_item, buffer_for and drain, shared with the forward). The scores are
+recomputed in both kernels (7 matmuls a tile pair, as FlashAttention-2).
 
 Inputs are ejax's: q [batch, q_len, heads, d], k / v [batch, kv_len, kv_heads, d] (bf16 / f16),
 lse [batch, heads, q_len] f32 (natural log, 0 where a query sees no key), per query k_start / k_end
@@ -33,12 +37,17 @@ from ejax.kernels import platform
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
 # score tiles fit the 168 registers a thread of a 384-thread CTA). dK/dV: one, so a thread may use
-# 255: with two, ptxas spilled (256 bytes a thread; MOSAIC_GPU_DUMP_PTXAS, compile-only H100, jaxlib
-# 0.11.2) for its two accumulators and three score tiles.
+# 255 (the one measured). With two, the first design spilled 256 bytes a thread for its two
+# accumulators and three score tiles (MOSAIC_GPU_DUMP_PTXAS, compile-only H100, jaxlib 0.11.2); since
+# the copying warpgroup loads the item's K and V too, two compile to 168 registers without spills.
 DQ_WGS = 2
 DKV_WGS = 1
 LENGTH_MULTIPLE = 128  # q_len and kv_len: whole CTA tiles of both kernels (ops.py pads to it)
 MEMORY_REGISTERS = 40  # a thread of the copying warpgroup (setmaxnreg); the compute ones share the rest
+# Both kernels a CTA an SM looping over their work items (static round-robin, plgpu.nd_loop): the copying
+# warpgroup fetches the next item's own tiles (double-buffered) and ring while the compute ones finish
+# the last, so no CTA start-up between items. Else a CTA an item.
+PERSISTENT = False
 
 
 def compute_registers(compute_wgs: int) -> int:
@@ -63,9 +72,10 @@ SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a CTA
 
 
 def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> int:
-  """Shared memory of the larger kernel: its own two tiles and the ring of streamed tiles (16-bit)."""
-  dq = 2 * (2 * DQ_WGS * block_q + 2 * stages * block_kv) * head_dim
-  dkv = 2 * (2 * DKV_WGS * block_kv + 2 * stages * block_q) * head_dim + stages * 4 * block_q * 4
+  """Shared memory of the larger kernel: its own two operands' tiles, for two items, and the ring of
+  streamed tiles (16-bit)."""
+  dq = 2 * (4 * DQ_WGS * block_q + 2 * stages * block_kv) * head_dim
+  dkv = 2 * (4 * DKV_WGS * block_kv + 2 * stages * block_q) * head_dim + stages * 4 * block_q * 4
   return max(dq, dkv)
 
 
@@ -172,31 +182,88 @@ def mma(acc, lhs, rhs, interpret: bool):
   return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
 
 
-def feed_ring(fetch, frees, steps, stages: int):
-  """The copying warpgroup's loop: fetch(i, slot) puts step i's tiles in ring slot i % stages once
-  the compute warpgroups have freed it (an arrive on each barrier of `frees` at that slot)."""
+H100_SMS = 132  # an H100's / H200's SMs: a persistent kernel's CTAs when lowered off a GPU
+
+
+def persistent_ctas(num_items: int, persistent: bool, ctas: int | None = None) -> int:
+  """CTAs of a kernel over `num_items` work items: one an item, or persistent, one an SM (or `ctas`)
+  each looping over items round-robin."""
+  if not persistent:
+    return num_items
+  if ctas is None:
+    device = jax.devices()[0]
+    ctas = int(getattr(device, "core_count", 0) or H100_SMS) if platform.on_gpu() else H100_SMS
+  return min(num_items, ctas)
+
+
+def work_items(items: tuple, lo_ref, hi_ref, body):
+  """body(h, t, b, j, g) for each of this CTA's work items (h, t, b) of the grid `items` (heads, tiles,
+  batch), over the launch axis "ctas" (plgpu.nd_loop). j counts the CTA's items (a double-buffered
+  operand uses buffer j % 2), g the ring steps before the item (its step i uses slot (g + i) % stages);
+  an item's steps are hi_ref[b, t] - lo_ref[b, t]. Returns (items, steps) done."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def loop_body(info, carry):
+    (h, t, b), (j, g) = info.index, carry
+    body(h, t, b, j, g)
+    return j + 1, g + hi_ref[b, t] - lo_ref[b, t]
+
+  return plgpu.nd_loop(items, collective_axes="ctas", init_carry=(jnp.int32(0), jnp.int32(0)))(loop_body)
+
+
+def feed_item(fetch, frees, g, steps, stages: int):
+  """The copying warpgroup's loop over an item's ring steps: fetch(i, slot) puts step i's tiles in slot
+  (g + i) % stages once the compute warpgroups have freed it (an arrive on each barrier of `frees`)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  for i in range(stages):
-    pl.when(i < steps)(functools.partial(fetch, i, i))
+  @pl.loop(0, steps)
+  def _fetch(i):
+    slot = lax.rem(g + i, stages)
 
-  @pl.loop(0, lax.max(steps - stages, 0))
-  def _refill(i):
-    slot = lax.rem(i, stages)
-    for free in frees:
-      plgpu.barrier_wait(free.at[slot])
-    fetch(i + stages, slot)
+    @pl.when(g + i >= stages)
+    def _wait():
+      for free in frees:
+        plgpu.barrier_wait(free.at[slot])
 
-  @pl.loop(lax.max(steps - stages, 0), steps)
-  def _drain(i):  # observe the last frees too: each barrier phase is waited for once
-    for free in frees:
-      plgpu.barrier_wait(free.at[lax.rem(i, stages)])
+    fetch(i, slot)
+
+
+def buffer_for(j, free, fetch):
+  """The copying warpgroup at a CTA's item j: fetch() the item's own tiles into buffer j % 2 once the
+  item two before has freed it (an arrive on `free` at that buffer)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  pl.when(j >= 2)(lambda: plgpu.barrier_wait(free.at[lax.rem(j, 2)]))
+  fetch(lax.rem(j, 2))
+
+
+def drain(done, buffer_frees, ring_frees, stages: int):
+  """The copying warpgroup's last waits after its items: the last two items' buffer frees and the last
+  ring steps' slot frees. Every barrier phase is then observed by each thread that waits on it, which
+  Mosaic GPU's interpret mode checks."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  items_done, steps_done = done
+
+  @pl.loop(lax.max(items_done - 2, 0), items_done)
+  def _buffers(j):
+    for free in buffer_frees:
+      plgpu.barrier_wait(free.at[lax.rem(j, 2)])
+
+  @pl.loop(lax.max(steps_done - stages, 0), steps_done)
+  def _ring(t):
+    for free in ring_frees:
+      plgpu.barrier_wait(free.at[lax.rem(t, stages)])
 
 
 def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q: int = 64,
-             block_kv: int = 64, stages: int = 2, interpret: bool | None = None):
-  """(dq, dk, dv) of attention over each query's key range [k_start, k_end)."""
+             block_kv: int = 64, stages: int = 2, persistent: bool | None = None, ctas: int | None = None,
+             interpret: bool | None = None):
+  """(dq, dk, dv) of attention over each query's key range [k_start, k_end). `persistent` (None: the
+  module's PERSISTENT): both kernels a CTA an SM (or `ctas`) looping over the work items."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -208,6 +275,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
                      f"got {q.dtype}, q {q.shape}, k {k.shape}" + (f" ({available()})" if available() else ""))
   if interpret is None:
     interpret = not platform.on_gpu()
+  persistent = PERSISTENT if persistent is None else persistent
   groups = heads // kv_heads
   dtype = q.dtype
   k, v, d_out = k.astype(dtype), v.astype(dtype), d_out.astype(dtype)
@@ -232,198 +300,230 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   params, out_name, scratch_name = kernel_params(interpret)
   c = scale * LOG2E
   mma_ = functools.partial(mma, interpret=interpret)
-  feed_ring_ = functools.partial(feed_ring, stages=stages)
 
   def tiles(count, rows_):  # `count` [rows_, head_dim] tiles in wgmma's swizzled layout
     return plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
 
-  # ---- dQ: a CTA per (head, 128 queries, batch); K and V stream through the ring. ----
+  # ---- dQ: a work item per (head, 128 queries, batch); K and V stream through the ring. ----
+  dq_items = (heads, q_len // (DQ_WGS * block_q), batch)
+
   def dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, wg_lo_ref, wg_hi_ref, inner_lo_ref,
-                inner_hi_ref, dq_ref,
-                q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, k_bar, v_bar, k_free, v_free):
-    b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+                inner_hi_ref, dq_ref, q_smem, do_smem, k_smem, v_smem, q_bar, do_bar, q_free, k_bar, v_bar,
+                k_free, v_free):
     wg = lax.axis_index("wg")
-    hk = lax.div(h, jnp.array(groups, h.dtype))
-    lo, hi = lo_ref[b, qi], hi_ref[b, qi]
-    steps = hi - lo
 
     @pl.when(wg < DQ_WGS)
     def _compute():
       plgpu.set_max_registers(compute_registers(DQ_WGS), action="increase")
-      base = qi * (DQ_WGS * block_q) + wg * block_q
-      rows_q = pl.ds(base, block_q)
-      q_s, do_s = q_smem.at[wg], do_smem.at[wg]
-      plgpu.copy_gmem_to_smem(q_ref.at[b, rows_q, h], q_s, q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(do_ref.at[b, rows_q, h], do_s, do_bar.at[wg])
-      info = [plgpu.load(rows_ref.at[b, h, i, rows_q], (), layout=row_layout, optimized=False)
-              for i in range(4)]
-      lse2, delta_, start, end = info
-      block = base // block_q
-      inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
-      # This warpgroup computes only the kv tiles its own queries' ranges touch, steps [first, last) of
-      # the CTA's; it waits for and frees the others (each barrier phase is waited for once).
-      first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
-      last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
-      plgpu.barrier_wait(q_bar.at[wg])
-      plgpu.barrier_wait(do_bar.at[wg])
-      shape = (block_q, block_kv)
-      row = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
-      def step(i, dq_acc):
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-        plgpu.barrier_wait(v_bar.at[slot])
+      @functools.partial(work_items, dq_items, lo_ref, hi_ref)
+      def _item(h, qi, b, j, g):
+        lo = lo_ref[b, qi]
+        steps = hi_ref[b, qi] - lo
+        block = qi * DQ_WGS + wg
+        rows_q = pl.ds(block * block_q, block_q)
+        buf = lax.rem(j, 2) * DQ_WGS + wg
+        q_s, do_s = q_smem.at[buf], do_smem.at[buf]
+        lse2, delta_, start, end = (plgpu.load(rows_ref.at[b, h, i, rows_q], (), layout=row_layout, optimized=False)
+                                    for i in range(4))
+        inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
+        # This warpgroup computes only the kv tiles its own queries' ranges touch, steps [first, last) of
+        # the item's; it waits for and frees the others (each barrier phase is waited for once).
+        first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
+        last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
+        plgpu.barrier_wait(q_bar.at[buf])
+        plgpu.barrier_wait(do_bar.at[buf])
+        shape = (block_q, block_kv)
+        row = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
-        def scores(s_ref, dp_ref):
-          plgpu.wgmma(s_ref, q_s, k_smem.at[slot].T)
-          plgpu.wgmma(dp_ref, do_s, v_smem.at[slot].T)
-          plgpu.wgmma_wait(0)
-          return s_ref[...], dp_ref[...]
+        def step(i, dq_acc):
+          slot = lax.rem(g + i, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
+          plgpu.barrier_wait(v_bar.at[slot])
 
-        acc = plgpu.ACC(shape, jnp.float32)
-        s, dp = pl.run_scoped(scores, acc, acc)
-        plgpu.barrier_arrive(v_free.at[slot])
-        p = jnp.exp2(s * c - row(lse2))
-        kv_base = (lo + i) * block_kv
+          def scores(s_ref, dp_ref):
+            plgpu.wgmma(s_ref, q_s, k_smem.at[slot].T)
+            plgpu.wgmma(dp_ref, do_s, v_smem.at[slot].T)
+            plgpu.wgmma_wait(0)
+            return s_ref[...], dp_ref[...]
 
-        def mask(p):
-          key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
-          return jnp.where((key >= row(start)) & (key < row(end)), p, 0.0)
+          acc = plgpu.ACC(shape, jnp.float32)
+          s, dp = pl.run_scoped(scores, acc, acc)
+          plgpu.barrier_arrive(v_free.at[slot])
+          p = jnp.exp2(s * c - row(lse2))
+          kv_base = (lo + i) * block_kv
 
-        p = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
-        ds = p * (dp - row(delta_))
+          def mask(p):
+            key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
+            return jnp.where((key >= row(start)) & (key < row(end)), p, 0.0)
 
-        dq_acc = mma_(dq_acc, ds.astype(dtype), k_smem.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
-        return dq_acc
+          p = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
+          ds = p * (dp - row(delta_))
+          dq_acc = mma_(dq_acc, ds.astype(dtype), k_smem.at[slot])
+          plgpu.barrier_arrive(k_free.at[slot])
+          return dq_acc
 
-      dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
-      def pass_by(i):
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(k_bar.at[slot])
-        plgpu.barrier_wait(v_bar.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
+        def pass_by(i):
+          slot = lax.rem(g + i, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
+          plgpu.barrier_wait(v_bar.at[slot])
+          plgpu.barrier_arrive(v_free.at[slot])
+          plgpu.barrier_arrive(k_free.at[slot])
 
-      pl.loop(0, first)(pass_by)
-      dq = lax.fori_loop(first, last, step, dq)
-      pl.loop(last, steps)(pass_by)
-      q_s[...] = (dq * scale).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows_q, h])
-      plgpu.wait_smem_to_gmem(0)
+        dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+        pl.loop(0, first)(pass_by)
+        dq = lax.fori_loop(first, last, step, dq)
+        pl.loop(last, steps)(pass_by)
+        q_s[...] = (dq * scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows_q, h])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers may take a later item's
+        plgpu.barrier_arrive(q_free.at[lax.rem(j, 2)])
 
     @pl.when(wg == DQ_WGS)
     def _memory():
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-      def fetch(i, slot):
-        keys = pl.ds((lo + i) * block_kv, block_kv)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
+      def item(h, qi, b, j, g):
+        lo = lo_ref[b, qi]
+        hk = lax.div(h, jnp.array(groups, h.dtype))
 
-      feed_ring_(fetch, (k_free, v_free), steps)
+        def own(half):  # this item's queries and their dO, for both compute warpgroups
+          for w in range(DQ_WGS):
+            rows_q, buf = pl.ds((qi * DQ_WGS + w) * block_q, block_q), half * DQ_WGS + w
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows_q, h], q_smem.at[buf], q_bar.at[buf])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows_q, h], do_smem.at[buf], do_bar.at[buf])
+
+        buffer_for(j, q_free, own)
+
+        def fetch(i, slot):
+          keys = pl.ds((lo + i) * block_kv, block_kv)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
+
+        feed_item(fetch, (k_free, v_free), g, hi_ref[b, qi] - lo, stages)
+
+      drain(work_items(dq_items, lo_ref, hi_ref, item), (q_free,), (k_free, v_free), stages)
 
   dq = plgpu.kernel(
       dq_kernel, **{out_name: jax.ShapeDtypeStruct(q.shape, dtype)},
-      **{scratch_name: [tiles(DQ_WGS, block_q)] * 2 + [tiles(stages, block_kv)] * 2
-      + [plgpu.Barrier(num_barriers=DQ_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 2
-      + [plgpu.Barrier(num_arrivals=DQ_WGS, num_barriers=stages)] * 2},
-      grid=(heads, q_len // (DQ_WGS * block_q), batch), grid_names=("heads", "q_tiles", "batch"),
+      **{scratch_name: [tiles(2 * DQ_WGS, block_q)] * 2 + [tiles(stages, block_kv)] * 2
+      + [plgpu.Barrier(num_barriers=2 * DQ_WGS)] * 2 + [plgpu.Barrier(num_arrivals=DQ_WGS, num_barriers=2)]
+      + [plgpu.Barrier(num_barriers=stages)] * 2 + [plgpu.Barrier(num_arrivals=DQ_WGS, num_barriers=stages)] * 2},
+      grid=(persistent_ctas(math.prod(dq_items), persistent, ctas),), grid_names=("ctas",),
       num_threads=DQ_WGS + 1, **params)(q, k, v, d_out, rows, kv_lo, kv_hi, wg_lo, wg_hi, inner_lo, inner_hi)
 
-  # ---- dK, dV: a CTA per (q head, 128 keys, batch); Q, dO and the rows stream through the ring. ----
+  # ---- dK, dV: a work item per (q head, DKV_WGS x 64 keys, batch); Q, dO and the rows stream through
+  # the ring. ----
+  dkv_items = (heads, kv_len // tile_kv, batch)
+
   def dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, lo_ref, hi_ref, inner_lo_ref, inner_hi_ref, dk_ref, dv_ref,
-                 k_smem, v_smem, q_smem, do_smem, rows_smem, k_bar, v_bar, q_bar, do_bar, rows_bar,
+                 k_smem, v_smem, q_smem, do_smem, rows_smem, k_bar, v_bar, kv_free, q_bar, do_bar, rows_bar,
                  q_free, do_free, rows_free):
-    b, h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_tiles")
     wg = lax.axis_index("wg")
-    hk = lax.div(h, jnp.array(groups, h.dtype))
-    lo, hi = lo_ref[b, ki], hi_ref[b, ki]
-    steps = hi - lo
 
     @pl.when(wg < DKV_WGS)
     def _compute():
       plgpu.set_max_registers(compute_registers(DKV_WGS), action="increase")
-      base = ki * tile_kv + wg * block_kv
-      keys = pl.ds(base, block_kv)
-      k_s, v_s = k_smem.at[wg], v_smem.at[wg]
-      plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_s, k_bar.at[wg])
-      plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_s, v_bar.at[wg])
-      plgpu.barrier_wait(k_bar.at[wg])
-      plgpu.barrier_wait(v_bar.at[wg])
-      shape = (block_kv, block_q)
-      col = lambda x: lax.broadcast_in_dim(x, shape, [1])
 
-      def step(i, carry):
-        dk_acc, dv_acc = carry
-        slot = lax.rem(i, stages)
-        plgpu.barrier_wait(q_bar.at[slot])
+      @functools.partial(work_items, dkv_items, lo_ref, hi_ref)
+      def _item(h, ki, b, j, g):
+        lo = lo_ref[b, ki]
+        steps = hi_ref[b, ki] - lo
+        base = ki * tile_kv + wg * block_kv
+        keys = pl.ds(base, block_kv)
+        buf = lax.rem(j, 2) * DKV_WGS + wg
+        k_s, v_s = k_smem.at[buf], v_smem.at[buf]
+        plgpu.barrier_wait(k_bar.at[buf])
+        plgpu.barrier_wait(v_bar.at[buf])
+        shape = (block_kv, block_q)
+        col = lambda x: lax.broadcast_in_dim(x, shape, [1])
 
-        def scores_t(s_ref):
-          plgpu.wgmma(s_ref, k_s, q_smem.at[slot].T)
-          plgpu.wgmma_wait(0)
-          return s_ref[...]
+        def step(i, carry):
+          dk_acc, dv_acc = carry
+          slot = lax.rem(g + i, stages)
+          plgpu.barrier_wait(q_bar.at[slot])
 
-        s_t = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
-        # The per-query rows are read from shared memory where they are used, not held in registers
-        # across the step: the dK/dV warpgroup is the one that runs short of them.
-        row = lambda j: col(plgpu.load(rows_smem.at[slot, j], (), layout=col_layout))
-        plgpu.barrier_wait(rows_bar.at[slot])
-        p_t = jnp.exp2(s_t * c - row(0))
+          def scores_t(s_ref):
+            plgpu.wgmma(s_ref, k_s, q_smem.at[slot].T)
+            plgpu.wgmma_wait(0)
+            return s_ref[...]
 
-        def mask(p_t):
-          key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
-          return jnp.where((key >= row(2)) & (key < row(3)), p_t, 0.0)
+          s_t = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
+          # The per-query rows are read from shared memory where they are used, not held in registers
+          # across the step: the dK/dV warpgroup is the one that runs short of them.
+          row = lambda r: col(plgpu.load(rows_smem.at[slot, r], (), layout=col_layout))
+          plgpu.barrier_wait(rows_bar.at[slot])
+          p_t = jnp.exp2(s_t * c - row(0))
 
-        block = lo + i
-        inside = (base >= inner_lo_ref[b, block]) & (base + block_kv <= inner_hi_ref[b, block])
-        p_t = lax.cond(inside, lambda p_t: p_t, mask, p_t)
-        plgpu.barrier_wait(do_bar.at[slot])
+          def mask(p_t):
+            key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
+            return jnp.where((key >= row(2)) & (key < row(3)), p_t, 0.0)
 
-        dv_acc = mma_(dv_acc, p_t.astype(dtype), do_smem.at[slot])
+          block = lo + i
+          inside = (base >= inner_lo_ref[b, block]) & (base + block_kv <= inner_hi_ref[b, block])
+          p_t = lax.cond(inside, lambda p_t: p_t, mask, p_t)
+          plgpu.barrier_wait(do_bar.at[slot])
 
-        def dp_t(dp_ref):
-          plgpu.wgmma(dp_ref, v_s, do_smem.at[slot].T)
-          plgpu.wgmma_wait(0)
-          return dp_ref[...]
+          dv_acc = mma_(dv_acc, p_t.astype(dtype), do_smem.at[slot])
 
-        ds_t = p_t * (pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)) - row(1))
-        plgpu.barrier_arrive(rows_free.at[slot])
-        plgpu.barrier_arrive(do_free.at[slot])
-        dk_acc = mma_(dk_acc, ds_t.astype(dtype), q_smem.at[slot])
-        plgpu.barrier_arrive(q_free.at[slot])
-        return dk_acc, dv_acc
+          def dp_t(dp_ref):
+            plgpu.wgmma(dp_ref, v_s, do_smem.at[slot].T)
+            plgpu.wgmma_wait(0)
+            return dp_ref[...]
 
-      zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), wgmma_layout)
-      dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
-      k_s[...] = (dk * scale).astype(dtype)
-      v_s[...] = dv.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, keys, h])
-      plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, keys, h])
-      plgpu.wait_smem_to_gmem(0)
+          ds_t = p_t * (pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)) - row(1))
+          plgpu.barrier_arrive(rows_free.at[slot])
+          plgpu.barrier_arrive(do_free.at[slot])
+          dk_acc = mma_(dk_acc, ds_t.astype(dtype), q_smem.at[slot])
+          plgpu.barrier_arrive(q_free.at[slot])
+          return dk_acc, dv_acc
+
+        zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), wgmma_layout)
+        dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
+        k_s[...] = (dk * scale).astype(dtype)
+        v_s[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, keys, h])
+        plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, keys, h])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers may take a later item's
+        plgpu.barrier_arrive(kv_free.at[lax.rem(j, 2)])
 
     @pl.when(wg == DKV_WGS)
     def _memory():
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-      def fetch(i, slot):
-        queries = pl.ds((lo + i) * block_q, block_q)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, queries, h], q_smem.at[slot], q_bar.at[slot])
-        plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_bar.at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, queries, h], do_smem.at[slot], do_bar.at[slot])
+      def item(h, ki, b, j, g):
+        lo = lo_ref[b, ki]
+        hk = lax.div(h, jnp.array(groups, h.dtype))
 
-      feed_ring_(fetch, (q_free, rows_free, do_free), steps)
+        def own(half):  # this item's keys and values, for each compute warpgroup
+          for w in range(DKV_WGS):
+            keys, buf = pl.ds(ki * tile_kv + w * block_kv, block_kv), half * DKV_WGS + w
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[buf], k_bar.at[buf])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[buf], v_bar.at[buf])
+
+        buffer_for(j, kv_free, own)
+
+        def fetch(i, slot):
+          queries = pl.ds((lo + i) * block_q, block_q)
+          plgpu.copy_gmem_to_smem(q_ref.at[b, queries, h], q_smem.at[slot], q_bar.at[slot])
+          plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_bar.at[slot])
+          plgpu.copy_gmem_to_smem(do_ref.at[b, queries, h], do_smem.at[slot], do_bar.at[slot])
+
+        feed_item(fetch, (q_free, rows_free, do_free), g, hi_ref[b, ki] - lo, stages)
+
+      drain(work_items(dkv_items, lo_ref, hi_ref, item), (kv_free,), (q_free, rows_free, do_free), stages)
 
   per_head = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), dtype)
   dk, dv = plgpu.kernel(
       dkv_kernel, **{out_name: (per_head, per_head)},
-      **{scratch_name: [tiles(DKV_WGS, block_kv)] * 2 + [tiles(stages, block_q)] * 2
+      **{scratch_name: [tiles(2 * DKV_WGS, block_kv)] * 2 + [tiles(stages, block_q)] * 2
       + [plgpu.SMEM((stages, 4, block_q), jnp.float32)]
-      + [plgpu.Barrier(num_barriers=DKV_WGS)] * 2 + [plgpu.Barrier(num_barriers=stages)] * 3
+      + [plgpu.Barrier(num_barriers=2 * DKV_WGS)] * 2 + [plgpu.Barrier(num_arrivals=DKV_WGS, num_barriers=2)]
+      + [plgpu.Barrier(num_barriers=stages)] * 3
       + [plgpu.Barrier(num_arrivals=DKV_WGS, num_barriers=stages)] * 3},
-      grid=(heads, kv_len // tile_kv, batch), grid_names=("heads", "kv_tiles", "batch"),
+      grid=(persistent_ctas(math.prod(dkv_items), persistent, ctas),), grid_names=("ctas",),
       num_threads=DKV_WGS + 1, **params)(q, k, v, d_out, rows, qb_lo, qb_hi, inner_lo, inner_hi)
   if groups > 1:  # each kv head's gradient is the sum over the q heads that read it
     grouped = lambda x: x.reshape(batch, kv_len, kv_heads, groups, head_dim).astype(jnp.float32).sum(3)

@@ -23,6 +23,7 @@ in Mosaic GPU interpret mode (jax >= 0.11; tests).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -31,8 +32,9 @@ from jax import lax
 
 from ejax.kernels import platform
 from ejax.kernels.attention import mosaic_backward
-from ejax.kernels.attention.mosaic_backward import (LOG2E, MEMORY_REGISTERS, compute_registers, feed_ring,
-                                                    inner_ranges, kernel_params, kv_spans, mma)
+from ejax.kernels.attention.mosaic_backward import (LOG2E, MEMORY_REGISTERS, buffer_for, compute_registers, drain,
+                                                    feed_item, inner_ranges, kernel_params, kv_spans, mma,
+                                                    persistent_ctas, work_items)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -42,7 +44,6 @@ STAGES = 2  # ring slots
 # next item's Q and K/V while the compute ones finish the last: no CTA start-up between items. Else a
 # CTA an item.
 PERSISTENT = False
-H100_SMS = 132  # an H100's / H200's; the CTAs of a persistent kernel lowered off a GPU
 LN2 = math.log(2.0)
 
 
@@ -52,11 +53,6 @@ def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int
   the lse rows."""
   return 2 * (2 * compute_wgs * block_q + 2 * stages * block_kv) * head_dim + compute_wgs * block_q * 4
 
-
-def _core_count() -> int:
-  """SMs of the GPU the kernel runs on (an H100's when lowered off a GPU)."""
-  device = jax.devices()[0]
-  return int(getattr(device, "core_count", 0) or H100_SMS) if platform.on_gpu() else H100_SMS
 
 
 def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2, compute_wgs: int = FWD_WGS) -> bool:
@@ -121,8 +117,6 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   shape = (block_q, block_kv)
 
   items = (heads, q_len // (wgs * block_q), batch)  # a work item: 128 queries of one head and row
-  num_items = math.prod(items)
-  ctas = num_items if not persistent else min(num_items, ctas or _core_count())
 
   def forward_kernel(q_ref, k_ref, v_ref, ranges_ref, cta_lo_ref, cta_hi_ref, wg_lo_ref, wg_hi_ref, inner_lo_ref,
                      inner_hi_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar, q_free, k_bar,
@@ -134,22 +128,11 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    def work_items(body):
-      """body(h, qi, b, j, g) over this CTA's items: j counts its items (the Q buffer is j % 2), g the
-      ring steps before this item (ring slot (g + i) % stages), carried across items. Returns both
-      after the last item."""
-      def loop_body(info, carry):
-        (h, qi, b), (j, g) = info.index, carry
-        body(h, qi, b, j, g)
-        return j + 1, g + cta_hi_ref[b, qi] - cta_lo_ref[b, qi]
-
-      return plgpu.nd_loop(items, collective_axes="ctas", init_carry=(jnp.int32(0), jnp.int32(0)))(loop_body)
-
     @pl.when(wg < wgs)
     def _compute():
       plgpu.set_max_registers(compute_registers(wgs), action="increase")
 
-      @work_items
+      @functools.partial(work_items, items, cta_lo_ref, cta_hi_ref)
       def _item(h, qi, b, j, g):
         lo = cta_lo_ref[b, qi]
         steps = cta_hi_ref[b, qi] - lo
@@ -240,38 +223,23 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
       def item(h, qi, b, j, g):
         lo = cta_lo_ref[b, qi]
         hk = lax.div(h, jnp.array(groups, h.dtype))
-        # This item's queries go to Q buffer j % 2 once the item two before has stored its output from it.
-        pl.when(j >= 2)(lambda: plgpu.barrier_wait(q_free.at[lax.rem(j, 2)]))
-        for w in range(wgs):
-          buf = lax.rem(j, 2) * wgs + w
-          plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((qi * wgs + w) * block_q, block_q), h], q_smem.at[buf],
-                                  q_bar.at[buf])
 
-        @pl.loop(0, cta_hi_ref[b, qi] - lo)
-        def _fetch(i):
-          slot = lax.rem(g + i, stages)
+        def own(half):  # this item's queries, for each compute warpgroup
+          for w in range(wgs):
+            buf = half * wgs + w
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((qi * wgs + w) * block_q, block_q), h], q_smem.at[buf],
+                                    q_bar.at[buf])
 
-          @pl.when(g + i >= stages)
-          def _():
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+        buffer_for(j, q_free, own)
 
+        def fetch(i, slot):
           keys = pl.ds((lo + i) * block_kv, block_kv)
           plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
           plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
 
-      items_done, steps_done = work_items(item)
+        feed_item(fetch, (k_free, v_free), g, cta_hi_ref[b, qi] - lo, stages)
 
-      # Observe the frees not waited for yet (each barrier phase is waited for once): the last two
-      # items' Q buffers, the last ring steps' slots.
-      @pl.loop(lax.max(items_done - 2, 0), items_done)
-      def _drain_q(j):
-        plgpu.barrier_wait(q_free.at[lax.rem(j, 2)])
-
-      @pl.loop(lax.max(steps_done - stages, 0), steps_done)
-      def _drain_ring(t):
-        plgpu.barrier_wait(k_free.at[lax.rem(t, stages)])
-        plgpu.barrier_wait(v_free.at[lax.rem(t, stages)])
+      drain(work_items(items, cta_lo_ref, cta_hi_ref, item), (q_free,), (k_free, v_free), stages)
 
   tiles = lambda count, rows_: plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
   out, lse = plgpu.kernel(
@@ -282,6 +250,6 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
                         plgpu.Barrier(num_barriers=2 * wgs), plgpu.Barrier(num_arrivals=wgs, num_barriers=2)]
       + [plgpu.Barrier(num_barriers=stages)] * 2
       + [plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] * 2 + [plgpu.Barrier(num_arrivals=wgs)]},
-      grid=(ctas,), grid_names=("ctas",), num_threads=wgs + 1, **params)(
+      grid=(persistent_ctas(math.prod(items), persistent, ctas),), grid_names=("ctas",), num_threads=wgs + 1, **params)(
           q, k, v, ranges, cta_lo, cta_hi, wg_lo, wg_hi, inner_lo, inner_hi)
   return out, lse
