@@ -33,6 +33,23 @@ def _flatten_time(tree: Any) -> Any:
   return jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), tree)
 
 
+def _pushed_histories(grads: Any, mask: Any) -> tuple[Any, Any]:
+  """(grads for the optimizer, FP8 histories' new values). The "gradient" of a delayed-scaling FP8
+  history is the history with this step's amaxes pushed in (ejax.kernels.fp8.Fp8History), not a
+  gradient: the optimizer gets zeros there (Adam's moments stay 0, so its update is 0)."""
+  if mask is None:
+    return grads, None
+  return jax.tree.map(lambda m, g: jnp.zeros_like(g) if m else g, mask, grads), grads
+
+
+def _with_histories(params: Any, pushed: Any, mask: Any) -> Any:
+  """params with each FP8 history replaced by its pushed value where the loss ran its GEMM. A history
+  the loss left at zero (a layer it did not run, as a cached backbone's) keeps its value."""
+  if mask is None:
+    return params
+  return jax.tree.map(lambda m, p, new: jnp.where(jnp.any(new != 0), new, p) if m else p, mask, params, pushed)
+
+
 def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm: str, gamma: float, gae_lambda: float,
                    clip_epsilon: float, behaviour_weight_threshold: float | None, dual_clip: float | None,
                    value_coef: float, num_epochs: int, num_minibatches: int, group_size: int,
@@ -49,12 +66,17 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
   gradient (it is still reported), so the value head learns the SFT policy's returns before its
   advantages steer the actor.
 
+  Delayed-scaling FP8 layers (model.fp8_impl "xla_delayed*") keep the amaxes each gradient step's
+  GEMMs push into their histories, as the train step does, so their scales follow the RL loss's
+  activations and gradients rather than staying the SFT checkpoint's.
+
   batch: time-major segments concatenated along the env axis ([T, N, ...] leaves plus
   "bootstrap_observation" [N, ...]). The proximal policy is `params` as passed in: log-probs and
   values under it are computed once, before the first gradient step.
   """
   if algorithm not in ("ppo", "grpo"):
     raise ValueError(f"RL algorithm {algorithm!r}: use 'ppo' or 'grpo'")
+  history_mask = getattr(policy, "history_mask", None)
 
   def update(params, opt_state, batch, rng):
     steps, envs = batch["reward"].shape
@@ -97,8 +119,9 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
     def minibatch_step(carry, minibatch):
       params, opt_state, stopped = carry
       (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, minibatch)
+      grads, pushed = _pushed_histories(grads, history_mask)
       updates, new_opt_state = optimizer.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
+      new_params = _with_histories(optax.apply_updates(params, updates), pushed, history_mask)
       if target_kl is not None and train_actor:
         stopped = stopped | (metrics["approx_kl_proximal"] > target_kl)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(stopped, b, a), new, old)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ejax.kernels.fp8 import Fp8History
 from ejax.models import flow
 from ejax.parallel import axes as ax
 
@@ -172,6 +173,10 @@ class FlowPolicy:
     self.action_mask = None if action_mask is None else jnp.asarray(action_mask, jnp.float32)
     self.env_actions = env_actions or (lambda actions: actions)
     self.trainable_mask = None if trainable is None else trainable_mask(model, params, trainable)
+    # Delayed-scaling FP8 layers' amax histories (ejax.kernels.fp8.Fp8History): the learner stores
+    # what the loss's GEMMs push into them, as the train step does; None without any.
+    histories = trainable_mask(model, params, Fp8History)
+    self.history_mask = histories if any(jax.tree.leaves(histories)) else None
     self.observation_keys, self.observation_prefixes = tuple(observation_keys), tuple(observation_prefixes)
     self.jit_sample = jax.jit(self.sample)  # one compiled sampler per policy, shared by every server
     self.compiled: dict = {}  # other jitted functions of this policy, built once (see ejax.rl.pipeline)
