@@ -207,6 +207,42 @@ def test_impl_mosaic_values_and_gradients_through_the_op(impl, mask_kind):
     np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.abs(w).max()), err_msg=f"d{name}")
 
 
+@MOSAIC
+@pytest.mark.parametrize("persistent", [False, True])
+def test_mosaic_own_cross_attention_with_an_empty_row(monkeypatch, persistent):
+  """Queries and keys of different lengths (as GR00T's DiT reading the VL tokens), and a batch row with
+  no keys at all (work items with nothing to stream); persistent: all three kernels on 2 CTAs, each
+  looping over items with and without steps. The reference's values and gradients, zeros for the
+  empty row."""
+  monkeypatch.setattr(mosaic_forward, "PERSISTENT", persistent)
+  monkeypatch.setattr(mosaic_backward, "PERSISTENT", persistent)
+  monkeypatch.setattr(mosaic_backward, "H100_SMS", 2)  # the CTAs of a persistent kernel off a GPU
+  rng = np.random.default_rng(4)
+  batch, q_len, kv_len, heads, head_dim = 3, 100, 300, 2, 64
+  q_ids, kv_ids = np.zeros((batch, q_len), np.int32), np.zeros((batch, kv_len), np.int32)
+  q_ids[0, :40], q_ids[0, 40:], q_ids[1, :] = 1, 2, 1
+  kv_ids[0, :150], kv_ids[0, 150:280], kv_ids[1, 20:] = 1, 2, 1
+  kwargs = dict(mask_kind="bidirectional", q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q, d_out = normal(batch, q_len, heads, head_dim), normal(batch, q_len, heads, head_dim)
+  k, v = normal(batch, kv_len, heads, head_dim), normal(batch, kv_len, heads, head_dim)
+
+  def grads(attend, *args):
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+
+  out = jax.jit(lambda q, k, v: flash_attention(q, k, v, impl="mosaic_own", **kwargs))(q, k, v)
+  want_out = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=2e-2)
+  assert not np.asarray(out, np.float32)[2].any()
+  value, got = grads(lambda q, k, v: flash_attention(q, k, v, impl="mosaic_own", **kwargs), q, k, v)
+  want_value, want = grads(lambda q, k, v: attention_reference(q, k, v, **kwargs),
+                           *(x.astype(jnp.float32) for x in (q, k, v)))
+  np.testing.assert_allclose(value, want_value, rtol=2e-2)
+  for name, g, w in zip("qkv", got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.abs(w).max()), err_msg=f"d{name}")
+
+
 # ptxas's verdict on the kernels as the GPU machines' jax builds them. Mosaic GPU compiles a kernel to
 # PTX and SASS when it lowers; with JAX's CUDA plugin (jax >= 0.11: .venv-cuda011, see
 # ejax/parallel/aot_target.py) that runs here against a compile-only H100.
