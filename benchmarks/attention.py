@@ -60,12 +60,14 @@ MOSAIC_FORWARD_CONFIGS = (dict(block_q=64, block_kv=64, num_stages=3, persistent
                           dict(block_q=64, block_kv=128, num_stages=3, persistent=True),
                           dict(block_q=64, block_kv=128, num_stages=2, persistent=False))
 # Settings of ejax's Mosaic GPU kernels beside their defaults (a CTA a work item, the forward's two
-# compute warpgroups taking turns, 64-key tiles, one dK/dV warpgroup), as (module, name, value):
-# persistent kernels (a CTA an SM, the next item's copies during the last one's compute), no turns,
-# wider forward tiles, two dK/dV warpgroups (since the persistent rewrite 168 registers, no spills).
+# compute warpgroups taking turns, Q in registers, 64-key tiles, one dK/dV warpgroup), as (module,
+# name, value): persistent kernels (a CTA an SM, the next item's copies during the last one's compute),
+# Q read from shared memory by the scores' wgmma, no turns, two dK/dV warpgroups (since the persistent
+# rewrite 168 registers, no spills), wider forward tiles.
 PERSISTENT = ((mosaic_forward, "PERSISTENT", True), (mosaic_backward, "PERSISTENT", True))
 DKV_2 = ((mosaic_backward, "DKV_WGS", 2),)
-MOSAIC_OWN_VARIANTS = (("persistent", PERSISTENT), ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
+MOSAIC_OWN_VARIANTS = (("persistent", PERSISTENT), ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
+                       ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
                        ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
                        ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)))
 # An arm kwarg make() takes off before flash_attention: ((module, name, value), ...) set while it traces.

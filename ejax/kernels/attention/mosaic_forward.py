@@ -44,6 +44,12 @@ STAGES = 2  # ring slots
 # next item's Q and K/V while the compute ones finish the last: no CTA start-up between items. Else a
 # CTA an item.
 PERSISTENT = False
+# Q held in registers for the scores' wgmma, an RS wgmma (32 more registers a thread at head size 128;
+# the PTX shows m64n64k16 with a register A operand). From shared memory (SS), a 64-row wgmma against
+# 64-key tiles reads 128 bytes a clock, all of an SM's shared-memory bandwidth (A: 2 KB and B: 2 KB a
+# k-step of 16, 64 x 64 x 16 x 2 flops at 4,096 a clock), before the TMA copies write theirs: it could
+# not run at the tensor cores' rate. From registers it reads B only, 64 bytes a clock.
+Q_IN_REGISTERS = True
 LN2 = math.log(2.0)
 
 
@@ -87,6 +93,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   block_kv = BLOCK_KV if block_kv is None else block_kv
   stages = STAGES if stages is None else stages
   persistent = PERSISTENT if persistent is None else persistent
+  q_in_registers = Q_IN_REGISTERS
   pingpong = (PINGPONG if pingpong is None else pingpong) and wgs == 2
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
@@ -147,6 +154,8 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
         row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
         plgpu.barrier_wait(q_bar.at[buf])
+        # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS).
+        q_regs = plgpu.load(q_s, (), layout=wgmma_layout) if q_in_registers and not interpret else None
 
         def pass_by(i):  # a tile of the ring outside this warpgroup's span
           slot = lax.rem(g + i, stages)
@@ -163,7 +172,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           plgpu.barrier_wait(k_bar.at[slot])
 
           def scores(s_ref):
-            plgpu.wgmma(s_ref, q_s, k_smem.at[slot].T)
+            plgpu.wgmma(s_ref, q_s if q_regs is None else q_regs, k_smem.at[slot].T)
             take_turn()  # the other warpgroup's PV wgmma may start
             return s_ref[...]
 
