@@ -259,8 +259,9 @@ arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDev
 x = arg((2, 512, 4, head_dim), jnp.bfloat16)
 ids = arg((2, 512), jnp.int32)
 for persistent in (False, True):
-  backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
-  backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+  for mosaic_backward.OPERANDS_IN_REGISTERS in (False, True):  # the score wgmmas SS or RS
+    backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
+    backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
   for mosaic_forward.Q_IN_REGISTERS in (True, False):  # the scores' wgmma RS or SS
     forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
     forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()

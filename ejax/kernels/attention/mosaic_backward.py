@@ -48,6 +48,10 @@ MEMORY_REGISTERS = 40  # a thread of the copying warpgroup (setmaxnreg); the com
 # warpgroup fetches the next item's own tiles (double-buffered) and ring while the compute ones finish
 # the last, so no CTA start-up between items. Else a CTA an item.
 PERSISTENT = False
+# Each kernel's own operands in registers for its score wgmmas (RS): Q and dO in dQ (64 more registers a
+# thread at head size 128), K in dK/dV. From shared memory (SS) a 64 x 64 x 16 wgmma reads all of an
+# SM's shared-memory bandwidth (mosaic_forward.Q_IN_REGISTERS). Off: the measured route's form.
+OPERANDS_IN_REGISTERS = False
 
 
 def compute_registers(compute_wgs: int) -> int:
@@ -333,6 +337,10 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
         plgpu.barrier_wait(q_bar.at[buf])
         plgpu.barrier_wait(do_bar.at[buf])
+        # Q and dO in registers for the two score wgmmas (RS), as the forward's Q (mosaic_forward.py).
+        held = OPERANDS_IN_REGISTERS and not interpret
+        q_op = plgpu.load(q_s, (), layout=wgmma_layout) if held else q_s
+        do_op = plgpu.load(do_s, (), layout=wgmma_layout) if held else do_s
         shape = (block_q, block_kv)
         row = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
@@ -342,8 +350,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           plgpu.barrier_wait(v_bar.at[slot])
 
           def scores(s_ref, dp_ref):
-            plgpu.wgmma(s_ref, q_s, k_smem.at[slot].T)
-            plgpu.wgmma(dp_ref, do_s, v_smem.at[slot].T)
+            plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
+            plgpu.wgmma(dp_ref, do_op, v_smem.at[slot].T)
             plgpu.wgmma_wait(0)
             return s_ref[...], dp_ref[...]
 
@@ -436,6 +444,11 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         k_s, v_s = k_smem.at[buf], v_smem.at[buf]
         plgpu.barrier_wait(k_bar.at[buf])
         plgpu.barrier_wait(v_bar.at[buf])
+        # K alone, and with one compute warpgroup: with V too it spilled 144 bytes a thread at head size
+        # 128, with two warpgroups 16 (ptxas, compile-only H100).
+        held = OPERANDS_IN_REGISTERS and not interpret and DKV_WGS == 1
+        k_op = plgpu.load(k_s, (), layout=wgmma_layout) if held else k_s
+        v_op = v_s
         shape = (block_kv, block_q)
         col = lambda x: lax.broadcast_in_dim(x, shape, [1])
 
@@ -445,7 +458,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           plgpu.barrier_wait(q_bar.at[slot])
 
           def scores_t(s_ref):
-            plgpu.wgmma(s_ref, k_s, q_smem.at[slot].T)
+            plgpu.wgmma(s_ref, k_op, q_smem.at[slot].T)
             plgpu.wgmma_wait(0)
             return s_ref[...]
 
@@ -468,7 +481,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           dv_acc = mma_(dv_acc, p_t.astype(dtype), do_smem.at[slot])
 
           def dp_t(dp_ref):
-            plgpu.wgmma(dp_ref, v_s, do_smem.at[slot].T)
+            plgpu.wgmma(dp_ref, v_op, do_smem.at[slot].T)
             plgpu.wgmma_wait(0)
             return dp_ref[...]
 
