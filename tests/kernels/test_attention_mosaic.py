@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejax.kernels.attention import (attention_reference, flash_attention, mosaic_backward, mosaic_forward,
-                                    tokamax_gpu)
-from ejax.kernels.attention.mosaic_backward import DKV_WGS, DQ_WGS, _tile_bounds, kv_spans
+from ejax.kernels.attention import (attention_reference, flash_attention, mosaic_backward, mosaic_common,
+                                    mosaic_forward, tokamax_gpu)
+from ejax.kernels.attention.mosaic_backward import DKV_WGS, DQ_WGS, _tile_bounds
+from ejax.kernels.attention.mosaic_common import kv_spans
 from ejax.parallel import aot_target
 from tests.train.helpers import REPO
 
@@ -216,7 +217,7 @@ def test_mosaic_own_cross_attention_with_an_empty_row(monkeypatch, persistent):
   empty row."""
   monkeypatch.setattr(mosaic_forward, "PERSISTENT", persistent)
   monkeypatch.setattr(mosaic_backward, "PERSISTENT", persistent)
-  monkeypatch.setattr(mosaic_backward, "H100_SMS", 2)  # the CTAs of a persistent kernel off a GPU
+  monkeypatch.setattr(mosaic_common, "H100_SMS", 2)  # the CTAs of a persistent kernel off a GPU
   rng = np.random.default_rng(4)
   batch, q_len, kv_len, heads, head_dim = 3, 100, 300, 2, 64
   q_ids, kv_ids = np.zeros((batch, q_len), np.int32), np.zeros((batch, kv_len), np.int32)

@@ -13,7 +13,7 @@ item's own tiles (two items' buffers) and of the streamed operand into a ring of
 shared-memory slots; compute warpgroups of 64 rows each (two in dQ, one in dK/dV: DQ_WGS, DKV_WGS)
 hand a buffer or slot back with an arrive on its "free" barrier. A CTA runs one work item, or with
 PERSISTENT one an SM loops over them, the ring and buffers carried from one item to the next (the
-helpers work_items, feed_item, buffer_for and drain, shared with the forward). The scores are
+helpers of mosaic_common.py, shared with the forward). The scores are
 recomputed in both kernels (7 matmuls a tile pair, as FlashAttention-2).
 
 Inputs are ejax's: q [batch, q_len, heads, d], k / v [batch, kv_len, kv_heads, d] (bf16 / f16),
@@ -26,7 +26,6 @@ interpret mode (jax >= 0.11; tests), which has no wgmma from registers: there `m
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 
 import jax
@@ -34,6 +33,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejax.kernels import platform
+# available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (ops.py, the tests, the benchmark).
+from ejax.kernels.attention.mosaic_common import (  # noqa: F401
+    LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, MEMORY_REGISTERS, SMEM_BYTES, _key_spans, available, buffer_for,
+    compute_registers, drain, feed_item, inner_ranges, kernel_params, kv_spans, mma, persistent_ctas, work_items)
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
 # score tiles fit the 168 registers a thread of a 384-thread CTA). dK/dV: one, so a thread may use
@@ -42,8 +45,6 @@ from ejax.kernels import platform
 # the copying warpgroup loads the item's K and V too, two compile to 168 registers without spills.
 DQ_WGS = 2
 DKV_WGS = 1
-LENGTH_MULTIPLE = 128  # q_len and kv_len: whole CTA tiles of both kernels (ops.py pads to it)
-MEMORY_REGISTERS = 40  # a thread of the copying warpgroup (setmaxnreg); the compute ones share the rest
 # Both kernels a CTA an SM looping over their work items (static round-robin, plgpu.nd_loop): the copying
 # warpgroup fetches the next item's own tiles (double-buffered) and ring while the compute ones finish
 # the last, so no CTA start-up between items. Else a CTA an item.
@@ -54,38 +55,12 @@ PERSISTENT = False
 OPERANDS_IN_REGISTERS = False
 
 
-def compute_registers(compute_wgs: int) -> int:
-  """Registers a compute thread raises itself to: the SM's 64K over 128-thread warpgroups, less the
-  copying warpgroup's, shared out, at most 256, in steps of 8 (as jax's warp-specialized pipeline)."""
-  return int(min(256, (512 - MEMORY_REGISTERS) / compute_wgs) // 8 * 8)
-LOG2E = math.log2(math.e)
-
-
-def available() -> str | None:
-  """None where this jax has Pallas Mosaic GPU with interpret mode, else why not."""
-  try:
-    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F401
-    plgpu.InterpretGPUParams  # noqa: B018 (jax >= 0.11)
-    plgpu.broadcasted_iota  # noqa: B018
-  except (ImportError, AttributeError) as error:
-    return f"Pallas Mosaic GPU (jax >= 0.11) is missing here: {type(error).__name__}: {error}"
-  return None
-
-
-SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a CTA
-
-
 def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> int:
   """Shared memory of the larger kernel: its own two operands' tiles, for two items, and the ring of
   streamed tiles (16-bit)."""
   dq = 2 * (4 * DQ_WGS * block_q + 2 * stages * block_kv) * head_dim
   dkv = 2 * (4 * DKV_WGS * block_kv + 2 * stages * block_q) * head_dim + stages * 4 * block_q * 4
   return max(dq, dkv)
-
-
-# Registers bound the head size first: a dK/dV warpgroup holds two f32 [64, head_dim] accumulators and
-# two f32 [64, 64] score tiles: 192 of its 256 registers a thread at 128, all 256 at 192.
-MAX_HEAD_DIM = 128
 
 
 def head_dim_fits(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bool:
@@ -101,33 +76,6 @@ def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bo
           and head_dim_fits(q.shape[-1], block_q, block_kv, stages)
           and q.shape[1] % LENGTH_MULTIPLE == 0 and k.shape[1] % LENGTH_MULTIPLE == 0
           and LENGTH_MULTIPLE % (DQ_WGS * block_q) == 0 and LENGTH_MULTIPLE % (DKV_WGS * block_kv) == 0)
-
-
-def _key_spans(k_start, k_end, tile_q: int):
-  """Per tile of tile_q queries: the least start and the greatest end of their ranges, in keys (queries
-  with an empty range left out; an all-empty tile gives hi 0)."""
-  batch = k_start.shape[0]
-  nonempty = k_end > k_start
-  lo = jnp.where(nonempty, k_start, jnp.iinfo(jnp.int32).max).reshape(batch, -1, tile_q).min(-1)
-  return lo, jnp.where(nonempty, k_end, 0).reshape(batch, -1, tile_q).max(-1)
-
-
-def kv_spans(k_start, k_end, tile_q: int, block_kv: int):
-  """Loop bounds [lo, hi) in kv tiles of block_kv keys, int32 [batch, q_len // tile_q]: the tiles the
-  ranges of each tile_q queries touch (one span; 0, 0 where none). Any query layout is right; on packed
-  rows the span is tight."""
-  lo, hi = _key_spans(k_start, k_end, tile_q)
-  return (jnp.where(hi > 0, lo // block_kv, 0).astype(jnp.int32),
-          jnp.where(hi > 0, -(-hi // block_kv), 0).astype(jnp.int32))
-
-
-def inner_ranges(k_start, k_end, block_q: int):
-  """Per block of block_q queries, int32 [batch, q_len // block_q]: keys [inner_lo, inner_hi) lie in
-  every one of its queries' ranges, so a tile inside them needs no element-wise mask (most tiles of
-  long segments). A query with no key empties it."""
-  batch = k_start.shape[0]
-  return (k_start.reshape(batch, -1, block_q).max(-1).astype(jnp.int32),
-          k_end.reshape(batch, -1, block_q).min(-1).astype(jnp.int32))
 
 
 def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
@@ -155,112 +103,6 @@ def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int 
   dq = int(jnp.sum(wg_hi - wg_lo)) * block_q * block_kv
   dkv = int(jnp.sum(q_hi - q_lo)) * DKV_WGS * block_kv * block_q
   return dq, dkv
-
-
-def kernel_params(interpret: bool) -> tuple[dict, str, str]:
-  """(plgpu.kernel keyword arguments, the output's and the scratch's keyword names) of ejax's Mosaic GPU
-  kernels. jax 0.11 says out_type / scratch_types, 0.9 out_shape / scratch_shapes (with 0.9's CUDA
-  plugin the kernels build into a program for a compile-only H100 here)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), thread_name="wg")
-  if interpret:
-    params["interpret"] = plgpu.InterpretGPUParams()
-  new_names = "out_type" in inspect.signature(plgpu.kernel).parameters
-  return (params,) + (("out_type", "scratch_types") if new_names else ("out_shape", "scratch_shapes"))
-
-
-def mma(acc, lhs, rhs, interpret: bool):
-  """acc + lhs @ rhs (lhs in registers, rhs in shared memory) on the tensor cores, waited for.
-  Interpret mode runs neither a register operand nor an accumulator-initialised wgmma (run_state),
-  so there the same sum is a dot of the values."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  if interpret:
-    return acc + jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
-
-  def accumulate(ref):
-    plgpu.wgmma(ref, lhs, rhs)
-
-  return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
-
-
-H100_SMS = 132  # an H100's / H200's SMs: a persistent kernel's CTAs when lowered off a GPU
-
-
-def persistent_ctas(num_items: int, persistent: bool, ctas: int | None = None) -> int:
-  """CTAs of a kernel over `num_items` work items: one an item, or persistent, one an SM (or `ctas`)
-  each looping over items round-robin."""
-  if not persistent:
-    return num_items
-  if ctas is None:
-    device = jax.devices()[0]
-    ctas = int(getattr(device, "core_count", 0) or H100_SMS) if platform.on_gpu() else H100_SMS
-  return min(num_items, ctas)
-
-
-def work_items(items: tuple, lo_ref, hi_ref, body):
-  """body(h, t, b, j, g) for each of this CTA's work items (h, t, b) of the grid `items` (heads, tiles,
-  batch), over the launch axis "ctas" (plgpu.nd_loop). j counts the CTA's items (a double-buffered
-  operand uses buffer j % 2), g the ring steps before the item (its step i uses slot (g + i) % stages);
-  an item's steps are hi_ref[b, t] - lo_ref[b, t]. Returns (items, steps) done."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  def loop_body(info, carry):
-    (h, t, b), (j, g) = info.index, carry
-    body(h, t, b, j, g)
-    return j + 1, g + hi_ref[b, t] - lo_ref[b, t]
-
-  return plgpu.nd_loop(items, collective_axes="ctas", init_carry=(jnp.int32(0), jnp.int32(0)))(loop_body)
-
-
-def feed_item(fetch, frees, g, steps, stages: int):
-  """The copying warpgroup's loop over an item's ring steps: fetch(i, slot) puts step i's tiles in slot
-  (g + i) % stages once the compute warpgroups have freed it (an arrive on each barrier of `frees`)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  @pl.loop(0, steps)
-  def _fetch(i):
-    slot = lax.rem(g + i, stages)
-
-    @pl.when(g + i >= stages)
-    def _wait():
-      for free in frees:
-        plgpu.barrier_wait(free.at[slot])
-
-    fetch(i, slot)
-
-
-def buffer_for(j, free, fetch):
-  """The copying warpgroup at a CTA's item j: fetch() the item's own tiles into buffer j % 2 once the
-  item two before has freed it (an arrive on `free` at that buffer)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  pl.when(j >= 2)(lambda: plgpu.barrier_wait(free.at[lax.rem(j, 2)]))
-  fetch(lax.rem(j, 2))
-
-
-def drain(done, buffer_frees, ring_frees, stages: int):
-  """The copying warpgroup's last waits after its items: the last two items' buffer frees and the last
-  ring steps' slot frees. Every barrier phase is then observed by each thread that waits on it, which
-  Mosaic GPU's interpret mode checks."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  items_done, steps_done = done
-
-  @pl.loop(lax.max(items_done - 2, 0), items_done)
-  def _buffers(j):
-    for free in buffer_frees:
-      plgpu.barrier_wait(free.at[lax.rem(j, 2)])
-
-  @pl.loop(lax.max(steps_done - stages, 0), steps_done)
-  def _ring(t):
-    for free in ring_frees:
-      plgpu.barrier_wait(free.at[lax.rem(t, stages)])
 
 
 def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q: int = 64,

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejax.kernels import platform
-from ejax.kernels.attention import mosaic_backward
-from ejax.kernels.attention.mosaic_backward import (LOG2E, MEMORY_REGISTERS, buffer_for, compute_registers, drain,
-                                                    feed_item, inner_ranges, kernel_params, kv_spans, mma,
-                                                    persistent_ctas, work_items)
+from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, MEMORY_REGISTERS,
+                                                  SMEM_BYTES, available, buffer_for, compute_registers, drain,
+                                                  feed_item, inner_ranges, kernel_params, kv_spans, mma,
+                                                  persistent_ctas, work_items)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -63,10 +63,10 @@ def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int
 
 def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2, compute_wgs: int = FWD_WGS) -> bool:
   """Whether the kernel takes these operands as they are (ops.py pads lengths first)."""
-  tile = mosaic_backward.LENGTH_MULTIPLE
-  return (mosaic_backward.available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
-          and q.shape[-1] % 64 == 0 and q.shape[-1] <= mosaic_backward.MAX_HEAD_DIM
-          and smem_bytes(q.shape[-1], block_q, block_kv, stages, compute_wgs) <= mosaic_backward.SMEM_BYTES
+  tile = LENGTH_MULTIPLE
+  return (available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
+          and q.shape[-1] % 64 == 0 and q.shape[-1] <= MAX_HEAD_DIM
+          and smem_bytes(q.shape[-1], block_q, block_kv, stages, compute_wgs) <= SMEM_BYTES
           and q.shape[1] % tile == 0 and k.shape[1] % tile == 0
           and tile % (compute_wgs * block_q) == 0 and tile % block_kv == 0)
 
@@ -98,9 +98,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
   if not supports(q, k, block_q, block_kv, stages, wgs):
-    missing = mosaic_backward.available()
+    missing = available()
     raise ValueError(f"mosaic attention forward: needs bf16/f16, head_dim 64 or 128, q_len and kv_len "
-                     f"multiples of {mosaic_backward.LENGTH_MULTIPLE}; got {q.dtype}, q {q.shape}, k {k.shape}"
+                     f"multiples of {LENGTH_MULTIPLE}; got {q.dtype}, q {q.shape}, k {k.shape}"
                      + (f" ({missing})" if missing else ""))
   if interpret is None:
     interpret = not platform.on_gpu()
