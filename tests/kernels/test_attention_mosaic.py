@@ -171,6 +171,20 @@ def test_forward_kernel_matches_the_reference(head_dim, heads, kv_heads, compute
   assert empty.any() and not np.asarray(out, np.float32)[empty].any() and not np.asarray(lse)[:, 0][empty].any()
 
 
+def _assert_loss_and_gradients_match_the_reference(impl, q, k, v, d_out, kwargs):
+  """sum(attention * d_out) and its gradients through the op with `impl` against the fp32 reference's."""
+  def grads(attend, *args):
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
+
+  value, got = grads(lambda q, k, v: flash_attention(q, k, v, impl=impl, **kwargs), q, k, v)
+  want_value, want = grads(lambda q, k, v: attention_reference(q, k, v, **kwargs),
+                           *(x.astype(jnp.float32) for x in (q, k, v)))
+  np.testing.assert_allclose(value, want_value, rtol=2e-2)
+  for name, g, w in zip("qkv", got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.abs(w).max()), err_msg=f"d{name}")
+
+
 @pytest.mark.parametrize("impl", ["mosaic", "mosaic_own"])
 @pytest.mark.parametrize("mask_kind", ["bidirectional", "causal", "block_causal"])
 def test_impl_mosaic_values_and_gradients_through_the_op(impl, mask_kind):
@@ -196,16 +210,7 @@ def test_impl_mosaic_values_and_gradients_through_the_op(impl, mask_kind):
   q, d_out = normal(batch, length, heads, head_dim), normal(batch, length, heads, head_dim)
   k, v = normal(batch, length, kv_heads, head_dim), normal(batch, length, kv_heads, head_dim)
 
-  def grads(attend, *args):
-    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
-
-  value, got = grads(lambda q, k, v: flash_attention(q, k, v, impl=impl, **kwargs), q, k, v)
-  want_value, want = grads(lambda q, k, v: attention_reference(q, k, v, **kwargs),
-                           *(x.astype(jnp.float32) for x in (q, k, v)))
-  np.testing.assert_allclose(value, want_value, rtol=2e-2)
-  for name, g, w in zip("qkv", got, want):
-    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.abs(w).max()), err_msg=f"d{name}")
+  _assert_loss_and_gradients_match_the_reference(impl, q, k, v, d_out, kwargs)
 
 
 @MOSAIC
@@ -228,20 +233,11 @@ def test_mosaic_own_cross_attention_with_an_empty_row(monkeypatch, persistent):
   q, d_out = normal(batch, q_len, heads, head_dim), normal(batch, q_len, heads, head_dim)
   k, v = normal(batch, kv_len, heads, head_dim), normal(batch, kv_len, heads, head_dim)
 
-  def grads(attend, *args):
-    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out.astype(jnp.float32))
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*args)
-
   out = jax.jit(lambda q, k, v: flash_attention(q, k, v, impl="mosaic_own", **kwargs))(q, k, v)
   want_out = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs)
   np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=2e-2)
   assert not np.asarray(out, np.float32)[2].any()
-  value, got = grads(lambda q, k, v: flash_attention(q, k, v, impl="mosaic_own", **kwargs), q, k, v)
-  want_value, want = grads(lambda q, k, v: attention_reference(q, k, v, **kwargs),
-                           *(x.astype(jnp.float32) for x in (q, k, v)))
-  np.testing.assert_allclose(value, want_value, rtol=2e-2)
-  for name, g, w in zip("qkv", got, want):
-    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.abs(w).max()), err_msg=f"d{name}")
+  _assert_loss_and_gradients_match_the_reference("mosaic_own", q, k, v, d_out, kwargs)
 
 
 # ptxas's verdict on the kernels as the GPU machines' jax builds them. Mosaic GPU compiles a kernel to

@@ -35,8 +35,8 @@ from jax import lax
 from ejax.kernels import platform
 # available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (ops.py, the tests, the benchmark).
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
-    LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, MEMORY_REGISTERS, SMEM_BYTES, _key_spans, available, buffer_for,
-    compute_registers, drain, feed_item, inner_ranges, kernel_params, kv_spans, mma, persistent_ctas, work_items)
+    LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
+    inner_ranges, kernel_params, kv_ring, kv_spans, mma, persistent_ctas, store_item, work_items)
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
 # score tiles fit the 168 registers a thread of a 384-thread CTA). dK/dV: one, so a thread may use
@@ -225,35 +225,19 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         dq = lax.fori_loop(first, last, step, dq)
         pl.loop(last, steps)(pass_by)
         q_s[...] = (dq * scale).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, rows_q, h])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers may take a later item's
-        plgpu.barrier_arrive(q_free.at[lax.rem(j, 2)])
+        store_item([(q_s, dq_ref.at[b, rows_q, h])], q_free, j)
 
     @pl.when(wg == DQ_WGS)
     def _memory():
-      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+      def own(h, qi, b, half):  # this item's queries and their dO, for both compute warpgroups
+        rows_q = lambda w: pl.ds((qi * DQ_WGS + w) * block_q, block_q)
+        return [copy for w in range(DQ_WGS) for copy in (
+            (q_ref.at[b, rows_q(w), h], q_smem.at[half * DQ_WGS + w], q_bar.at[half * DQ_WGS + w]),
+            (do_ref.at[b, rows_q(w), h], do_smem.at[half * DQ_WGS + w], do_bar.at[half * DQ_WGS + w]))]
 
-      def item(h, qi, b, j, g):
-        lo = lo_ref[b, qi]
-        hk = lax.div(h, jnp.array(groups, h.dtype))
-
-        def own(half):  # this item's queries and their dO, for both compute warpgroups
-          for w in range(DQ_WGS):
-            rows_q, buf = pl.ds((qi * DQ_WGS + w) * block_q, block_q), half * DQ_WGS + w
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows_q, h], q_smem.at[buf], q_bar.at[buf])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows_q, h], do_smem.at[buf], do_bar.at[buf])
-
-        buffer_for(j, q_free, own)
-
-        def fetch(i, slot):
-          keys = pl.ds((lo + i) * block_kv, block_kv)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
-
-        feed_item(fetch, (k_free, v_free), g, hi_ref[b, qi] - lo, stages)
-
-      drain(work_items(dq_items, lo_ref, hi_ref, item), (q_free,), (k_free, v_free), stages)
+      copying_warpgroup(dq_items, lo_ref, hi_ref, own,
+                        kv_ring(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, groups, block_kv), q_free,
+                        (k_free, v_free), stages)
 
   dq = plgpu.kernel(
       dq_kernel, **{out_name: jax.ShapeDtypeStruct(q.shape, dtype)},
@@ -338,37 +322,24 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
         k_s[...] = (dk * scale).astype(dtype)
         v_s[...] = dv.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, keys, h])
-        plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, keys, h])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers may take a later item's
-        plgpu.barrier_arrive(kv_free.at[lax.rem(j, 2)])
+        store_item([(k_s, dk_ref.at[b, keys, h]), (v_s, dv_ref.at[b, keys, h])], kv_free, j)
 
     @pl.when(wg == DKV_WGS)
     def _memory():
-      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-      def item(h, ki, b, j, g):
-        lo = lo_ref[b, ki]
+      def own(h, ki, b, half):  # this item's keys and values, for each compute warpgroup
         hk = lax.div(h, jnp.array(groups, h.dtype))
+        keys = lambda w: pl.ds(ki * tile_kv + w * block_kv, block_kv)
+        return [copy for w in range(DKV_WGS) for copy in (
+            (k_ref.at[b, keys(w), hk], k_smem.at[half * DKV_WGS + w], k_bar.at[half * DKV_WGS + w]),
+            (v_ref.at[b, keys(w), hk], v_smem.at[half * DKV_WGS + w], v_bar.at[half * DKV_WGS + w]))]
 
-        def own(half):  # this item's keys and values, for each compute warpgroup
-          for w in range(DKV_WGS):
-            keys, buf = pl.ds(ki * tile_kv + w * block_kv, block_kv), half * DKV_WGS + w
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[buf], k_bar.at[buf])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[buf], v_bar.at[buf])
+      def ring(h, ki, b, block, slot):  # q block `block`: its queries, their rows and dO
+        queries = pl.ds(block * block_q, block_q)
+        return [(q_ref.at[b, queries, h], q_smem.at[slot], q_bar.at[slot]),
+                (rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_bar.at[slot]),
+                (do_ref.at[b, queries, h], do_smem.at[slot], do_bar.at[slot])]
 
-        buffer_for(j, kv_free, own)
-
-        def fetch(i, slot):
-          queries = pl.ds((lo + i) * block_q, block_q)
-          plgpu.copy_gmem_to_smem(q_ref.at[b, queries, h], q_smem.at[slot], q_bar.at[slot])
-          plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_bar.at[slot])
-          plgpu.copy_gmem_to_smem(do_ref.at[b, queries, h], do_smem.at[slot], do_bar.at[slot])
-
-        feed_item(fetch, (q_free, rows_free, do_free), g, hi_ref[b, ki] - lo, stages)
-
-      drain(work_items(dkv_items, lo_ref, hi_ref, item), (kv_free,), (q_free, rows_free, do_free), stages)
+      copying_warpgroup(dkv_items, lo_ref, hi_ref, own, ring, kv_free, (q_free, rows_free, do_free), stages)
 
   per_head = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), dtype)
   dk, dv = plgpu.kernel(

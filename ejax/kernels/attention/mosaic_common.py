@@ -129,49 +129,68 @@ def work_items(items: tuple, lo_ref, hi_ref, body):
   return plgpu.nd_loop(items, collective_axes="ctas", init_carry=(jnp.int32(0), jnp.int32(0)))(loop_body)
 
 
-def feed_item(fetch, frees, g, steps, stages: int):
-  """The copying warpgroup's loop over an item's ring steps: fetch(i, slot) puts step i's tiles in slot
-  (g + i) % stages once the compute warpgroups have freed it (an arrive on each barrier of `frees`)."""
+def copying_warpgroup(items: tuple, lo_ref, hi_ref, own, ring, buffer_free, ring_frees, stages: int):
+  """A kernel's copying warpgroup over this CTA's work items (work_items). For item j (h, t, b):
+  - its own tiles into buffer j % 2 once the item two before has freed it (an arrive on `buffer_free`
+    there): the (source, destination, barrier) TMA copies of own(h, t, b, half);
+  - its ring steps, step i in slot (g + i) % stages once the compute warpgroups have freed it (an arrive
+    on each of `ring_frees`): the copies of ring(h, t, b, lo_ref[b, t] + i, slot);
+  then the frees not waited for yet (the last two buffers', the last slots'), so every barrier phase is
+  observed by each thread that waits on it, which Mosaic GPU's interpret mode checks."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  @pl.loop(0, steps)
-  def _fetch(i):
-    slot = lax.rem(g + i, stages)
+  def copy(copies):
+    for source, destination, barrier in copies:
+      plgpu.copy_gmem_to_smem(source, destination, barrier)
 
-    @pl.when(g + i >= stages)
-    def _wait():
-      for free in frees:
-        plgpu.barrier_wait(free.at[slot])
+  def item(h, t, b, j, g):
+    pl.when(j >= 2)(lambda: plgpu.barrier_wait(buffer_free.at[lax.rem(j, 2)]))
+    copy(own(h, t, b, lax.rem(j, 2)))
+    lo = lo_ref[b, t]
 
-    fetch(i, slot)
+    @pl.loop(0, hi_ref[b, t] - lo)
+    def _fetch(i):
+      slot = lax.rem(g + i, stages)
 
+      @pl.when(g + i >= stages)
+      def _wait():
+        for free in ring_frees:
+          plgpu.barrier_wait(free.at[slot])
 
-def buffer_for(j, free, fetch):
-  """The copying warpgroup at a CTA's item j: fetch() the item's own tiles into buffer j % 2 once the
-  item two before has freed it (an arrive on `free` at that buffer)."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
+      copy(ring(h, t, b, lo + i, slot))
 
-  pl.when(j >= 2)(lambda: plgpu.barrier_wait(free.at[lax.rem(j, 2)]))
-  fetch(lax.rem(j, 2))
-
-
-def drain(done, buffer_frees, ring_frees, stages: int):
-  """The copying warpgroup's last waits after its items: the last two items' buffer frees and the last
-  ring steps' slot frees. Every barrier phase is then observed by each thread that waits on it, which
-  Mosaic GPU's interpret mode checks."""
-  from jax.experimental import pallas as pl
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-
-  items_done, steps_done = done
-
-  @pl.loop(lax.max(items_done - 2, 0), items_done)
-  def _buffers(j):
-    for free in buffer_frees:
-      plgpu.barrier_wait(free.at[lax.rem(j, 2)])
+  plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+  items_done, steps_done = work_items(items, lo_ref, hi_ref, item)
+  pl.loop(lax.max(items_done - 2, 0), items_done)(
+      lambda j: plgpu.barrier_wait(buffer_free.at[lax.rem(j, 2)]))
 
   @pl.loop(lax.max(steps_done - stages, 0), steps_done)
   def _ring(t):
     for free in ring_frees:
       plgpu.barrier_wait(free.at[lax.rem(t, stages)])
+
+
+def kv_ring(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, groups: int, block_kv: int):
+  """ring(h, t, b, tile, slot) of copying_warpgroup for kernels that stream K and V (the forward, dQ):
+  kv tile `tile` of the kv head that q head h reads."""
+  from jax.experimental import pallas as pl
+
+  def ring(h, t, b, tile, slot):
+    keys, hk = pl.ds(tile * block_kv, block_kv), lax.div(h, jnp.array(groups, h.dtype))
+    return [(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot]),
+            (v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])]
+
+  return ring
+
+
+def store_item(copies, free, j):
+  """A compute warpgroup's end of item j: its results, written to shared memory, go out by TMA (the
+  (source, destination) `copies`); once they are read, buffer j % 2 is freed for a later item."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  plgpu.commit_smem()
+  for source, destination in copies:
+    plgpu.copy_smem_to_gmem(source, destination)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.barrier_arrive(free.at[lax.rem(j, 2)])

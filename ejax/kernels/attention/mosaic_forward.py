@@ -31,10 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejax.kernels import platform
-from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, MEMORY_REGISTERS,
-                                                  SMEM_BYTES, available, buffer_for, compute_registers, drain,
-                                                  feed_item, inner_ranges, kernel_params, kv_spans, mma,
-                                                  persistent_ctas, work_items)
+from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
+                                                  compute_registers, copying_warpgroup, inner_ranges, kernel_params,
+                                                  kv_ring, kv_spans, mma, persistent_ctas, store_item, work_items)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -219,36 +218,17 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         total = jnp.where(seen, l, 1.0)
         q_s[...] = (acc * row(jnp.where(seen, 1.0 / total, 0.0), head_dim)).astype(dtype)
         lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(total), 0.0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, out_ref.at[b, rows_q, h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows_q])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the buffers may take the next item's
-        plgpu.barrier_arrive(q_free.at[lax.rem(j, 2)])
+        store_item([(q_s, out_ref.at[b, rows_q, h]), (lse_smem.at[wg], lse_ref.at[b, h, rows_q])], q_free, j)
 
     @pl.when(wg == wgs)
     def _memory():
-      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+      def own(h, qi, b, half):  # this item's queries, for each compute warpgroup
+        return [(q_ref.at[b, pl.ds((qi * wgs + w) * block_q, block_q), h], q_smem.at[half * wgs + w],
+                 q_bar.at[half * wgs + w]) for w in range(wgs)]
 
-      def item(h, qi, b, j, g):
-        lo = cta_lo_ref[b, qi]
-        hk = lax.div(h, jnp.array(groups, h.dtype))
-
-        def own(half):  # this item's queries, for each compute warpgroup
-          for w in range(wgs):
-            buf = half * wgs + w
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((qi * wgs + w) * block_q, block_q), h], q_smem.at[buf],
-                                    q_bar.at[buf])
-
-        buffer_for(j, q_free, own)
-
-        def fetch(i, slot):
-          keys = pl.ds((lo + i) * block_kv, block_kv)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, keys, hk], k_smem.at[slot], k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[b, keys, hk], v_smem.at[slot], v_bar.at[slot])
-
-        feed_item(fetch, (k_free, v_free), g, cta_hi_ref[b, qi] - lo, stages)
-
-      drain(work_items(items, cta_lo_ref, cta_hi_ref, item), (q_free,), (k_free, v_free), stages)
+      copying_warpgroup(items, cta_lo_ref, cta_hi_ref, own,
+                        kv_ring(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, groups, block_kv), q_free,
+                        (k_free, v_free), stages)
 
   tiles = lambda count, rows_: plgpu.SMEM((count, rows_, head_dim), dtype, transforms=(tiling, swizzle))
   out, lse = plgpu.kernel(
