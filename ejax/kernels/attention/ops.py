@@ -158,10 +158,10 @@ def _mosaic_backward(plan: _Plan, q, k, v, ranges, out, lse, d_out):
   q_len, kv_len = q.shape[1], k.shape[1]
   k_start, k_end, q_pad = _mosaic_ranges(ranges, q_len)
   kv_pad = -kv_len % mosaic_backward.LENGTH_MULTIPLE
-  rows = _pad_rows
   lse = jnp.pad(lse, [(0, 0), (0, 0), (0, q_pad)])
-  dq, dk, dv = mosaic_backward.backward(rows(q, q_pad), rows(k, kv_pad), rows(v, kv_pad), rows(out, q_pad),
-                                        lse, rows(d_out, q_pad), k_start, k_end, scale=plan.scale)
+  dq, dk, dv = mosaic_backward.backward(_pad_rows(q, q_pad), _pad_rows(k, kv_pad), _pad_rows(v, kv_pad),
+                                        _pad_rows(out, q_pad), lse, _pad_rows(d_out, q_pad), k_start, k_end,
+                                        scale=plan.scale)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
 
 
