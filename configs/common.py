@@ -63,6 +63,8 @@ def base_config() -> ConfigDict:
       compute_dtype="bfloat16",  # forward/backward
       compute_copy=False,        # keep the trained weights also in compute_dtype, written by the optimizer,
                                  # for the forward to read (the same numbers; +2 bytes a weight; ejax/train/optim.py)
+      frozen_fp8=False,          # frozen projections (GR00T's SigLIP and LLM) run as FP8 GEMMs from e4m3
+                                 # copies made once with the state (+1 byte a frozen weight; ejax/train/frozen_fp8.py)
       command_buffers=False,     # GPU: loops (scanned blocks) in CUDA graphs too (ejax/train/step.py)
       triton_gemm=False,         # GPU: XLA's Triton GEMM fusions (False: every matmul a cuBLAS call, as the
                                  # benchmarks measure; ejax/train/step.py)

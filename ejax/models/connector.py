@@ -33,6 +33,8 @@ def pixel_shuffle(x: jax.Array, scale: float = 0.5) -> jax.Array:
 class MLPConnector(nnx.Module):
   """vision tokens [n, patches, d_vision] -> LLM-width tokens [n, tokens, d_llm]."""
 
+  FP8_INPUT_NORMS = {"norm": "fc1"}  # norm -> the module reading it (ejax.train.frozen_fp8)
+
   def __init__(self, vision_width: int, llm_width: int, *, num_layers: int = 1, use_pixel_shuffle: bool = False,
                dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if num_layers not in (1, 2):

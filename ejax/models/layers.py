@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from ejax.kernels.attention import attention
+from ejax.kernels.fp8.frozen import FrozenKernel, frozen_dot
 from ejax.parallel.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, NORM
 from ejax.parallel.params import variable_axis_names
 
@@ -119,7 +120,12 @@ def with_adapter(projection: nnx.Module, x: jax.Array, y: jax.Array) -> jax.Arra
 
 
 class Dense(nnx.Module):
-  """y = x @ kernel [+ bias], kernel [in, out] named `axes`. Also the fallback for FP8 dense."""
+  """y = x @ kernel [+ bias], kernel [in, out] named `axes`. Also the fallback for FP8 dense.
+
+  A frozen kernel may come as a FrozenKernel (train.frozen_fp8: ejax.train.frozen_fp8 puts it in the
+  kernel's place): then the matmul is one FP8 GEMM (ejax.kernels.fp8.frozen)."""
+
+  FP8_CONTRACTED = 1  # the kernel's leading dimensions the matmul contracts (ejax.train.frozen_fp8)
 
   def __init__(self, in_features: int, out_features: int, *, axes: tuple[str, str], use_bias: bool = True,
                dtype=jnp.float32, param_dtype=jnp.float32, kernel_init: Initializer = DEFAULT_KERNEL_INIT,
@@ -129,10 +135,19 @@ class Dense(nnx.Module):
     self.bias = make_param(rngs, ZEROS, (out_features,), (axes[1],), param_dtype) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    y = _matmul(x.astype(self.dtype), self.kernel, self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return with_adapter(self, x, y)
+
+
+def _matmul(x: jax.Array, kernel: nnx.Variable, dtype) -> jax.Array:
+  """x [..., in] @ the kernel with its contracted dimensions flattened into `in`, in `dtype`: an FP8
+  GEMM where the kernel is a FrozenKernel, else a matmul in `dtype`."""
+  value = kernel.get_value()
+  if isinstance(value, FrozenKernel):
+    return frozen_dot(x, value, dtype)
+  return jnp.dot(x, value.reshape(x.shape[-1], -1).astype(dtype))
 
 
 @jax.custom_vjp
@@ -196,6 +211,8 @@ class RMSNorm(nnx.Module):
 class MLP(nnx.Module):
   """fc1 -> activation -> fc2 (ViT / DiT feed-forward)."""
 
+  FP8_INPUT_PROJECTIONS = ("fc1",)  # the projections that read the module's input (ejax.train.frozen_fp8)
+
   def __init__(self, dim: int, hidden: int, *, act: str = "gelu_tanh", use_bias: bool = True,
                dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs, dense_factory=None):
     make = dense_factory or Dense
@@ -209,6 +226,8 @@ class MLP(nnx.Module):
 
 class GatedMLP(nnx.Module):
   """down(act(gate(x)) * up(x)): SwiGLU (Qwen, act="silu") or GeGLU (Gemma, act="gelu_tanh")."""
+
+  FP8_INPUT_PROJECTIONS = ("gate_proj", "up_proj")
 
   def __init__(self, dim: int, hidden: int, *, act: str = "silu", dtype=jnp.float32, param_dtype=jnp.float32,
                rngs: nnx.Rngs):
@@ -244,11 +263,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array
 
 
 class HeadProjection(nnx.Module):
-  """x [..., in] -> [..., heads, head_dim] with kernel [in, heads, head_dim]."""
+  """x [..., in] -> [..., heads, head_dim] with kernel [in, heads, head_dim] (or a FrozenKernel, as Dense)."""
+
+  FP8_CONTRACTED = 1
 
   def __init__(self, in_features: int, num_heads: int, head_dim: int, *, heads_axis: str = HEADS,
                use_bias: bool = False, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    self.dtype = dtype
+    self.dtype, self.num_heads, self.head_dim = dtype, num_heads, head_dim
     init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
     self.kernel = make_param(rngs, init, (in_features, num_heads, head_dim), (EMBED, heads_axis, HEAD_DIM), param_dtype)
     self.bias = (make_param(rngs, ZEROS, (num_heads, head_dim), (heads_axis, HEAD_DIM), param_dtype)
@@ -257,16 +278,17 @@ class HeadProjection(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     # A 2-D matmul and a vector bias (the same numbers as the [in, heads, head_dim] einsum): XLA:GPU
     # then adds the bias in the cuBLAS call's epilogue instead of in a pass of its own.
-    kernel = self.kernel[...].astype(self.dtype)
-    features, heads, head_dim = kernel.shape
-    y = jnp.dot(x.astype(self.dtype), kernel.reshape(features, heads * head_dim))
+    heads, head_dim = self.num_heads, self.head_dim
+    y = _matmul(x.astype(self.dtype), self.kernel, self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype).reshape(heads * head_dim)
     return with_adapter(self, x, y.reshape(y.shape[:-1] + (heads, head_dim)))
 
 
 class OutputProjection(nnx.Module):
-  """[..., heads, head_dim] -> [..., out] with kernel [heads, head_dim, out]."""
+  """[..., heads, head_dim] -> [..., out] with kernel [heads, head_dim, out] (or a FrozenKernel, as Dense)."""
+
+  FP8_CONTRACTED = 2
 
   def __init__(self, num_heads: int, head_dim: int, out_features: int, *, use_bias: bool = False,
                dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -276,7 +298,7 @@ class OutputProjection(nnx.Module):
     self.bias = make_param(rngs, ZEROS, (out_features,), (EMBED,), param_dtype) if use_bias else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = jnp.einsum("...hk,hkd->...d", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    y = _matmul(x.astype(self.dtype).reshape(*x.shape[:-2], -1), self.kernel, self.dtype)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return with_adapter(self, x, y)
@@ -290,6 +312,11 @@ class Attention(nnx.Module):
   (`q_proj`, `k_proj`, `v_proj`, `o_proj`) so a mixture-of-transformers can project each expert's
   tokens with its own weights and run one joint attention (see `project_qkv` / `attend`).
   """
+
+  # As a self-attention (kv is x): q, k and v read the module's input, and o_proj reads a convex
+  # combination of v_proj's outputs (ejax.train.frozen_fp8 bounds the inputs of frozen FP8 GEMMs so).
+  FP8_INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+  FP8_VALUE_PROJECTIONS = ("v_proj", "o_proj")
 
   def __init__(self, features: int, *, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                kv_features: int | None = None, use_bias: bool = False, out_bias: bool | None = None,
@@ -312,10 +339,11 @@ class Attention(nnx.Module):
   def project_qkv(self, x: jax.Array, kv: jax.Array, *, q_positions=None, kv_positions=None):
     """q [b, lq, heads, hd], k/v [b, lk, kv_heads, hd] with QK-norm and RoPE applied."""
     k_in = v_in = kv
-    if self.q_proj.bias is not None and kv is x:
+    if self.q_proj.bias is not None and kv is x and not isinstance(self.q_proj.kernel.get_value(), FrozenKernel):
       # XLA merges matmuls that share an input into one (its DotMerger), whose output then needs a
       # pass of its own to add the biases and split q, k and v: kept apart, each adds its bias in its
       # cuBLAS epilogue and feeds the attention as it is (ViT self-attention: ~1 ms of GR00T's H200 step).
+      # FP8 frozen kernels keep their GEMMs apart themselves, after the input's one quantisation (frozen_dot).
       k_in, v_in = jax.lax.optimization_barrier((kv, kv))
     q, k, v = self.q_proj(x), self.k_proj(k_in), self.v_proj(v_in)
     if self.q_norm is not None:

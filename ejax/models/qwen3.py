@@ -35,6 +35,8 @@ class Qwen3Config:
 
 class Qwen3Block(nnx.Module):
 
+  FP8_INPUT_NORMS = {"input_layernorm": "self_attn", "post_attention_layernorm": "mlp"}  # norm -> its reader
+
   def __init__(self, config: Qwen3Config, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.input_layernorm = layers.RMSNorm(config.width, eps=config.norm_eps, **common)

@@ -53,6 +53,8 @@ def patchify(images: jax.Array, patch_size: int) -> jax.Array:
 
 class SiglipBlock(nnx.Module):
 
+  FP8_INPUT_NORMS = {"layer_norm1": "self_attn", "layer_norm2": "mlp"}  # norm -> the module reading it
+
   def __init__(self, config: SiglipConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
     common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.layer_norm1 = layers.LayerNorm(config.width, eps=config.norm_eps, **common)

@@ -116,7 +116,8 @@ def frozen_model(config: ConfigDict, mesh, rules):
   state = materialize(plan, loaded)
   dtype = jax.numpy.dtype(config.train.compute_dtype)
   # The step's own view of the weights (compute_model): the encoders see what they would in training.
-  model = compute_model(model_parts(config.model).graphdef, state.params, state.frozen, state.rest, dtype)
+  model = compute_model(model_parts(config.model).graphdef, state.params, state.frozen, state.rest, dtype,
+                        state.frozen_fp8)
   return model, state.frozen
 
 

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
 from ejax.models import layers
+from ejax.train import frozen_fp8 as frozen_fp8_lib
 from ejax.train import host_init
 from ejax.train.optim import cast_floats
 from ejax.train import rows as embodiment_rows
@@ -45,6 +46,7 @@ class TrainState:
   opt_state: optax.OptState
   ema_params: nnx.State | None
   rng: jax.Array           # base key; each step folds in its step number
+  frozen_fp8: nnx.State | None = None  # train.frozen_fp8: FP8 copies of frozen kernels (frozen_fp8.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +63,12 @@ def trainable_filter(model_config: ConfigDict):
   return spec.trainable_filter(model_config) if spec.trainable_filter else nnx.Param
 
 
-def compute_model(graphdef, params, frozen, rest, dtype) -> nnx.Module:
+def compute_model(graphdef, params, frozen, rest, dtype, frozen_fp8=None) -> nnx.Module:
   """The model as the train step runs it: trained and frozen weights cast to the compute dtype (the
-  gradients flow back through the cast to the fp32 master weights)."""
-  return nnx.merge(graphdef, cast_floats(params, dtype), cast_floats(frozen, dtype), rest)
+  gradients flow back through the cast to the fp32 master weights), and the frozen kernels with an
+  FP8 copy (train.frozen_fp8) as that copy."""
+  frozen = frozen_fp8_lib.substitute(cast_floats(frozen, dtype), frozen_fp8)
+  return nnx.merge(graphdef, cast_floats(params, dtype), frozen, rest)
 
 
 def optimizer_init(tx: optax.GradientTransformation, train: ConfigDict):
@@ -165,7 +169,8 @@ def plan_train_state(model_config, train, tx, mesh: Mesh, rules: Rules, seed: in
       frozen=jax.tree.map(cast_frozen, frozen), rest=jax.tree.map(_to_struct, rest),
       opt_state=jax.eval_shape(optimizer_init(tx, train), abstract_params),
       ema_params=abstract_params if ema else None,
-      rng=_to_struct(state_rng))
+      rng=_to_struct(state_rng),
+      frozen_fp8=frozen_fp8_lib.plan(model, frozen) if train.get("frozen_fp8") else None)
   return StatePlan(abstract, tree_shardings(abstract, mesh, rules), params, frozen, rest, deferred, state_rng,
                    tx, optimizer_init(tx, train), ema)
 
@@ -276,6 +281,14 @@ def _opt_init_program(plan: StatePlan):
   return jax.jit(made, out_shardings=[shardings[i] for i in keep]), keep
 
 
+def _frozen_fp8_program(plan: StatePlan):
+  """The jitted program making train.frozen_fp8's copies from the frozen weights; None without them."""
+  if plan.abstract.frozen_fp8 is None:
+    return None
+  return jax.jit(functools.partial(frozen_fp8_lib.derive, plan.abstract.frozen_fp8),
+                 out_shardings=plan.shardings.frozen_fp8)
+
+
 def compile_state_init(plan: StatePlan) -> dict[str, float]:
   """Compiles every program creating the state needs, from shapes (nothing is allocated); seconds."""
   start = time.perf_counter()
@@ -288,6 +301,9 @@ def compile_state_init(plan: StatePlan) -> dict[str, float]:
   opt_init = _opt_init_program(plan)
   if opt_init is not None:
     programs.append((opt_init[0], plan.abstract.params))
+  fp8_copies = _frozen_fp8_program(plan)
+  if fp8_copies is not None:
+    programs.append((fp8_copies, plan.abstract.frozen))
   for fn, args in programs:
     lowered_at = time.perf_counter()
     lowered = fn.lower(args)
@@ -332,9 +348,11 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
                 enumerate(zip(jax.tree.leaves(plan.abstract.opt_state), jax.tree.leaves(plan.shardings.opt_state)))]
   opt_state = jax.tree.unflatten(jax.tree.structure(plan.abstract.opt_state), opt_leaves)
   ema = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params) if plan.ema else None
+  fp8_copies = _frozen_fp8_program(plan)
   return TrainState(step=host_init.zeros(plan.abstract.step, plan.shardings.step), params=params, frozen=frozen,
                     rest=jax.tree.map(host_init.place_value, plan.rest, plan.shardings.rest), opt_state=opt_state,
-                    ema_params=ema, rng=host_init.place_value(plan.state_rng, plan.shardings.rng))
+                    ema_params=ema, rng=host_init.place_value(plan.state_rng, plan.shardings.rng),
+                    frozen_fp8=None if fp8_copies is None else fp8_copies(frozen))
 
 
 def _leaf_paths(plan: StatePlan) -> dict:

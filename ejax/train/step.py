@@ -29,7 +29,7 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
   def loss_fn(params, histories, state: TrainState, micro_batch, rng):
     # bf16 (or configured) compute from fp32 master weights: gradients flow back through the cast.
     rest = nnx.merge_state(state.rest, histories)
-    model = compute_model(parts.graphdef, params, state.frozen, rest, compute_dtype)
+    model = compute_model(parts.graphdef, params, state.frozen, rest, compute_dtype, state.frozen_fp8)
     loss, metrics = model.compute_loss(rows.remap(micro_batch) if rows else micro_batch, rng)
     return loss.astype(jnp.float32), metrics
 

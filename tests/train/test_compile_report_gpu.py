@@ -268,3 +268,37 @@ def test_pi05_fp8_runs_the_paligemma_feed_forward_as_cublaslt_fp8_gemms(impl):
   shapes, precisions = done.stdout.strip().splitlines()[-2:]
   assert shapes == str([("16384,2048", 1), ("2048,16384", 2), ("5120,16384", 5), ("5120,2048", 3)])
   assert precisions == str([("DEFAULT", 11)] if impl == "xla_delayed_fastacc" else [("DEFAULT", 5), ("HIGHEST", 6)])
+
+
+GROOT_FROZEN_FP8_PROBE = """
+import collections, re
+from ejax.parallel import aot_target, make_mesh
+aot_target.run_jax_on_cpu()
+from ejax.kernels import platform
+from ejax.train import compile_report
+from tests.train.helpers import load_config
+config = load_config("configs/groot.py", "")
+config.train.frozen_fp8 = True
+mesh = make_mesh({"data": 1}, aot_target.compile_only_devices("h100", 1))
+with platform.lowering_for("gpu"):
+  text = compile_report.text_with_operand_shapes(compile_report.compile_train_step(config, mesh, 32).compiled)
+calls = re.findall(r'= \\(bf16\\[([0-9,]+)\\][^\\n]*custom-call\\(f8e4m3fn\\[([0-9,]+)\\][^\\n]*'
+                   r'custom_call_target="__cublas.lt.matmul.f8"', text)
+print(sorted(collections.Counter(calls).items()))
+"""
+
+
+@needs_plugin
+def test_gr00t_frozen_fp8_runs_every_frozen_projection_as_a_cublaslt_fp8_gemm():
+  """train.frozen_fp8 at full size (32 samples): all 248 frozen projections are cuBLASLt FP8 GEMMs, q,
+  k and v apart (XLA's DotMerger had joined Qwen3's into one bf16 GEMM over weights dequantised every
+  step): SigLIP's 27 blocks x (q, k, v, o, fc1, fc2) over 8,192 patches, its patch embedding and the
+  connector, and the 12 Qwen3 layers x (q, o, k, v, gate, up, down) over 8,704 prompt tokens."""
+  done = subprocess.run([sys.executable, "-c", GROOT_FROZEN_FP8_PROBE], cwd=REPO, capture_output=True, text=True,
+                        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  counts = dict(eval(done.stdout.strip().splitlines()[-1]))
+  assert counts == {("8192,1152", "8192,1152"): 108, ("8192,1152", "8192,4304"): 27, ("8192,4304", "8192,1152"): 27,
+                    ("8192,1152", "8192,592"): 1, ("8192,2048", "8192,1152"): 1,
+                    ("8704,2048", "8704,2048"): 24, ("8704,1024", "8704,2048"): 24,
+                    ("8704,2048", "8704,6144"): 12, ("8704,6144", "8704,2048"): 24}
