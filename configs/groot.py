@@ -110,6 +110,9 @@ def get_config(arg: str | None = None):
     # they are instead of casting 0.75B fp32 weights every step (the same numbers; +1.5 GiB of state;
     # ~1.7 ms of an H200 step priced on the compile-only H100, BENCHMARKS.md).
     config.train.compute_copy = True
+    # train.frozen_fp8 (off): the frozen towers' projections as FP8 GEMMs from e4m3 copies made with the
+    # state; priced 1.03-1.11x the bf16 step at the GEMM rates measured so far, unmeasured on a GPU (the
+    # fp8_frozen arm of benchmarks/train_step.py), and it costs the towers' features precision.
   if args.dataset == "synthetic":
     # ejax/data/synthetic.py: no cameras, no simulator, the shapes model_config("runlocal") sets.
     if not args.runlocal:
