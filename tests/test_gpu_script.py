@@ -122,6 +122,15 @@ def test_the_graphs_arm_is_the_configured_step_with_its_loops_in_cuda_graphs():
   assert graphs.model == configured.model and batch.keys() == graphs_batch.keys()
 
 
+def test_the_fp8_frozen_arm_is_the_configured_step_with_frozen_fp8_copies():
+  from benchmarks.train_step import load_config
+  from benchmarks.train_step_arms import arm_configs
+  arms = arm_configs(load_config("configs/groot.py", "runlocal"), ["configured", "fp8"], 2)
+  (configured, _), (frozen, _) = arms["configured"], arms["fp8_frozen"]
+  assert frozen.train.frozen_fp8 and not configured.train.frozen_fp8 and frozen.model == configured.model
+  assert {"fp8_xla", "fp8_xla_delayed", "fp8_frozen"} <= arms.keys() and arms["fp8_xla"][0].model.fp8
+
+
 def test_arms_share_a_state_only_where_its_shapes_agree():
   from benchmarks.train_step import state_signature
   from ejax.parallel import make_mesh
