@@ -232,7 +232,9 @@ class Groot(nnx.Module):
     # The one config read after construction: RL freezes the context of a loaded model by setting these
     # flags on model.config (ejax.rl.vla, VlaKind.freeze_context), and its learner masks rather than
     # splits the frozen parameters, so this is what skips their backward there.
-    if not (self.config.tune_llm or self.config.tune_visual):
+    # LoRA adapters on the backbone (model.lora.llm) train through it too.
+    adapted = any(getattr(module, "lora", None) is not None for _, module in self.backbone.iter_modules())
+    if not (self.config.tune_llm or self.config.tune_visual or adapted):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
     vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
     state, seen = jnp.asarray(batch["state"]), None

@@ -166,6 +166,26 @@ def test_groot_adapters_on_the_dit_and_llm_merge_to_the_same_function():
   assert not lora.has_adapters(model)
 
 
+def test_groot_llm_adapters_get_gradients_through_the_frozen_backbone():
+  """With the LLM frozen (tune_llm False) GR00T skips the backbone's backward, unless adapters on it
+  train: their b (zero at the start) gets a gradient, as the DiT's does."""
+  config = _config("groot", {"dit": {"rank": 4}, "llm": {"rank": 2, "targets": "attn,ffn"}})
+  config.update(tune_llm=False, tune_visual=False)
+  from ejax.models import groot
+  model = _random_model(config)
+  batch = {k: jnp.asarray(v) for k, v in groot.example_batch(config, 2, seed=3).items()}
+  graphdef, adapters, rest = nnx.split(model, nnx.All(nnx.Param, nnx.PathContains(lora.LORA)), ...)
+  noise = jax.random.normal(jax.random.key(5), batch["actions"].shape, jnp.float32)
+  time = jnp.full((batch["actions"].shape[0],), 0.4)
+  loss = lambda a: nnx.merge(graphdef, a, rest).compute_loss(batch, jax.random.key(0), time=time, noise=noise)[0]
+  grads = jax.grad(loss)(adapters)
+  norms = {"/".join(map(str, path)): float(jnp.linalg.norm(v.get_value())) for path, v in nnx.to_flat_state(grads)
+           if path[-1] == "b"}
+  llm = [name for name in norms if "llm" in name]
+  assert llm and all(norms[name] > 0 for name in llm), norms
+  assert all(norms[name] > 0 for name in norms if "dit" in name)
+
+
 def test_bad_lora_settings_name_the_fix():
   with pytest.raises(ValueError, match="model.lora.vision_tower: the model has no submodule"):
     _random_model(_config("pi05", {"vision_tower": {"rank": 4}}))
