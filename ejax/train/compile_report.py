@@ -201,9 +201,10 @@ def state_bytes_per_device(step: CompiledStep) -> dict[str, int]:
   """Bytes of each part of the train state on the most loaded device (from the shardings alone)."""
   from ejax.parallel.params import bytes_per_device
   parts = {}
-  for name in ("params", "frozen", "opt_state", "ema_params"):
+  for name in ("params", "frozen", "opt_state", "ema_params", "frozen_fp8"):
     tree = getattr(step.abstract_state, name)
     parts[name] = bytes_per_device(tree, getattr(step.state_shardings, name)) if tree is not None else 0
+  parts["frozen"] += parts.pop("frozen_fp8")  # train.frozen_fp8's copies count with the weights they copy
   return parts
 
 
