@@ -8,10 +8,11 @@ feeds it the model's own example batch, in arms timed back to back in one proces
   padded       one sample a row, the row as long as the longest sample (rounded up to 128)
   seed_padded  one sample a row of the seed's fixed shape (every camera slot, the prompt padded to 200)
   best_fit     samples a row and row length chosen from the batch's lengths (ejax.data.row_plan)
-  fp8_<impl>   model.fp8 through each FP8 route (model.fp8_impl): GR00T's DiT feed-forward, pi0.5's
-               PaliGemma feed-forward
+  fp8_<impl>   model.fp8 through each FP8 route (model.fp8_impl): GR00T's DiT and VL-transformer
+               feed-forwards, pi0.5's PaliGemma feed-forward
   fp8_frozen   train.frozen_fp8: the frozen towers' projections (GR00T's SigLIP and LLM) as FP8 GEMMs
                from e4m3 copies of their weights made with the state (ejax/train/frozen_fp8.py)
+  fp8_all      both: train.frozen_fp8 and model.fp8 with fp8_impl "xla_delayed"
   attn_<impl>  the configured layout with model.attention_impl=<impl>, for each implementation
   unscanned    where the config scans repeated blocks (ejax.models.layers.run_blocks), every block
                unrolled (model.scan_layers=False)

@@ -39,12 +39,13 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
       out[arm][0].train.command_buffers = True
     elif arm.split("_")[0] == "fp8" and "fp8" in config.model:
       from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
-      for impl in FP8_IMPLS + ("frozen",) if arm == "fp8" else [arm[len("fp8_"):]]:
+      for impl in FP8_IMPLS + ("frozen", "all") if arm == "fp8" else [arm[len("fp8_"):]]:
         out[f"fp8_{impl}"] = with_layout("configured")
-        if impl == "frozen":  # the frozen towers' projections from FP8 copies (train.frozen_fp8)
-          out[f"fp8_{impl}"][0].train.frozen_fp8 = True
-        else:
-          out[f"fp8_{impl}"][0].model.update(fp8=True, fp8_impl=impl)
+        # frozen: the frozen towers' projections from FP8 copies (train.frozen_fp8); all: that and
+        # model.fp8 with delayed scaling (the trained feed-forwards)
+        out[f"fp8_{impl}"][0].train.frozen_fp8 = impl in ("frozen", "all")
+        if impl != "frozen":
+          out[f"fp8_{impl}"][0].model.update(fp8=True, fp8_impl="xla_delayed" if impl == "all" else impl)
     elif arm.split("_")[0] == "attn" and "attention_impl" in config.model:
       for impl in attention_impls(config.model) if arm == "attn" else [arm[len("attn_"):]]:
         out[f"attn_{impl}"] = with_layout("configured")

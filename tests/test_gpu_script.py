@@ -128,7 +128,10 @@ def test_the_fp8_frozen_arm_is_the_configured_step_with_frozen_fp8_copies():
   arms = arm_configs(load_config("configs/groot.py", "runlocal"), ["configured", "fp8"], 2)
   (configured, _), (frozen, _) = arms["configured"], arms["fp8_frozen"]
   assert frozen.train.frozen_fp8 and not configured.train.frozen_fp8 and frozen.model == configured.model
-  assert {"fp8_xla", "fp8_xla_delayed", "fp8_frozen"} <= arms.keys() and arms["fp8_xla"][0].model.fp8
+  assert {"fp8_xla", "fp8_xla_delayed", "fp8_frozen", "fp8_all"} <= arms.keys() and arms["fp8_xla"][0].model.fp8
+  assert not arms["fp8_xla"][0].train.frozen_fp8 and not frozen.model.fp8
+  both = arms["fp8_all"][0]
+  assert both.train.frozen_fp8 and both.model.fp8 and both.model.fp8_impl == "xla_delayed"
 
 
 def test_arms_share_a_state_only_where_its_shapes_agree():

@@ -209,14 +209,15 @@ class DiT(nnx.Module):
 class VLSelfAttentionTransformer(nnx.Module):
   """Bidirectional transformer over packed VL rows [rows, L, width], within each segment."""
 
-  def __init__(self, config: VLTransformerConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-               remat: str = "none", attention_impl: str = "auto", scan_layers: bool = True, rngs: nnx.Rngs):
+  def __init__(self, config: VLTransformerConfig, *, fp8: bool | str = False, dtype=jnp.float32,
+               param_dtype=jnp.float32, remat: str = "none", attention_impl: str = "auto", scan_layers: bool = True,
+               rngs: nnx.Rngs):
     self.remat = remat
     self.attention_impl = attention_impl
     self.scan_layers = scan_layers
     self.blocks = nnx.List([
         TransformerBlock(config.width, config.num_heads, config.head_dim, dropout=config.dropout, ada_norm=False,
-                         cross_attention_dim=None, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                         cross_attention_dim=None, fp8=fp8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         for _ in range(config.num_layers)])
 
   @with_attention_impl

@@ -60,9 +60,10 @@ def model_config(variant: str = "full") -> ml_collections.ConfigDict:
   c.name = "groot"
   c.dtype = "bfloat16"
   c.param_dtype = "float32"
-  c.fp8 = False                      # DiT feed-forward through ejax.kernels.fp8 (off: at the DiT's
-  #                                    1536-wide GEMMs FP8 measured 1.12x of bf16 on an H200, and the
-  #                                    train step's FP8 arm 0.92x the bf16 one; BENCHMARKS.md, FP8)
+  c.fp8 = False                      # the DiT's and the VL transformer's feed-forwards through
+  #                                    ejax.kernels.fp8 (off: the train step's FP8 arm ran at 0.92x the
+  #                                    bf16 one with the DiT's alone, the VL transformer's 2048 <-> 8192
+  #                                    GEMMs over 8,704 tokens are priced, not measured; BENCHMARKS.md, FP8)
   c.fp8_impl = "xla"                 # with fp8: xla (cuBLASLt FP8, per-tensor scales; 1.30x bf16 over
   #                                    the DiT and LLM GEMMs) | xla_delayed (the same, scales from amax
   #                                    histories) | xla_rowwise (1.12x) | blockwise (Pallas, 0.33x)
@@ -177,7 +178,8 @@ class GrootActionHead(nnx.Module):
     blocks = dict(remat=config.remat, attention_impl=config.attention_impl, scan_layers=config.scan_layers)
     width = config.dit.width                                             # input_embedding_dim (1536)
     self.vlln = layers.LayerNorm(config.llm.width, eps=1e-5, **common)
-    self.vl_self_attention = VLSelfAttentionTransformer(config.vl_transformer, **blocks, **common)
+    self.vl_self_attention = VLSelfAttentionTransformer(config.vl_transformer, fp8=config.fp8 and config.fp8_impl,
+                                                        **blocks, **common)
     self.dit = DiT(config.dit, fp8=config.fp8 and config.fp8_impl, **blocks, **common)
     self.state_encoder = CategorySpecificMLP(config.max_num_embodiments, config.max_state_dim, config.hidden_size,
                                              width, **common)

@@ -1,8 +1,8 @@
 """The whole GR00T-N1.5 and pi0.5 train steps and policy inference lower for CUDA on this CPU-only
-machine at runlocal size, with every attention on the Pallas kernel and GR00T's DiT feed-forward
-on the FP8 GEMM (tests/cuda_lowering.py): no jnp/XLA stand-in is traced anywhere in them.
+machine at runlocal size, with every attention on the Pallas kernel and GR00T's trained feed-forwards
+(DiT, VL transformer) on the FP8 GEMM (tests/cuda_lowering.py): no jnp/XLA stand-in is traced anywhere in them.
 
-pi0.5 has no FP8 switch (config.model.fp8 is GR00T's DiT only).
+pi0.5's model.fp8 is lowered at full size instead (tests/train/test_compile_report_gpu.py).
 """
 
 import jax

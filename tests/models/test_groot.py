@@ -141,7 +141,7 @@ def test_every_parameter_has_axis_names():
     assert names is not None and len(names) == len(variable.get_value().shape), path
 
 
-def test_fp8_routes_the_dit_feed_forward_and_keeps_parameter_paths():
+def test_fp8_routes_the_trained_feed_forwards_and_keeps_parameter_paths():
   from ejax.kernels.fp8.dense import Fp8Dense
   from ejax.models.io.tensors import param_shapes
   c = tiny_config()
@@ -149,6 +149,7 @@ def test_fp8_routes_the_dit_feed_forward_and_keeps_parameter_paths():
   fp8 = nnx.eval_shape(lambda: groot.create(c, nnx.Rngs(0)))
   plain = nnx.eval_shape(lambda: groot.create(tiny_config(), nnx.Rngs(0)))
   assert isinstance(fp8.action_head.dit.blocks[0].ff.fc1, Fp8Dense)
+  assert isinstance(fp8.action_head.vl_self_attention.blocks[0].ff.fc2, Fp8Dense)
   assert param_shapes(fp8) == param_shapes(plain)
 
 
