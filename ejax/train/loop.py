@@ -26,6 +26,7 @@ from ejax.parallel.data import process_batch_shards
 from ejax.parallel.distributed import compile_agreed
 from ejax.parallel.watchdog import Watchdog
 from ejax.parallel.rules import sharding_context
+from ejax.train import frozen_fp8
 from ejax.train import metrics as metrics_lib
 from ejax.train import resume
 from ejax.train import rows as embodiment_rows
@@ -111,6 +112,9 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   plan = plan_train_state(config.model, train_cfg, tx, mesh, rules, seed=config.seed)
   abstract, shardings = plan.abstract, plan.shardings
   logging.info("parameters: %d trainable, %d frozen", count_params(abstract.params), count_params(abstract.frozen))
+  if train_cfg.get("frozen_fp8"):
+    logging.info("train.frozen_fp8: %d frozen kernels run as FP8 GEMMs (those of at least %d features a side)",
+                 frozen_fp8.count(abstract.frozen_fp8), frozen_fp8.MIN_FEATURES)
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
                               async_save=config.checkpoint.async_save, for_writing=True)
   cleanup.callback(checkpointer.close)
