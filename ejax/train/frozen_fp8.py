@@ -13,6 +13,7 @@ exports, evaluation and serving read them, and a checkpoint holds both (the copy
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -97,30 +98,29 @@ def plan(model: nnx.Module, frozen: nnx.State) -> nnx.State | None:
   return nnx.from_flat_state(flat) if flat else None
 
 
-def _norm_bounds(values: dict, norm_path: tuple, zero_centered: bool) -> tuple[jax.Array, jax.Array]:
-  """(largest |element|, largest row L2 norm) a LayerNorm or RMSNorm with these parameters can output:
+def _norm_bounds(gain: jax.Array, bias: jax.Array | None, zero_centered: bool) -> tuple[jax.Array, jax.Array]:
+  """(largest |element|, largest row L2 norm) a LayerNorm or RMSNorm with this gain and bias can output:
   its normalised row has an L2 norm of at most sqrt(dim), so each element is at most sqrt(dim) times
   the largest |gain|, plus the largest |bias| (the row: plus the bias's L2 norm)."""
-  gain = values[norm_path + ("scale",)].astype(jnp.float32)
-  gain = jnp.max(jnp.abs(gain + 1.0 if zero_centered else gain))
-  bias = values.get(norm_path + ("bias",))
+  root = math.sqrt(gain.shape[0])
+  gain = gain.astype(jnp.float32)
+  largest = jnp.max(jnp.abs(gain + 1.0 if zero_centered else gain))
   bias = jnp.zeros((1,)) if bias is None else bias.astype(jnp.float32)
-  root = math.sqrt(values[norm_path + ("scale",)].shape[0])
-  return root * gain + jnp.max(jnp.abs(bias)), root * gain + jnp.linalg.norm(bias)
+  return root * largest + jnp.max(jnp.abs(bias)), root * largest + jnp.linalg.norm(bias)
 
 
-def input_bound(values: dict, source: tuple) -> jax.Array:
-  """The bound on a projection's input that `source` (_input_sources) describes, from the frozen
-  weights `values` (flat path -> array). A value projection's output j is at most the input row's L2
-  norm times column j's L2 norm, plus |bias j|; attention averages such outputs."""
-  element, row = _norm_bounds(values, source[1], source[2])
-  if source[0] == "norm":
+def input_bound(kind: str, zero_centered: bool, arrays: dict) -> jax.Array:
+  """The bound on a projection's input that a source of `kind` (_input_sources) describes, from its
+  norm's `gain` and `bias` (and for "values" the value projection's `v_kernel` and `v_bias`). A value
+  projection's output j is at most the input row's L2 norm times column j's L2 norm, plus |bias j|;
+  attention averages such outputs."""
+  element, row = _norm_bounds(arrays["gain"], arrays.get("bias"), zero_centered)
+  if kind == "norm":
     return element
-  v_path = source[3]
-  kernel = values[v_path + ("kernel",)].astype(jnp.float32)
+  kernel = arrays["v_kernel"].astype(jnp.float32)
   columns = jnp.linalg.norm(kernel.reshape(kernel.shape[0], -1), axis=0)
-  bias = values.get(v_path + ("bias",))
-  return row * jnp.max(columns) + (0.0 if bias is None else jnp.max(jnp.abs(bias.astype(jnp.float32))))
+  v_bias = arrays.get("v_bias")
+  return row * jnp.max(columns) + (0.0 if v_bias is None else jnp.max(jnp.abs(v_bias.astype(jnp.float32))))
 
 
 # The bounds hold in exact arithmetic; the norm's output is rounded to the compute dtype (bf16: up
@@ -128,19 +128,68 @@ def input_bound(values: dict, source: tuple) -> jax.Array:
 BOUND_MARGIN = 1.0 + 2.0 ** -7
 
 
-def derive(abstract: nnx.State, frozen: nnx.State) -> nnx.State:
-  """The copies of `abstract` (plan's) made from the frozen weights; traceable (jit it with the
-  copies' shardings)."""
+@functools.lru_cache(maxsize=None)
+def _quantize_program(contracted: int, shardings):
+  return jax.jit(lambda kernel: tuple(quantize_kernel(kernel, contracted)[:2]), out_shardings=shardings)
+
+
+@functools.lru_cache(maxsize=None)
+def _scale_program(kind: str, zero_centered: bool, sharding):
+  return jax.jit(lambda arrays: power_of_two_scale(input_bound(kind, zero_centered, arrays) * BOUND_MARGIN),
+                 out_shardings=sharding)
+
+
+def _jobs(abstract: nnx.State, shardings: nnx.State) -> list[tuple]:
+  """(output paths, jitted program, its inputs: a flat frozen path or a dict of them) per copy. One
+  small program per kind of kernel (shape, contraction, sharding), reused for every kernel of that
+  kind: 248 kernels of GR00T, ~10 programs, where one program of all of them took seconds to compile."""
+  placed = {path: variable.get_value() for path, variable in nnx.to_flat_state(shardings)}
+  jobs = []
+  for path, variable in nnx.to_flat_state(abstract):
+    metadata = variable.get_metadata()
+    if path[-1] == "values":
+      scale_path = path[:-1] + ("scale",)
+      program = _quantize_program(metadata["contracted"], (placed[path], placed[scale_path]))
+      jobs.append(((path, scale_path), program, path[:-1]))
+    elif path[-1] in ("input_scale", "output_scale"):
+      kind, norm_path, zero_centered, *v_path = metadata["source"]
+      inputs = {"gain": norm_path + ("scale",), "bias": norm_path + ("bias",)}
+      if v_path:
+        inputs.update(v_kernel=v_path[0] + ("kernel",), v_bias=v_path[0] + ("bias",))
+      jobs.append(((path,), _scale_program(kind, zero_centered, placed[path]), inputs))
+  return jobs
+
+
+def make(abstract: nnx.State, frozen: nnx.State, shardings: nnx.State) -> nnx.State:
+  """The copies of `abstract` (plan's) made from the frozen weights, in `shardings`."""
   values = {path: variable.get_value() for path, variable in nnx.to_flat_state(frozen)}
   out = {}
-  for path, variable in nnx.to_flat_state(abstract):
-    if path[-1] == "values":
-      quantized = quantize_kernel(values[path[:-1]], variable.get_metadata()["contracted"])
-      out[path] = quantized.values
-      out[path[:-1] + ("scale",)] = quantized.scale
-    elif path[-1] in ("input_scale", "output_scale"):
-      out[path] = power_of_two_scale(input_bound(values, variable.get_metadata()["source"]) * BOUND_MARGIN)
+  for outputs, program, inputs in _jobs(abstract, shardings):
+    if isinstance(inputs, dict):
+      made = (program({name: values[p] for name, p in inputs.items() if p in values}),)
+    else:
+      made = program(values[inputs])
+    out.update(zip(outputs, made))
   return nnx.map_state(lambda path, variable: variable.replace(out[path]), abstract)
+
+
+def compile_programs(abstract: nnx.State, frozen: nnx.State, frozen_shardings: nnx.State,
+                     shardings: nnx.State) -> int:
+  """Compiles, from shapes, each distinct program `make` runs (frozen: the abstract frozen weights);
+  returns how many."""
+  flat = {path: variable.get_value() for path, variable in nnx.to_flat_state(frozen)}
+  placed = {path: variable.get_value() for path, variable in nnx.to_flat_state(frozen_shardings)}
+  struct = lambda p: jax.ShapeDtypeStruct(flat[p].shape, flat[p].dtype, sharding=placed[p])
+  seen = set()
+  for _, program, inputs in _jobs(abstract, shardings):
+    args = ({name: struct(p) for name, p in inputs.items() if p in flat},) if isinstance(inputs, dict) else \
+        (struct(inputs),)
+    key = (id(program), str(jax.tree.structure(args)),
+           tuple((a.shape, str(a.dtype), a.sharding) for a in jax.tree.leaves(args)))
+    if key not in seen:
+      seen.add(key)
+      program.lower(*args).compile()
+  return len(seen)
 
 
 def substitute(frozen: nnx.State, copies: nnx.State | None) -> nnx.State:

@@ -281,14 +281,6 @@ def _opt_init_program(plan: StatePlan):
   return jax.jit(made, out_shardings=[shardings[i] for i in keep]), keep
 
 
-def _frozen_fp8_program(plan: StatePlan):
-  """The jitted program making train.frozen_fp8's copies from the frozen weights; None without them."""
-  if plan.abstract.frozen_fp8 is None:
-    return None
-  return jax.jit(functools.partial(frozen_fp8_lib.derive, plan.abstract.frozen_fp8),
-                 out_shardings=plan.shardings.frozen_fp8)
-
-
 def compile_state_init(plan: StatePlan) -> dict[str, float]:
   """Compiles every program creating the state needs, from shapes (nothing is allocated); seconds."""
   start = time.perf_counter()
@@ -301,15 +293,17 @@ def compile_state_init(plan: StatePlan) -> dict[str, float]:
   opt_init = _opt_init_program(plan)
   if opt_init is not None:
     programs.append((opt_init[0], plan.abstract.params))
-  fp8_copies = _frozen_fp8_program(plan)
-  if fp8_copies is not None:
-    programs.append((fp8_copies, plan.abstract.frozen))
   for fn, args in programs:
     lowered_at = time.perf_counter()
     lowered = fn.lower(args)
     compiled_at = time.perf_counter()
     lowered.compile()
     lowered_seconds += compiled_at - lowered_at
+    compile_seconds += time.perf_counter() - compiled_at
+  if plan.abstract.frozen_fp8 is not None:  # train.frozen_fp8's small programs, lowered and compiled
+    compiled_at = time.perf_counter()
+    programs += [None] * frozen_fp8_lib.compile_programs(plan.abstract.frozen_fp8, plan.abstract.frozen,
+                                                         plan.shardings.frozen, plan.shardings.frozen_fp8)
     compile_seconds += time.perf_counter() - compiled_at
   return {"host_initialised": len(host), "device_initialised": sum(map(len, device)), "device_groups": len(device),
           "programs": len(programs), "lower_seconds": lowered_seconds, "compile_seconds": compile_seconds,
@@ -348,11 +342,12 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
                 enumerate(zip(jax.tree.leaves(plan.abstract.opt_state), jax.tree.leaves(plan.shardings.opt_state)))]
   opt_state = jax.tree.unflatten(jax.tree.structure(plan.abstract.opt_state), opt_leaves)
   ema = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params) if plan.ema else None
-  fp8_copies = _frozen_fp8_program(plan)
+  fp8_copies = plan.abstract.frozen_fp8
   return TrainState(step=host_init.zeros(plan.abstract.step, plan.shardings.step), params=params, frozen=frozen,
                     rest=jax.tree.map(host_init.place_value, plan.rest, plan.shardings.rest), opt_state=opt_state,
                     ema_params=ema, rng=host_init.place_value(plan.state_rng, plan.shardings.rng),
-                    frozen_fp8=None if fp8_copies is None else fp8_copies(frozen))
+                    frozen_fp8=None if fp8_copies is None else
+                    frozen_fp8_lib.make(fp8_copies, frozen, plan.shardings.frozen_fp8))
 
 
 def _leaf_paths(plan: StatePlan) -> dict:
