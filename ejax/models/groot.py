@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from ejax.models import flow, groot_inputs, layers, perception
+from ejax.models import flow, groot_inputs, layers, lora, perception
 from ejax.models.config_upgrade import upgrade_model_config
 from ejax.models.connector import MLPConnector
 from ejax.models.dit import DiT, VLSelfAttentionTransformer
@@ -235,8 +235,7 @@ class Groot(nnx.Module):
     # flags on model.config (ejax.rl.vla, VlaKind.freeze_context), and its learner masks rather than
     # splits the frozen parameters, so this is what skips their backward there.
     # LoRA adapters on the backbone (model.lora.llm) train through it too.
-    adapted = any(getattr(module, "lora", None) is not None for _, module in self.backbone.iter_modules())
-    if not (self.config.tune_llm or self.config.tune_visual or adapted):
+    if not (self.config.tune_llm or self.config.tune_visual or lora.has_adapters(self.backbone)):
       features = jax.lax.stop_gradient(features)  # nothing below is trained: skip their backward
     vl = self.action_head.encode_vl(features, batch["vl_segment_ids"], rng)
     state, seen = jnp.asarray(batch["state"]), None

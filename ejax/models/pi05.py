@@ -40,7 +40,7 @@ from flax import nnx
 
 from ejax.kernels.fp8 import DELAYED_IMPLS as FP8_DELAYED_IMPLS
 from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
-from ejax.models import flow, gemma, layers, perception, pi05_inputs
+from ejax.models import flow, gemma, layers, lora, perception, pi05_inputs
 from ejax.models.config_upgrade import upgrade_model_config
 from ejax.models.pi05_config import Pi05Config, read
 from ejax.models.registry import ModelSpec
@@ -201,7 +201,9 @@ class Pi05(nnx.Module):
     """Image and prompt tokens laid out in packed rows: x [rows, row_length, llm width]."""
     dtype = self.dtype
     image_tokens = self.vision_projection(self.vision(normalize_images(batch["images"], dtype)))
-    if not self.config.train_vision:  # read here, not at construction: RL sets it after loading (as GR00T's tune_*)
+    # train_vision is read here, not at construction: RL sets it after loading (as GR00T's tune_*). LoRA
+    # adapters on the tower (model.lora.vision) train through it too.
+    if not (self.config.train_vision or lora.has_adapters(self.vision)):
       image_tokens = jax.lax.stop_gradient(image_tokens)  # frozen tower: skip its backward pass
     patches = image_tokens.shape[1]
     image_tokens = image_tokens.reshape(-1, image_tokens.shape[-1])  # [num_images * patches, width]

@@ -186,6 +186,22 @@ def test_groot_llm_adapters_get_gradients_through_the_frozen_backbone():
   assert all(norms[name] > 0 for name in norms if "dit" in name)
 
 
+def test_pi05_vision_adapters_get_gradients_through_the_frozen_tower():
+  """pi0.5 skips a frozen vision tower's backward (train_vision off), unless adapters on it train."""
+  config = _config("pi05", {"vision": {"rank": 2, "targets": "attn"}})
+  config.train_vision = False
+  model = _random_model(config)
+  batch = {k: jnp.asarray(v) for k, v in pi05.example_batch(config, 2, seed=3).items()
+           if getattr(v, "dtype", object) != object}
+  graphdef, adapters, rest = nnx.split(model, nnx.All(nnx.Param, nnx.PathContains(lora.LORA)), ...)
+  noise = jax.random.normal(jax.random.key(5), batch["actions"].shape, jnp.float32)
+  time = jnp.full((batch["actions"].shape[0],), 0.4)
+  loss = lambda a: nnx.merge(graphdef, a, rest).compute_loss(batch, jax.random.key(0), time=time, noise=noise)[0]
+  grads = jax.grad(loss)(adapters)
+  norms = [float(jnp.linalg.norm(v.get_value())) for path, v in nnx.to_flat_state(grads) if path[-1] == "b"]
+  assert norms and all(n > 0 for n in norms)
+
+
 def test_bad_lora_settings_name_the_fix():
   with pytest.raises(ValueError, match="model.lora.vision_tower: the model has no submodule"):
     _random_model(_config("pi05", {"vision_tower": {"rank": 4}}))
