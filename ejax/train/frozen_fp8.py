@@ -6,8 +6,10 @@ pass over 1.2B weights every step, BENCHMARKS.md), so here each frozen kernel of
 one (a module class with `FP8_CONTRACTED`: ejax.models.layers' Dense, HeadProjection,
 OutputProjection) is quantised once, when the state is made, into the state's `frozen_fp8`: an
 nnx.State of `Fp8Copy` variables, `values` (e4m3, [out, in]) and `scale` per kernel, sharded as the
-kernel is. The train step puts each copy in its kernel's place (`substitute`) and the layer runs
-one FP8 GEMM (ejax.kernels.fp8.frozen). The frozen weights themselves stay as they are: imports,
+kernel is, and the scale of a layer's input where a bound on it holds for any input (one per norm
+for the projections reading it, one per attention for its o_proj: `_input_sources`, `input_bound`).
+The train step puts each copy in its kernel's place (`substitute`) and the layer runs one FP8 GEMM
+(ejax.kernels.fp8.frozen). The frozen weights themselves stay as they are: imports,
 exports, evaluation and serving read them, and a checkpoint holds both (the copy is 1 byte a weight).
 """
 
