@@ -447,6 +447,11 @@ def bench_model(name: str, arms: list[str], per_device_batch: int, steps: int, o
         bound = padded["model_flops_per_sample"] / result["model_flops_per_sample"]
         print(f"  {arm}/{baseline}: {result['samples_per_second'] / padded['samples_per_second']:.2f}x "
               f"(FLOP bound {bound:.2f}x)")
+  configured = results.get("configured", {})
+  for arm, result in results.items():  # issue 31's FP8 goal: an FP8 arm at >= 1.1x the bf16 step
+    if arm.startswith("fp8_") and "samples_per_second" in result and "samples_per_second" in configured:
+      print(f"  {arm}/configured: {result['samples_per_second'] / configured['samples_per_second']:.2f}x "
+            f"(goal 1.1x)")
 
 
 def dreamzero_by_depth(depths: list[int], per_device_batch: int, steps: int, out: dict, json_path: str) -> str:
