@@ -10,6 +10,41 @@ def load_config(path: str, arg: str | None = None):
   return load_config_file(os.path.join(REPO, path), arg)
 
 
+def train_on_example(config, steps: int, *, read_before=None, mesh_shape=(1, 1, 1), accum: int = 1,
+                     samples: int = 4):
+  """The trainer's state and jitted step for `config`, trained `steps` steps on its model's example batch
+  (`samples` samples, in `accum` micro-batches) on a (data, fsdp, tensor) mesh of this process's devices.
+  read_before(state): what to keep of the first state (the step donates it). Returns (what read_before
+  gave, the last state, the state's shardings, the losses)."""
+  import jax
+  import numpy as np
+
+  from ejax.models.registry import get_model_spec
+  from ejax.parallel import global_batch, make_mesh
+  from ejax.train.optim import make_optimizer
+  from ejax.train.state import create_train_state, model_parts
+  from ejax.train.step import jit_train_step, make_train_step
+  data, fsdp, tensor = mesh_shape
+  mesh = make_mesh(dict(data=data, fsdp=fsdp, tensor=tensor), devices=jax.devices()[:data * fsdp * tensor])
+  rules = [tuple(r) for r in config.sharding_rules]
+  tx, schedule = make_optimizer(config.train)
+  example = get_model_spec(config.model.name).example_batch(config.model, samples, 0)
+  arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
+  if accum > 1:
+    arrays = {k: v.reshape((accum, -1) + v.shape[1:]) for k, v in arrays.items()}
+  with mesh:
+    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+    kept = read_before(state) if read_before else None
+    batch = global_batch(arrays, mesh, rules, batch_axis=int(accum > 1))
+    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
+                          jax.tree.map(lambda x: x.sharding, batch), mesh)
+    losses = []
+    for _ in range(steps):
+      state, metrics = step(state, batch)
+      losses.append(float(metrics["loss"]))
+  return kept, state, shardings, losses
+
+
 def tiny_config(steps: int = 4, batch: int = 16, mesh=(-1, 1, 1)):
   """configs/tiny.py:runlocal shrunk further: fp32, logged every step, no side outputs."""
   config = load_config("configs/tiny.py", "runlocal")

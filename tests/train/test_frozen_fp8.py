@@ -9,7 +9,7 @@ from flax import nnx
 
 from ejax.kernels.fp8.frozen import quantize_kernel
 from ejax.train import frozen_fp8
-from tests.train.helpers import load_config
+from tests.train.helpers import load_config, train_on_example
 
 
 def _config(on: bool):
@@ -21,30 +21,11 @@ def _config(on: bool):
 
 
 def _train(config, steps: int, mesh_shape=(1, 1, 1)):
-  from ejax.models.registry import get_model_spec
-  from ejax.parallel import global_batch, make_mesh
-  from ejax.train.optim import make_optimizer
-  from ejax.train.state import create_train_state, model_parts
-  from ejax.train.step import jit_train_step, make_train_step
-  data, fsdp, tensor = mesh_shape
-  mesh = make_mesh(dict(data=data, fsdp=fsdp, tensor=tensor), devices=jax.devices()[:data * fsdp * tensor])
-  rules = [tuple(r) for r in config.sharding_rules]
-  tx, schedule = make_optimizer(config.train)
-  example = get_model_spec("groot").example_batch(config.model, 4, 0)
-  arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
-  with mesh:
-    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
-    # The step donates the state: what the test compares, read before it runs.
-    first = dict(copies=_flat(state.frozen_fp8), count=frozen_fp8.count(state.frozen_fp8),
-                 frozen={path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.frozen)})
-    batch = global_batch(arrays, mesh, rules)
-    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
-                          jax.tree.map(lambda x: x.sharding, batch), mesh)
-    losses = []
-    for _ in range(steps):
-      state, metrics = step(state, batch)
-      losses.append(float(metrics["loss"]))
-  return first, state, shardings, losses
+  """(what the first state held, the last state, its shardings, the losses) of `steps` steps."""
+  # The step donates the state: what the tests compare, read before it runs.
+  first = lambda state: dict(copies=_flat(state.frozen_fp8), count=frozen_fp8.count(state.frozen_fp8),
+                             frozen={path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.frozen)})
+  return train_on_example(config, steps, read_before=first, mesh_shape=mesh_shape)
 
 
 def _flat(tree) -> dict:

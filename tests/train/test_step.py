@@ -31,36 +31,19 @@ def _pi05_delayed_fp8_steps(steps: int, accum: int = 1, mesh_shape=(1, 1, 1)):
   import numpy as np
 
   from ejax.kernels.fp8 import Fp8History
-  from ejax.models.registry import get_model_spec
-  from ejax.parallel import global_batch, make_mesh
-  from ejax.train.optim import make_optimizer
-  from ejax.train.state import create_train_state, model_parts
-  from ejax.train.step import jit_train_step, make_train_step
   from flax import nnx
-  from tests.train.helpers import load_config
+  from tests.train.helpers import load_config, train_on_example
   config = load_config("configs/pi05.py", "runlocal")
   config.model.update(fp8=True, fp8_impl="xla_delayed")
   config.train.update(grad_accum_steps=accum, warmup_fraction=0.0)
-  data, fsdp, tensor = mesh_shape
-  mesh = make_mesh(dict(data=data, fsdp=fsdp, tensor=tensor), devices=jax.devices()[:data * fsdp * tensor])
-  rules = [tuple(r) for r in config.sharding_rules]
-  tx, schedule = make_optimizer(config.train)
-  example = get_model_spec("pi05").example_batch(config.model, 4, 0)
-  arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
-  with mesh:
-    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+
+  def feed_forward(state):
     layers = state.params["llm"]["layers"]
-    weights = [np.asarray(layers["gating_einsum"].get_value()[:, 0]), np.asarray(layers["gating_einsum"].get_value()[:, 1]),
-               np.asarray(layers["linear"].get_value())]
-    if accum > 1:
-      arrays = {k: v.reshape((accum, -1) + v.shape[1:]) for k, v in arrays.items()}
-    batch = global_batch(arrays, mesh, rules, batch_axis=int(accum > 1))
-    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
-                          jax.tree.map(lambda x: x.sharding, batch), mesh)
-    losses = []
-    for _ in range(steps):
-      state, metrics = step(state, batch)
-      losses.append(float(metrics["loss"]))
+    return [np.asarray(layers["gating_einsum"].get_value()[:, 0]), np.asarray(layers["gating_einsum"].get_value()[:, 1]),
+            np.asarray(layers["linear"].get_value())]
+
+  weights, state, _, losses = train_on_example(config, steps, read_before=feed_forward, mesh_shape=mesh_shape,
+                                               accum=accum)
   (history,) = [np.asarray(v.get_value()) for v in jax.tree.leaves(nnx.filter_state(state.rest, Fp8History),
                                                                  is_leaf=lambda x: isinstance(x, nnx.Variable))]
   return weights, history, losses
