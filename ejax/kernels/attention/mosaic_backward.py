@@ -36,7 +36,7 @@ from ejax.kernels import platform
 # available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (ops.py, the tests, the benchmark).
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
     LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
-    inner_ranges, kernel_params, kv_ring, kv_spans, mma, persistent_ctas, store_item, work_items)
+    inner_ranges, item_part, kernel_params, kv_ring, kv_spans, mma, persistent_ctas, store_item, work_items)
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
 # score tiles fit the 168 registers a thread of a 384-thread CTA). dK/dV: one, so a thread may use
@@ -164,11 +164,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
       @functools.partial(work_items, dq_items, lo_ref, hi_ref)
       def _item(h, qi, b, j, g):
-        lo = lo_ref[b, qi]
-        steps = hi_ref[b, qi] - lo
-        block = qi * DQ_WGS + wg
-        rows_q = pl.ds(block * block_q, block_q)
-        buf = lax.rem(j, 2) * DQ_WGS + wg
+        lo, steps, block, rows_q, buf = item_part(lo_ref, hi_ref, b, qi, j, wg, DQ_WGS, block_q)
         q_s, do_s = q_smem.at[buf], do_smem.at[buf]
         lse2, delta_, start, end = (plgpu.load(rows_ref.at[b, h, i, rows_q], (), layout=row_layout, optimized=False)
                                     for i in range(4))
@@ -262,11 +258,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
       @functools.partial(work_items, dkv_items, lo_ref, hi_ref)
       def _item(h, ki, b, j, g):
-        lo = lo_ref[b, ki]
-        steps = hi_ref[b, ki] - lo
-        base = ki * tile_kv + wg * block_kv
-        keys = pl.ds(base, block_kv)
-        buf = lax.rem(j, 2) * DKV_WGS + wg
+        lo, steps, own, keys, buf = item_part(lo_ref, hi_ref, b, ki, j, wg, DKV_WGS, block_kv)
+        base = own * block_kv  # the warpgroup's first key
         k_s, v_s = k_smem.at[buf], v_smem.at[buf]
         plgpu.barrier_wait(k_bar.at[buf])
         plgpu.barrier_wait(v_bar.at[buf])

@@ -114,6 +114,16 @@ def persistent_ctas(num_items: int, persistent: bool, ctas: int | None = None) -
   return min(num_items, ctas)
 
 
+def item_part(lo_ref, hi_ref, b, item, j, wg, wgs: int, rows: int):
+  """A compute warpgroup's part of work item `item` (row tile of batch row b, the CTA's j-th item):
+  (the item's first ring tile, how many it streams, the warpgroup's block index, its `rows` rows as a
+  pl.ds, its buffer of the item's own tiles, double-buffered by j)."""
+  from jax.experimental import pallas as pl
+  lo = lo_ref[b, item]
+  block = item * wgs + wg
+  return lo, hi_ref[b, item] - lo, block, pl.ds(block * rows, rows), lax.rem(j, 2) * wgs + wg
+
+
 def work_items(items: tuple, lo_ref, hi_ref, body):
   """body(h, t, b, j, g) for each of this CTA's work items (h, t, b) of the grid `items` (heads, tiles,
   batch), over the launch axis "ctas" (plgpu.nd_loop). j counts the CTA's items (a double-buffered

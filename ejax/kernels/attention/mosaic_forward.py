@@ -32,8 +32,9 @@ from jax import lax
 
 from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
-                                                  compute_registers, copying_warpgroup, inner_ranges, kernel_params,
-                                                  kv_ring, kv_spans, mma, persistent_ctas, store_item, work_items)
+                                                  compute_registers, copying_warpgroup, inner_ranges, item_part,
+                                                  kernel_params, kv_ring, kv_spans, mma, persistent_ctas, store_item,
+                                                  work_items)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -140,11 +141,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
 
       @functools.partial(work_items, items, cta_lo_ref, cta_hi_ref)
       def _item(h, qi, b, j, g):
-        lo = cta_lo_ref[b, qi]
-        steps = cta_hi_ref[b, qi] - lo
-        block = qi * wgs + wg
-        rows_q = pl.ds(block * block_q, block_q)
-        buf = lax.rem(j, 2) * wgs + wg
+        lo, steps, block, rows_q, buf = item_part(cta_lo_ref, cta_hi_ref, b, qi, j, wg, wgs, block_q)
         q_s = q_smem.at[buf]
         start, end = (plgpu.load(ranges_ref.at[b, i, rows_q], (), layout=row_layout, optimized=False)
                       for i in range(2))
