@@ -300,13 +300,14 @@ def compile_state_init(plan: StatePlan) -> dict[str, float]:
     lowered.compile()
     lowered_seconds += compiled_at - lowered_at
     compile_seconds += time.perf_counter() - compiled_at
+  fp8_programs = 0
   if plan.abstract.frozen_fp8 is not None:  # train.frozen_fp8's small programs, lowered and compiled
     compiled_at = time.perf_counter()
-    programs += [None] * frozen_fp8_lib.compile_programs(plan.abstract.frozen_fp8, plan.abstract.frozen,
-                                                         plan.shardings.frozen, plan.shardings.frozen_fp8)
+    fp8_programs = frozen_fp8_lib.compile_programs(plan.abstract.frozen_fp8, plan.abstract.frozen,
+                                                   plan.shardings.frozen, plan.shardings.frozen_fp8)
     compile_seconds += time.perf_counter() - compiled_at
   return {"host_initialised": len(host), "device_initialised": sum(map(len, device)), "device_groups": len(device),
-          "programs": len(programs), "lower_seconds": lowered_seconds, "compile_seconds": compile_seconds,
+          "programs": len(programs) + fp8_programs, "lower_seconds": lowered_seconds, "compile_seconds": compile_seconds,
           "seconds": time.perf_counter() - start}
 
 
@@ -342,12 +343,11 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
                 enumerate(zip(jax.tree.leaves(plan.abstract.opt_state), jax.tree.leaves(plan.shardings.opt_state)))]
   opt_state = jax.tree.unflatten(jax.tree.structure(plan.abstract.opt_state), opt_leaves)
   ema = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params) if plan.ema else None
-  fp8_copies = plan.abstract.frozen_fp8
+  copies = plan.abstract.frozen_fp8
   return TrainState(step=host_init.zeros(plan.abstract.step, plan.shardings.step), params=params, frozen=frozen,
                     rest=jax.tree.map(host_init.place_value, plan.rest, plan.shardings.rest), opt_state=opt_state,
                     ema_params=ema, rng=host_init.place_value(plan.state_rng, plan.shardings.rng),
-                    frozen_fp8=None if fp8_copies is None else
-                    frozen_fp8_lib.make(fp8_copies, frozen, plan.shardings.frozen_fp8))
+                    frozen_fp8=None if copies is None else frozen_fp8_lib.make(copies, frozen, plan.shardings.frozen_fp8))
 
 
 def _leaf_paths(plan: StatePlan) -> dict:
