@@ -25,7 +25,7 @@ from flax import nnx
 
 from ejax.kernels.attention import attention, block_ids_from_ar_flags  # noqa: F401  (re-exported for callers)
 from ejax.kernels.fp8.dense import DELAYED_IMPLS, Fp8History, fp8_matmul_trained
-from ejax.kernels.fp8.xla import new_history
+from ejax.kernels.fp8.xla import new_history, prime_kernel_history
 from ejax.models.layers import apply_rope, make_param
 from ejax.parallel import axes as ax
 from ejax.parallel import constrain, remat_policy
@@ -114,6 +114,15 @@ class GemmaLayers(nnx.Module):
                                 (ax.LAYERS, None, ax.EMBED, ax.MLP), param_dtype)
     self.linear = _param(rngs, _init(-2, -1), (L, c.mlp_dim, c.width),
                          (ax.LAYERS, ax.MLP, ax.EMBED), param_dtype)
+
+
+  def prime_fp8_history(self) -> None:
+    """Records each feed-forward kernel's amax, per layer, in its empty history (add_fp8_history;
+    ejax.kernels.fp8.xla.prime_kernel_history)."""
+    gating = jnp.abs(self.gating_einsum[...].astype(jnp.float32))  # [L, 2 (gate, up), D, F]
+    amaxes = jnp.stack([gating[:, 0].max(axis=(1, 2)), gating[:, 1].max(axis=(1, 2)),
+                        jnp.abs(self.linear[...].astype(jnp.float32)).max(axis=(1, 2))], axis=1)
+    self.fp8_history[...] = prime_kernel_history(self.fp8_history[...], amaxes)  # [L, sites, ...]
 
 
 def add_fp8_history(decoder: "GemmaDecoder") -> None:

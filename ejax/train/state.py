@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
 
+from ejax.kernels.fp8 import Fp8History, prime_fp8_histories
 from ejax.models import layers
 from ejax.train import frozen_fp8 as frozen_fp8_lib
 from ejax.train import host_init
@@ -133,6 +134,7 @@ class StatePlan:
   tx: optax.GradientTransformation
   opt_init: Any             # optimizer_init(tx, train)
   ema: bool
+  graphdef: Any             # the model's nnx.GraphDef (split params, frozen, rest)
 
 
 def _to_struct(x):
@@ -146,7 +148,7 @@ def plan_train_state(model_config, train, tx, mesh: Mesh, rules: Rules, seed: in
   init_rng, state_rng = jax.random.split(jax.random.key(seed))
   with layers.deferred_init() as deferred:
     model = spec.create(model_config, nnx.Rngs(init_rng))
-  _, params, frozen, rest = nnx.split(model, nnx.All(nnx.Param, trainable), nnx.Param, ...)
+  graphdef, params, frozen, rest = nnx.split(model, nnx.All(nnx.Param, trainable), nnx.Param, ...)
   param_dtype = jnp.dtype(train.param_dtype)
 
   def cast(x):
@@ -172,7 +174,7 @@ def plan_train_state(model_config, train, tx, mesh: Mesh, rules: Rules, seed: in
       rng=_to_struct(state_rng),
       frozen_fp8=frozen_fp8_lib.plan(model, frozen) if train.get("frozen_fp8") else None)
   return StatePlan(abstract, tree_shardings(abstract, mesh, rules), params, frozen, rest, deferred, state_rng,
-                   tx, optimizer_init(tx, train), ema)
+                   tx, optimizer_init(tx, train), ema, graphdef)
 
 
 def abstract_train_state(model_config, train, tx, mesh: Mesh, rules: Rules):
@@ -281,6 +283,21 @@ def _opt_init_program(plan: StatePlan):
   return jax.jit(made, out_shardings=[shardings[i] for i in keep]), keep
 
 
+def _prime_fp8_program(plan: StatePlan):
+  """A jitted program (params, frozen, rest) -> rest with every delayed-scaling FP8 history's kernel
+  row primed from its kernel (ejax.kernels.fp8.prime_fp8_histories), so the first step quantises the
+  weights as later ones do; None when the model keeps no history (FP8 off, or another route)."""
+  if not jax.tree.leaves(nnx.filter_state(plan.abstract.rest, Fp8History)):
+    return None
+
+  def prime(parts):
+    model = nnx.merge(plan.graphdef, *parts)
+    prime_fp8_histories(model)
+    return nnx.split(model, nnx.Param, ...)[2]
+
+  return jax.jit(prime, out_shardings=plan.shardings.rest)
+
+
 def compile_state_init(plan: StatePlan) -> dict[str, float]:
   """Compiles every program creating the state needs, from shapes (nothing is allocated); seconds."""
   start = time.perf_counter()
@@ -293,6 +310,9 @@ def compile_state_init(plan: StatePlan) -> dict[str, float]:
   opt_init = _opt_init_program(plan)
   if opt_init is not None:
     programs.append((opt_init[0], plan.abstract.params))
+  prime = _prime_fp8_program(plan)
+  if prime is not None:
+    programs.append((prime, (plan.abstract.params, plan.abstract.frozen, plan.abstract.rest)))
   for fn, args in programs:
     lowered_at = time.perf_counter()
     lowered = fn.lower(args)
@@ -344,8 +364,12 @@ def materialize(plan: StatePlan, loaded: dict | None = None) -> TrainState:
   opt_state = jax.tree.unflatten(jax.tree.structure(plan.abstract.opt_state), opt_leaves)
   ema = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params) if plan.ema else None
   copies = plan.abstract.frozen_fp8
+  rest = jax.tree.map(host_init.place_value, plan.rest, plan.shardings.rest)
+  prime = _prime_fp8_program(plan)
+  if prime is not None:
+    rest = prime((params, frozen, rest))
   return TrainState(step=host_init.zeros(plan.abstract.step, plan.shardings.step), params=params, frozen=frozen,
-                    rest=jax.tree.map(host_init.place_value, plan.rest, plan.shardings.rest), opt_state=opt_state,
+                    rest=rest, opt_state=opt_state,
                     ema_params=ema, rng=host_init.place_value(plan.state_rng, plan.shardings.rng),
                     frozen_fp8=None if copies is None else frozen_fp8_lib.make(copies, frozen, plan.shardings.frozen_fp8))
 

@@ -72,6 +72,10 @@ def test_host_drawn_parameters_follow_the_initializers_distributions():
   host, device = state_lib._split_groups(state_lib._sort_leaves(plan, {}))
   assert host and not device  # every GR00T initializer is one numpy draws: no program to compile
   assert state_lib.compile_state_init(plan)["programs"] == 0
+  fp8_model = config.model.copy_and_resolve_references()
+  fp8_model.update(fp8=True, fp8_impl="xla_delayed")  # + the program priming the FP8 histories
+  fp8 = state_lib.plan_train_state(fp8_model, config.train, tx, mesh, rules, seed=2)
+  assert state_lib.compile_state_init(fp8)["programs"] == 1
   with mesh:
     built, again = state_lib.materialize(plan), state_lib.materialize(plan)
   traced = _traced_state(config, plan.shardings, seed=2)

@@ -42,11 +42,55 @@ def _pi05_delayed_fp8_steps(steps: int, accum: int = 1, mesh_shape=(1, 1, 1)):
     return [np.asarray(layers["gating_einsum"].get_value()[:, 0]), np.asarray(layers["gating_einsum"].get_value()[:, 1]),
             np.asarray(layers["linear"].get_value())]
 
+  def history_of(state):
+    (history,) = [np.asarray(v.get_value()) for v in jax.tree.leaves(nnx.filter_state(state.rest, Fp8History),
+                                                                   is_leaf=lambda x: isinstance(x, nnx.Variable))]
+    return history
+
+  if steps == 0:
+    (weights, history), _, _, _ = train_on_example(config, 0, read_before=lambda s: (feed_forward(s), history_of(s)),
+                                                   mesh_shape=mesh_shape, accum=accum)
+    return weights, history, []
   weights, state, _, losses = train_on_example(config, steps, read_before=feed_forward, mesh_shape=mesh_shape,
                                                accum=accum)
-  (history,) = [np.asarray(v.get_value()) for v in jax.tree.leaves(nnx.filter_state(state.rest, Fp8History),
-                                                                 is_leaf=lambda x: isinstance(x, nnx.Variable))]
-  return weights, history, losses
+  return weights, history_of(state), losses
+
+
+def test_a_new_state_primes_the_kernels_histories():
+  """A new train state's delayed-scaling histories hold each kernel's amax (per layer and feed-forward
+  GEMM) as their only record, so the first step quantises the weights with their own scale, not 1
+  (at 1, weights of ~0.02 are e4m3 subnormals); x's and dY's rows start empty."""
+  import numpy as np
+
+  weights, history, _ = _pi05_delayed_fp8_steps(steps=0)
+  depth = weights[0].shape[0]
+  assert history.shape == (depth, 3, 3, 16)
+  for site, w in enumerate(weights):
+    np.testing.assert_array_equal(history[:, site, 1, 0], np.abs(w).reshape(depth, -1).max(axis=1))
+  assert not history[:, :, 1, 1:].any() and not history[:, :, 0].any() and not history[:, :, 2].any()
+
+
+def test_a_new_state_primes_fp8_dense_histories():
+  """GR00T's delayed-scaling FP8 layers (Fp8Dense: the DiT's and the VL transformer's feed-forward)
+  start with their kernel's amax recorded, beside the kernel in the state."""
+  import numpy as np
+
+  from ejax.kernels.fp8 import Fp8History
+  from flax import nnx
+  from tests.train.helpers import load_config, train_on_example
+  config = load_config("configs/groot.py", "runlocal")
+  config.model.update(fp8=True, fp8_impl="xla_delayed")
+
+  def primed(state):
+    params = dict(nnx.to_flat_state(state.params))
+    histories = nnx.to_flat_state(nnx.filter_state(state.rest, Fp8History))
+    return [(np.asarray(h.get_value()), np.abs(np.asarray(params[path[:-1] + ("kernel",)].get_value())).max())
+            for path, h in histories]
+
+  pairs, _, _, _ = train_on_example(config, 0, read_before=primed)
+  assert len(pairs) >= 4
+  for history, amax in pairs:
+    assert history[1, 0] == amax > 0 and np.count_nonzero(history) == 1
 
 
 def test_delayed_fp8_histories_are_the_steps_amaxes_kept_in_the_state():
@@ -62,18 +106,21 @@ def test_delayed_fp8_histories_are_the_steps_amaxes_kept_in_the_state():
   depth = weights[0].shape[0]
   assert history.shape == (depth, 3, 3, 16) and np.isfinite(losses).all()
   assert (history[:, :, :2, 0] > 0).all() and not history[:, :, 2].any()
-  assert not history[..., 1:].any()  # one step: one amax each
+  # one step: one amax each, behind the kernel's the primed record (the same weights' amax)
+  assert not history[:, :, 0, 1:].any() and not history[:, :, 1, 2:].any()
   for site, w in enumerate(weights):
-    np.testing.assert_array_equal(history[:, site, 1, 0], np.abs(w).reshape(depth, -1).max(axis=1))
+    amax = np.abs(w).reshape(depth, -1).max(axis=1)
+    np.testing.assert_array_equal(history[:, site, 1, 0], amax)
+    np.testing.assert_array_equal(history[:, site, 1, 1], amax)
   _, two, _ = _pi05_delayed_fp8_steps(steps=2)
   np.testing.assert_array_equal(two[..., 1], history[..., 0])  # pushed back one place
   assert (two[:, :, :2, 0] > 0).all() and (two[:-1, :, 2, 0] > 0).all() and not two[-1, :, 2].any()
-  assert not two[..., 2:].any()
+  assert not two[:, :, 0, 2:].any() and not two[:, :, 1, 3:].any()
   # Two micro-batches push into the same history: their maximum, not their sum (the kernel's amax is
   # each micro-batch's; summed, it would double).
   _, accumulated, _ = _pi05_delayed_fp8_steps(steps=1, accum=2)
   np.testing.assert_array_equal(accumulated[:, :, 1, 0], history[:, :, 1, 0])
-  assert (accumulated[:, :, 0, 0] > 0).all() and not accumulated[..., 1:].any()
+  assert (accumulated[:, :, 0, 0] > 0).all() and not accumulated[:, :, 0, 1:].any()
 
 
 def test_delayed_fp8_histories_are_global_on_a_sharded_mesh():

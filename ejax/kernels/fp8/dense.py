@@ -121,6 +121,12 @@ class Fp8Dense(nnx.Module):
     self.kernel_scales: Fp8Weight | None = nnx.data(None)
     self.fp8_history = nnx.data(Fp8History(xla.new_history()) if impl in DELAYED_IMPLS else None)
 
+  def prime_fp8_history(self) -> None:
+    """Records the kernel's amax in an empty history (xla.prime_kernel_history)."""
+    if self.fp8_history is not None and self.kernel is not None:
+      amax = jnp.max(jnp.abs(self.kernel[...].astype(jnp.float32)))
+      self.fp8_history[...] = xla.prime_kernel_history(self.fp8_history[...], amax)
+
   @property
   def is_quantized(self) -> bool:
     return self.kernel_fp8 is not None
@@ -163,6 +169,18 @@ class Fp8Dense(nnx.Module):
     if self.bias is not None:
       y = y.astype(jnp.float32) + self.bias[...].astype(jnp.float32)
     return y.astype(dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def prime_fp8_histories(model: nnx.Module) -> int:
+  """Primes every delayed-scaling history in `model` with its kernel's amax (xla.prime_kernel_history):
+  each module that keeps one says how (`prime_fp8_history`). Returns how many modules did."""
+  primed = 0
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module) and isinstance(getattr(node, "fp8_history", None), Fp8History) \
+        and hasattr(node, "prime_fp8_history"):
+      node.prime_fp8_history()
+      primed += 1
+  return primed
 
 
 def make_dense(in_features: int, out_features: int, *, fp8: bool | str,
