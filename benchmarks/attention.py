@@ -200,6 +200,52 @@ def mosaic_work(mask: dict, pairs: int) -> str:
           f"{rows * row_length**2 / 1e6:.0f}M")
 
 
+# check_route: the most a route's values and gradients may differ from impl "xla" in fp32 on the same
+# inputs (max |error| / max |xla's|); bf16 routes measured 2.3e-3 to 4.6e-3 on the H200s.
+CHECK_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 1e-2, jnp.dtype(jnp.float32): 1e-4}
+
+
+def route_cases(row_length: int, seed: int = 0):
+  """(name, head_dim, q_len, mask kwargs) of the attention calls a train step makes: block-causal VLA rows
+  and causal LM segments at head size 128, packed segments (a VL transformer's) and a cross-attention of
+  each sample's queries to its own segment of the row (GR00T's DiT) at 64."""
+  segment_ids, block_ids, positions, _ = packed_rows(2, row_length, seed)
+  cross_q = np.repeat(np.arange(1, 3, dtype=np.int32), 64)[None].repeat(2, 0)  # 64 queries a sample
+  return (("block-causal", 128, row_length, dict(mask_kind="block_causal", q_segment_ids=segment_ids,
+                                                   kv_segment_ids=segment_ids, q_block_ids=block_ids,
+                                                   kv_block_ids=block_ids)),
+          ("causal", 128, row_length, dict(mask_kind="causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                                           q_positions=positions, kv_positions=positions)),
+          ("segments", 64, row_length, dict(mask_kind="bidirectional", q_segment_ids=segment_ids,
+                                            kv_segment_ids=segment_ids)),
+          ("cross", 64, cross_q.shape[1], dict(mask_kind="bidirectional", q_segment_ids=cross_q,
+                                               kv_segment_ids=segment_ids)))
+
+
+def check_route(route: str, row_length: int, dtype) -> dict:
+  """Values and gradients of attention `route` against impl "xla" in fp32 over route_cases, each case
+  compiled and run on its own. Raises on an error; returns {case: (out error, grad error)}."""
+  errors = {}
+  for name, head_dim, q_len, mask in route_cases(row_length):
+    keys = jax.random.split(jax.random.key(len(errors)), 4)
+    heads = 2
+    q = jax.random.normal(keys[0], (2, q_len, heads, head_dim), dtype)
+    k, v = (jax.random.normal(key, (2, row_length, heads, head_dim), dtype) for key in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
+    device_mask = {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
+
+    def run(impl, q, k, v):
+      loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, impl=impl, **device_mask).astype(jnp.float32) * d_out)
+      return jax.jit(lambda q, k, v: (flash_attention(q, k, v, impl=impl, **device_mask),
+                                      jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
+
+    out, grads = run(route, q, k, v)
+    want_out, want_grads = run("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
+    errors[name] = (float(relative_error(out, want_out)),
+                    max(float(relative_error(g, w)) for g, w in zip(grads, want_grads)))
+  return errors
+
+
 def unchecked_tokamax(q, k, v, mask: dict, on_gpu: bool):
   """tokamax on the key ranges without ops.py's layout check (valid here: the rows are packed)."""
   names = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "q_block_ids", "kv_block_ids")
@@ -227,10 +273,28 @@ def main():
   parser.add_argument("--json", default=None, help="write every number to this path")
   parser.add_argument("--dtype", default=None, help="q, k, v dtype (default bfloat16 on GPU, float32 elsewhere; "
                                                     "the mosaic arm takes 16-bit floats only)")
+  parser.add_argument("--check", default=None, metavar="ROUTE",
+                      help="only check one route's values and gradients against impl xla on small rows "
+                           "(benchmarks/gpu.py does, for each of auto's Hopper routes, before its figures); "
+                           "exit status 1 when it is off or fails")
   args = parser.parse_args()
 
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.dtype(args.dtype) if args.dtype else (jnp.bfloat16 if on_gpu else jnp.float32)
+  if args.check:
+    try:
+      errors = check_route(args.check, args.row_length, dtype)
+    except Exception as error:  # noqa: BLE001  (the route fails on this machine: say how, in one line)
+      raise SystemExit(f"attention route {args.check}: fails: {type(error).__name__}: {str(error)[:400]}")
+    worst = max(max(pair) for pair in errors.values())
+    cases = ", ".join(f"{name} {out:.1e}/{grad:.1e}" for name, (out, grad) in errors.items())
+    verdict = "ok" if worst <= CHECK_TOLERANCE[jnp.dtype(dtype)] else "off"
+    if args.json:
+      with open(args.json, "w") as file:
+        json.dump(dict(route=args.check, dtype=jnp.dtype(dtype).name, errors=errors, verdict=verdict), file)
+    print(f"attention route {args.check}: {verdict} on {jax.devices()[0].device_kind}, {jnp.dtype(dtype).name} "
+          f"(error of values/gradients against xla in fp32: {cases}; tolerance {CHECK_TOLERANCE[jnp.dtype(dtype)]:.0e})")
+    raise SystemExit(0 if verdict == "ok" else 1)
   segment_ids, block_ids, positions, segment_lengths = packed_rows(args.rows, args.row_length, args.seed)
   shape = (args.rows, args.row_length, args.heads, args.head_dim)
   keys = jax.random.split(jax.random.key(args.seed), 4)
@@ -265,7 +329,7 @@ def main():
   report = dict(device=device, jax=jax.__version__, dtype=jnp.dtype(dtype).name, args=vars(args),
                 segments=len(segment_lengths), segment_pairs=segment_pairs, ideal_ratio=ideal,
                 tile_ratio=tile_ratio, tile_blocks=[blocks.block_q, blocks.block_kv],
-                auto_impl=varlen_impl, hopper_auto=ops.HOPPER_AUTO,
+                auto_impl=varlen_impl, hopper_auto=ops.hopper_auto(),
                 tokamax=tokamax_gpu.available() or tokamax_gpu.unavailable_reason(), arms={})
 
   def save():
@@ -363,7 +427,7 @@ def main():
       fastest = max(by_impl, key=by_impl.get)
       report["fastest_default_impl"] = fastest
       print(f"fastest route at its default settings (VLA rows, forward+backward): {fastest} "
-            f"(ops.HOPPER_AUTO is {ops.HOPPER_AUTO!r})")
+            f"(auto's Hopper routes here: {ops.hopper_auto()!r})")
     save()
   if speedup is not None:
     print(f"varlen/dense attention speedup (forward+backward): {speedup:.2f}x; bound from the work at "

@@ -4,7 +4,9 @@ GPU time comes in short windows (minutes) on a machine that starts bare: an imag
 and CUDA but without ml-collections, mujoco or grain, and no network. This script installs what the
 image lacks from wheels carried beside the checkout (.whl/, made by benchmarks/download_wheels.py), then
 runs each figure's benchmark in its own process under its own time limit, most important first,
-skipping what no longer fits the total budget, and writes all.json and most figures' own JSON to --out:
+skipping what no longer fits the total budget, and writes all.json and most figures' own JSON to --out.
+First it checks auto's Hopper attention routes (check_routes) and leaves out of the figures one that
+fails. The figures:
 
   train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, scanned, packing and FP8
               arms; the configured arm's profile (ms a step per kind of op, the top kernels)
@@ -30,6 +32,7 @@ The last line: `GPU figures: <n> of <m> ran (goal all)`.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import glob
 import importlib.util
@@ -116,6 +119,50 @@ FIGURES = (
     Figure("dreamzero", ("benchmarks/train_step.py", "--models", "dreamzero", "--dit_layers", "2,6", "--steps", "3"),
            ("benchmarks/train_step.py", "--models", "dreamzero", "--dit_layers", "1,2", "--steps", "1"), 240),
 )
+
+
+# Before the figures, each of auto's Hopper attention routes (ops.HOPPER_AUTO, in order) is checked
+# on small rows in a process of its own (`attention.py --check`: values and gradients against impl
+# xla), until one passes. A route that fails, is off or hangs is left out of every later figure through
+# EJAX_HOPPER_AUTO: every GR00T arm takes auto's route, and a route never run on a GPU (the mosaic
+# route's backward, restructured on 2026-11-29) could otherwise cost the whole window.
+ROUTE_CHECK_LIMIT = 60.0
+FALLBACK_ROUTE = "pallas"  # ejax's Triton kernel: measured in every window
+
+
+def hopper_routes(env: dict) -> list[str]:
+  """auto's Hopper routes: $EJAX_HOPPER_AUTO, else HOPPER_AUTO read from ops.py's source (nothing imported)."""
+  if env.get("EJAX_HOPPER_AUTO", "").strip():
+    return [part.strip() for part in env["EJAX_HOPPER_AUTO"].split(",") if part.strip()]
+  with open(os.path.join(REPO, "ejax", "kernels", "attention", "ops.py")) as f:
+    tree = ast.parse(f.read())
+  for node in tree.body:
+    if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "HOPPER_AUTO" for t in node.targets):
+      return list(ast.literal_eval(node.value))
+  raise SystemExit("benchmarks/gpu.py: ejax/kernels/attention/ops.py defines no HOPPER_AUTO")
+
+
+def check_routes(out_dir: str, env: dict, limit: float, run=None) -> dict:
+  """Checks auto's Hopper routes in order until one passes; sets env's EJAX_HOPPER_AUTO to that route and
+  the ones after it when a route before it failed (to FALLBACK_ROUTE when none passed). Returns
+  {route: the check's line or its failure}."""
+  run = run or run_figure
+  routes, report = hopper_routes(env), {}
+  for index, route in enumerate(routes):
+    figure = Figure(f"route_{route}", ("benchmarks/attention.py", "--check", route, "--row_length", "1024"), (),
+                    limit, own_file=False)
+    result = run(figure, out_dir, limit, False, env)
+    report[route] = (result.get("line") or "") + ("  [timed out]" if result.get("timed_out") else "")
+    if result.get("returncode") == 0:
+      if index:
+        env["EJAX_HOPPER_AUTO"] = ",".join(routes[index:])
+      break
+  else:
+    env["EJAX_HOPPER_AUTO"] = FALLBACK_ROUTE
+  if "EJAX_HOPPER_AUTO" in env:
+    report["EJAX_HOPPER_AUTO"] = env["EJAX_HOPPER_AUTO"]
+    print(f"--- attention routes: EJAX_HOPPER_AUTO={env['EJAX_HOPPER_AUTO']} for the figures", flush=True)
+  return report
 
 
 def missing_modules() -> list[str]:
@@ -213,6 +260,8 @@ def main(argv=None) -> None:
   parser.add_argument("--only", default="", help="figures to run, comma-separated (default: all)")
   parser.add_argument("--smoke", action="store_true", help="CPU-sized arguments, short limits (the CPU test)")
   parser.add_argument("--limits", default="", help="per-figure seconds, e.g. train_step=170,fp8=60")
+  parser.add_argument("--skip_route_check", action="store_true",
+                      help="take auto's Hopper attention routes unchecked (a window that checked them already)")
   args = parser.parse_args(argv)
   deadline = time.time() + args.budget
   os.makedirs(args.out, exist_ok=True)
@@ -224,6 +273,8 @@ def main(argv=None) -> None:
     env.setdefault("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")
   summary = {"environment": environment(), "figures": {}}
   print(json.dumps(summary["environment"], indent=1), flush=True)
+  if not args.smoke and not args.skip_route_check:
+    summary["attention_routes"] = check_routes(args.out, env, ROUTE_CHECK_LIMIT)
   chosen = [f for f in FIGURES if (not args.only or f.name in args.only.split(",")) and (f.smoke_args or not args.smoke)]
   limits = {name: float(seconds) for name, _, seconds in (part.partition("=") for part in args.limits.split(",") if part)}
   chosen = [dataclasses.replace(f, limit=limits.get(f.name, f.limit)) for f in chosen]
@@ -243,6 +294,8 @@ def main(argv=None) -> None:
   with open(os.path.join(args.out, "all.json"), "w") as f:
     json.dump(summary, f, indent=1)
   print("\n=== figures")
+  if "attention_routes" in summary:
+    print(f"attention routes checked: {json.dumps(summary['attention_routes'])}")
   for name, result in summary["figures"].items():
     print(f"{name:>11}: {result.get('line') or result.get('skipped')}"
           f"{'  [timed out]' if result.get('timed_out') else ''}")

@@ -221,3 +221,50 @@ def test_the_first_arm_is_timed_before_the_others_compile(monkeypatch):
                             wait_s=5.0)
   assert events[:2] == ["compile configured", "time configured"], events
   assert events[-2:] == ["time padded", "time scanned"] and list(results) == ["configured", "padded", "scanned"]
+
+
+def test_an_attention_route_that_fails_its_check_is_left_out_of_the_figures(tmp_path):
+  """gpu.py checks auto's Hopper routes in order before its figures and stops at the first that passes;
+  one that fails or hangs before it is dropped for every later figure (EJAX_HOPPER_AUTO), and ejax's
+  Triton kernel takes over when none passes."""
+  from benchmarks import gpu
+  from ejax.kernels.attention import ops
+
+  assert gpu.hopper_routes({}) == list(ops.HOPPER_AUTO)  # read from ops.py's source
+  assert gpu.hopper_routes({"EJAX_HOPPER_AUTO": "tokamax_fwd, pallas"}) == ["tokamax_fwd", "pallas"]
+
+  def runner(outcomes, calls):
+    def run(figure, out_dir, limit, smoke, env):
+      route = figure.args[figure.args.index("--check") + 1]
+      calls.append(route)
+      code, timed_out = outcomes[route]
+      return {"returncode": code, "timed_out": timed_out, "line": f"attention route {route}: ..."}
+    return run
+
+  first, second = ops.HOPPER_AUTO[:2]
+  for outcomes, calls_wanted, env_wanted in (
+      ({first: (0, False)}, [first], None),                                  # the default stands
+      ({first: (1, False), second: (0, False)}, [first, second], second),    # off, or an error
+      ({first: (None, True), second: (0, False)}, [first, second], second),  # hung
+      ({first: (1, False), second: (1, False)}, [first, second], gpu.FALLBACK_ROUTE)):
+    env, calls = {}, []
+    report = gpu.check_routes(str(tmp_path), env, 5.0, run=runner(outcomes, calls))
+    assert calls == calls_wanted and env.get("EJAX_HOPPER_AUTO") == env_wanted, (outcomes, calls, env)
+    assert set(calls) <= set(report) and report.get("EJAX_HOPPER_AUTO") == env_wanted
+  assert "[timed out]" in gpu.check_routes(str(tmp_path), {}, 5.0, run=runner(
+      {first: (None, True), second: (0, False)}, []))[first]
+
+
+def test_the_route_check_compares_values_and_gradients_with_xla():
+  """attention.py --check ROUTE: one line, exit status 0 when the route's values and gradients are
+  within tolerance of impl xla in fp32 over the train step's kinds of call (here pallas, in Pallas
+  interpret mode on the CPU)."""
+  done = subprocess.run([sys.executable, "benchmarks/attention.py", "--check", "pallas", "--row_length", "1024"], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+  line = done.stdout.strip().splitlines()[-1]
+  assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  assert re.fullmatch(r"attention route pallas: ok on cpu, float32 \(error of values/gradients against xla in "
+                      r"fp32: block-causal .*, causal .*, segments .*, cross .*; tolerance 1e-04\)", line), line
+  wrong = subprocess.run([sys.executable, "benchmarks/attention.py", "--check", "nonsense"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+  assert wrong.returncode == 1 and "attention route nonsense: fails: ValueError" in wrong.stderr, wrong.stderr[-500:]

@@ -314,6 +314,16 @@ def test_auto_on_hopper_takes_the_measured_impl_where_it_applies(monkeypatch):
   monkeypatch.setattr(ops, "HOPPER_AUTO", ("cudnn_packed", "tokamax"))  # the first that applies
   assert choose_impl(q, q, mask_kind="causal") == "cudnn_packed"
   assert choose_impl(q, q, mask_kind="block_causal") == ("tokamax" if tokamax_gpu.available() else "pallas")
+  # EJAX_HOPPER_AUTO replaces the list (benchmarks/gpu.py drops a route that fails its check).
+  monkeypatch.setenv(ops.HOPPER_AUTO_ENV, "tokamax")  # the patched list would give cudnn_packed
+  assert choose_impl(q, q, mask_kind="causal") == ("tokamax" if tokamax_gpu.available() else "pallas")
+  monkeypatch.setenv(ops.HOPPER_AUTO_ENV, " tokamax , cudnn_packed")
+  assert ops.hopper_auto() == ("tokamax", "cudnn_packed")
+  monkeypatch.setenv(ops.HOPPER_AUTO_ENV, "mosaic,fast")
+  with pytest.raises(ValueError, match="EJAX_HOPPER_AUTO='mosaic,fast': 'fast' not attention impls"):
+    choose_impl(q, q, mask_kind="causal")
+  monkeypatch.setenv(ops.HOPPER_AUTO_ENV, "")
+  assert ops.hopper_auto() == ops.HOPPER_AUTO
   monkeypatch.setattr(ops, "_hopper", lambda: False)
   assert choose_impl(q, q) == "pallas"
 

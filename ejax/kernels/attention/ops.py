@@ -26,8 +26,8 @@ impl:
   gives reference.py's answer.
 - "auto": on a GPU, a call with no mask at all goes to cuDNN where it takes the head size unpadded
   (_cudnn_takes_unmasked); any other on a Hopper GPU to the first of `HOPPER_AUTO` that applies, else
-  pallas on GPU when the kernel supports the shapes, else xla; dense reference for tiny shapes off GPU,
-  where loop overhead would dominate.
+  pallas on GPU when the kernel supports the shapes, else xla (EJAX_HOPPER_AUTO replaces that list);
+  dense reference for tiny shapes off GPU, where loop overhead would dominate.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,9 @@ _MOSAIC_BACKWARD_IMPLS = ("mosaic", "mosaic_own")
 # (BENCHMARKS.md): on an H200 (2026-11-28) forward / forward+backward mosaic 150 / 166, tokamax_fwd
 # 152 / 91, tokamax 135 / 68, pallas 64 / 73. mosaic takes head sizes 64 and 128; pi0.5's 256 goes on.
 HOPPER_AUTO = ("mosaic", "tokamax_fwd")
+# EJAX_HOPPER_AUTO="tokamax_fwd,pallas" (say) replaces HOPPER_AUTO in this process: a route that fails
+# on some machine (benchmarks/gpu.py checks each before its figures) is left out without an edit.
+HOPPER_AUTO_ENV = "EJAX_HOPPER_AUTO"
 # Below this many (query, key) pairs per head the dense reference is the fastest path off GPU.
 _TINY_PAIRS = 256 * 256
 
@@ -237,6 +241,19 @@ def _hopper() -> bool:
   return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
+def hopper_auto() -> tuple[str, ...]:
+  """What "auto" tries on a Hopper GPU, in order: $EJAX_HOPPER_AUTO when set, else HOPPER_AUTO."""
+  value = os.environ.get(HOPPER_AUTO_ENV, "").strip()
+  if not value:
+    return HOPPER_AUTO
+  routes = tuple(part.strip() for part in value.split(",") if part.strip())
+  wrong = [route for route in routes if route not in IMPLS or route == "auto"]
+  if wrong:
+    raise ValueError(f"{HOPPER_AUTO_ENV}={value!r}: {', '.join(map(repr, wrong))} not attention impls; give a "
+                     f"comma-separated list of {IMPLS[1:]} (or unset it for {','.join(HOPPER_AUTO)})")
+  return routes
+
+
 def _applies(impl: str, q, k, mask_kind: str) -> bool:
   """Whether `impl` takes this case on a GPU (shapes, mask kind, installed libraries)."""
   if mask_kind in _OWN_KERNEL_ONLY and impl in (*_RANGE_IMPLS, "cudnn_packed"):
@@ -268,7 +285,7 @@ def choose_impl(q, k, impl: str = "auto", mask_kind: str = "bidirectional") -> s
     return impl
   if platform.on_gpu():
     if _hopper():
-      chosen = next((impl for impl in HOPPER_AUTO if _applies(impl, q, k, mask_kind)), None)
+      chosen = next((impl for impl in hopper_auto() if _applies(impl, q, k, mask_kind)), None)
       if chosen:
         return chosen
     return "pallas" if pallas_gpu.supports(q, k) else "xla"
