@@ -372,12 +372,34 @@ class Attention(nnx.Module):
     return self.o_proj(out)
 
 
+# Dropout draws 8 bits an element, four elements from each 32-bit draw, as FlashAttention's dropout
+# compares 8-bit draws: the rate is rounded to a multiple of 1/256 (GR00T's 0.2 -> 51/256 = 0.1992)
+# and the kept values are scaled by the rounded rate's 1 / (1 - rate), so the expectation is exact.
+# jax.random.bernoulli hashes every element with Threefry-2x32 (~85 integer instructions): GR00T's
+# full-size step drops ~660M elements, ~3.5 ms of ALU work on an H100 by that count, where XLA:GPU
+# fuses the draws into the dropout's own pass. Here it hashes a quarter as often; the draws are one
+# fusion of their own writing a byte an element that the dropout's pass reads (tests/models/
+# test_layers.py: the rate, independence of a word's four bytes, the same mask on a sharded mesh).
+DROPOUT_DRAWS_PER_WORD = 4
+
+
+def dropout_rate(rate: float) -> float:
+  """The rate dropout applies for `rate`: rounded to a multiple of 1/256, at least 1/256."""
+  return min(max(round(rate * 256), 1), 255) / 256
+
+
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
-  """Inverted dropout; a no-op when `rng` is None (evaluation, sampling) or rate is 0."""
+  """Inverted dropout at dropout_rate(rate); a no-op when `rng` is None (evaluation, sampling) or rate is 0.
+  A last dimension that is not a multiple of 4 takes one jax.random.bernoulli draw an element at `rate`."""
   if rng is None or rate == 0.0:
     return x
-  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-  return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+  if x.ndim == 0 or x.shape[-1] % DROPOUT_DRAWS_PER_WORD:
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+  threshold = round(dropout_rate(rate) * 256)
+  words = jax.random.bits(rng, x.shape[:-1] + (x.shape[-1] // DROPOUT_DRAWS_PER_WORD,), jnp.uint32)
+  draws = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(x.shape)  # word i -> elements 4i .. 4i+3
+  return jnp.where(draws >= threshold, x / (1.0 - threshold / 256), 0.0).astype(x.dtype)
 
 
 def host_random_init(abstract_module: nnx.Module, seed: int = 0, *, stddev: float = 0.02) -> nnx.Module:

@@ -270,3 +270,43 @@ def test_self_attention_projects_q_k_and_v_apart_with_their_biases():
     np.testing.assert_allclose(got, einsum(projection), rtol=1e-5, atol=1e-6)
   grad = jax.grad(lambda x: jnp.sum(jnp.square(attention(x))))(x)
   assert grad.shape == x.shape and np.all(np.isfinite(grad))
+
+
+def test_dropout_draws_a_byte_an_element_at_the_rounded_rate():
+  """layers.dropout: 8-bit draws, four from each 32-bit word: the rate rounded to 1/256 (0.2 -> 51/256),
+  kept values scaled to an unbiased mean; each element's draw independent of its word's other bytes
+  and of the next word's; a mask a key, another for another key."""
+  assert layers.dropout_rate(0.2) == 51 / 256 and layers.dropout_rate(1e-4) == 1 / 256
+  x = jnp.ones((512, 4096), jnp.float32)
+  key = jax.random.key(3)
+  out = np.asarray(jax.jit(lambda x, k: layers.dropout(x, 0.2, k))(x, key))
+  keep_p = 1 - 51 / 256
+  np.testing.assert_allclose(np.unique(out), [0.0, 1 / keep_p], rtol=1e-6)
+  kept = out > 0
+  sigma = np.sqrt(keep_p * (1 - keep_p) / kept.size)
+  assert abs(kept.mean() - keep_p) < 5 * sigma, kept.mean()
+  assert abs(out.mean() - 1.0) < 5 * sigma / keep_p
+  for a, b in ((0, 1), (1, 2), (0, 3), (3, 4)):  # bytes of one word; across a word boundary (3, 4)
+    both = (kept[:, a:a + 4092:4] & kept[:, b:b + 4092:4]).mean()
+    assert abs(both - keep_p**2) < 5 * np.sqrt(keep_p**2 * (1 - keep_p**2) / (512 * 1023)), (a, b, both)
+  assert abs((kept[1:] & kept[:-1]).mean() - keep_p**2) < 0.01  # rows
+  np.testing.assert_array_equal(np.asarray(layers.dropout(x, 0.2, key)), out)  # jit or not: one mask
+  assert (np.asarray(layers.dropout(x, 0.2, jax.random.key(4))) > 0).mean() != kept.mean()
+  assert layers.dropout(x, 0.2, None) is x and layers.dropout(x, 0.0, key) is x
+  odd = np.asarray(layers.dropout(jnp.ones((64, 33)), 0.2, key))  # not a multiple of 4: bernoulli at 0.2
+  np.testing.assert_allclose(np.unique(odd), [0.0, 1 / 0.8], rtol=1e-6)
+
+
+def test_dropout_gives_the_same_mask_on_a_sharded_mesh():
+  """The draws are a function of each element's place (jax's partitionable Threefry), so a
+  [tokens, hidden] activation sharded 4 x 2 over a mesh drops exactly what one device drops."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from ejax.parallel import make_mesh
+  mesh = make_mesh(dict(data=1, fsdp=4, tensor=2), devices=jax.devices()[:8])
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 512)), jnp.float32)
+  key = jax.random.key(7)
+  one = np.asarray(jax.jit(lambda x, k: layers.dropout(x, 0.2, k))(x, key))
+  sharding = NamedSharding(mesh, P("fsdp", "tensor"))
+  sharded = jax.jit(lambda x, k: layers.dropout(x, 0.2, k), out_shardings=sharding)(jax.device_put(x, sharding), key)
+  np.testing.assert_array_equal(np.asarray(sharded), one)
