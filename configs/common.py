@@ -68,6 +68,9 @@ def base_config() -> ConfigDict:
       command_buffers=False,     # GPU: loops (scanned blocks) in CUDA graphs too (ejax/train/step.py)
       triton_gemm=False,         # GPU: XLA's Triton GEMM fusions (False: every matmul a cuBLAS call, as the
                                  # benchmarks measure; ejax/train/step.py)
+      check_attention_layout=False,  # Hopper attention routes in a lax.cond beside ejax's exact kernel, for
+                                 # batches whose rows are not packed (False: unconditionally, such a batch
+                                 # stops the run with a NaN loss; ejax.kernels.attention.unchecked_layout)
       remat="none",              # none | dots | dots_no_batch | full (ejax/parallel/remat.py)
       ema_decay=0.0,             # 0 disables the EMA copy of the parameters
       embodiment_rows="all",     # per-embodiment tables: rows the optimizer updates ("all" | "data": the

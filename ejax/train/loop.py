@@ -224,6 +224,9 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   source = getattr(data_iter, "source", None)
   hint = f"lower train.learning_rate (now {train_cfg.learning_rate:g})" + (
       "" if train_cfg.grad_clip_norm else " or set train.grad_clip_norm")
+  if jax.default_backend() == "gpu" and not train_cfg.get("check_attention_layout", False):
+    hint += ("; or, where the batches are not ejax's packed rows, set train.check_attention_layout=True "
+             "(the GPU attention kernels run unchecked and give NaN on rows that are not packed)")
   guard = FiniteGuard(last_good_step=checkpointer.latest_step, hint=hint,
                       describe_sample=getattr(source, "describe", None))
   step = start_step

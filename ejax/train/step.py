@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flax import nnx
 from ml_collections import ConfigDict
 
+from ejax.kernels.attention import unchecked_layout
 from ejax.kernels.fp8 import Fp8History
 from ejax.train import optim
 from ejax.train import rows as embodiment_rows
@@ -26,11 +27,17 @@ def make_train_step(parts: ModelParts, tx: optax.GradientTransformation, schedul
   rows = embodiment_rows.from_train(train)
   view = rows.view if rows else (lambda params: params)
 
+  # The attention routes that need packed rows run unconditionally (a batch that is not packed gives a
+  # NaN loss, which the trainer's guard stops on) unless train.check_attention_layout: XLA:GPU waits
+  # for the device on the host at each of their lax.conds otherwise (ejax.kernels.attention.ops).
+  unchecked = not train.get("check_attention_layout", False)
+
   def loss_fn(params, histories, state: TrainState, micro_batch, rng):
     # bf16 (or configured) compute from fp32 master weights: gradients flow back through the cast.
     rest = nnx.merge_state(state.rest, histories)
     model = compute_model(parts.graphdef, params, state.frozen, rest, compute_dtype, state.frozen_fp8)
-    loss, metrics = model.compute_loss(rows.remap(micro_batch) if rows else micro_batch, rng)
+    with unchecked_layout(unchecked):
+      loss, metrics = model.compute_loss(rows.remap(micro_batch) if rows else micro_batch, rng)
     return loss.astype(jnp.float32), metrics
 
   # Delayed-scaling FP8 (ejax.kernels.fp8.Fp8History): the "gradient" with respect to a history is the

@@ -12,7 +12,7 @@ import pytest
 
 from ejax.kernels.attention import (BlockSizes, attention, attention_reference,
                                     block_ids_from_ar_flags, choose_impl, flash_attention, intervals,
-                                    ops, tokamax_gpu)
+                                    ops, tokamax_gpu, unchecked_layout)
 from ejax.kernels.attention.tiles import MaskInputs, active_fraction, active_tiles, normalise_mask, pair_mask
 
 # tokamax needs Python >= 3.12 and jax >= 0.11.1; elsewhere its cases skip (its lowering and values
@@ -300,6 +300,68 @@ def test_tokamax_falls_back_to_ejax_for_a_layout_that_is_not_ranges(impl):
   kwargs = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, mask_kind="causal")
   np.testing.assert_allclose(flash_attention(q, k, v, impl=impl, **kwargs),
                              attention_reference(q, k, v, **kwargs), atol=2e-5)
+
+
+def _range_attention(q, k, v, ranges, scale, **_):
+  """Dense attention over each query's key range: a stand-in for tokamax's kernel (tests without it)."""
+  allowed = (jnp.arange(k.shape[1]) >= ranges.k_start[..., None]) & (jnp.arange(k.shape[1]) < ranges.k_end[..., None])
+  scores = jnp.where(allowed[:, None], jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1) * ranges.has_keys[:, None, :, None]
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _unchecked_case(route: str):
+  """(run(segment_ids, unchecked) -> (out, dq), a layout of key ranges, one that is not: padding inside a
+  segment), for a route that needs packed rows."""
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 24, 2, 16)), jnp.float32) for _ in range(3))
+  mask, _ = _interval_case("causal")
+  packed = np.asarray(mask.q_segment_ids)
+  holed = packed.copy()
+  holed[0, 2] = 0
+
+  def run(segment_ids, unchecked):
+    kwargs = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids, mask_kind="causal")
+    with unchecked_layout(unchecked):
+      def loss(q):
+        out = flash_attention(q, k, v, impl=route, **kwargs)
+        return jnp.sum(out * out), out
+      (_, out), dq = jax.value_and_grad(loss, has_aux=True)(q)
+      jaxpr = str(jax.make_jaxpr(lambda q: flash_attention(q, k, v, impl=route, **kwargs))(q))
+    return out, dq, jaxpr, attention_reference(q, k, v, **kwargs)
+
+  return run, packed, holed
+
+
+def test_unchecked_layout_runs_the_route_unconditionally_and_poisons_rows_that_are_not_packed(monkeypatch):
+  """Under unchecked_layout (the train step's default) a route that needs packed rows runs without the
+  lax.cond beside ejax's exact kernel: on packed rows the same values and gradients, on rows it cannot
+  take NaN (where the checked op gives the exact answer). tokamax's kernel is stood in for here."""
+  monkeypatch.setattr(tokamax_gpu, "available", lambda: True)
+  monkeypatch.setattr(tokamax_gpu, "attention", _range_attention)
+  run, packed, holed = _unchecked_case("tokamax")
+  out, dq, jaxpr, want = run(packed, unchecked=False)
+  assert " cond[" in jaxpr
+  np.testing.assert_allclose(out, want, atol=2e-5)
+  fast_out, fast_dq, fast_jaxpr, _ = run(packed, unchecked=True)
+  assert " cond[" not in fast_jaxpr
+  np.testing.assert_array_equal(fast_out, out)
+  np.testing.assert_allclose(fast_dq, dq, atol=1e-5)
+  checked, _, _, want = run(holed, unchecked=False)
+  np.testing.assert_allclose(checked, want, atol=2e-5)
+  poisoned, _, _, _ = run(holed, unchecked=True)
+  assert np.isnan(np.asarray(poisoned)).all()
+
+
+@TOKAMAX
+def test_unchecked_layout_with_tokamax_fwd():
+  run, packed, holed = _unchecked_case("tokamax_fwd")
+  out, dq, _, want = run(packed, unchecked=False)
+  fast_out, fast_dq, fast_jaxpr, _ = run(packed, unchecked=True)
+  assert " cond[" not in fast_jaxpr
+  np.testing.assert_allclose(fast_out, out, atol=1e-6)
+  np.testing.assert_allclose(fast_dq, dq, atol=1e-5)
+  assert np.isnan(np.asarray(run(holed, unchecked=True)[0])).all()
 
 
 def test_auto_on_hopper_takes_the_measured_impl_where_it_applies(monkeypatch):

@@ -131,3 +131,18 @@ def test_delayed_fp8_histories_are_global_on_a_sharded_mesh():
   _, one, _ = _pi05_delayed_fp8_steps(steps=2)
   _, sharded, _ = _pi05_delayed_fp8_steps(steps=2, mesh_shape=(2, 2, 1))
   np.testing.assert_allclose(sharded, one, rtol=1e-5, atol=1e-9)
+
+
+def test_the_train_step_runs_attention_unchecked_unless_configured(monkeypatch):
+  """The train step traces its loss under attention.unchecked_layout (the Hopper routes without their
+  lax.cond); train.check_attention_layout=True keeps the check."""
+  from ejax.train import step as step_lib
+  from tests.train.helpers import tiny_config, train_on_example
+  seen = []
+  real = step_lib.unchecked_layout
+  monkeypatch.setattr(step_lib, "unchecked_layout", lambda flag=True: (seen.append(flag), real(flag))[1])
+  config = tiny_config(steps=1)
+  train_on_example(config, 1)
+  config.train.check_attention_layout = True
+  train_on_example(config, 1)
+  assert seen == [True, False]

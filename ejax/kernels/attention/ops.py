@@ -23,7 +23,8 @@ impl:
   only, self-attention with the "bidirectional" or "causal" mask kind.
   The five run where the rows are packed (each segment contiguous, order keys rising along it); a batch
   that is not runs ejax's own kernel instead (a `lax.cond` on a check made on device), so every impl
-  gives reference.py's answer.
+  gives reference.py's answer. Under `unchecked_layout()` (the train step's default) they run
+  unconditionally and such a batch gives NaN.
 - "auto": on a GPU, a call with no mask at all goes to cuDNN where it takes the head size unpadded
   (_cudnn_takes_unmasked); any other on a Hopper GPU to the first of `HOPPER_AUTO` that applies, else
   pallas on GPU when the kernel supports the shapes, else xla (EJAX_HOPPER_AUTO replaces that list);
@@ -225,6 +226,39 @@ def default_impl(impl: str):
     _SCOPED_IMPL.reset(token)
 
 
+_UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("ejax_attention_unchecked", default=False)
+
+
+@contextlib.contextmanager
+def unchecked_layout(unchecked: bool = True):
+  """Inside the block (as calls are traced), the routes that need packed rows (tokamax, tokamax_fwd,
+  mosaic, mosaic_own, cudnn_packed) run their kernels unconditionally instead of in a `lax.cond` beside
+  ejax's exact kernel, and a batch whose rows are not packed makes their output NaN instead of exact.
+
+  XLA:GPU runs a conditional by copying its predicate to the host and waiting for the device (36 waits
+  in a GR00T step on Hopper's route); the train step enters this block unless
+  train.check_attention_layout, and the trainer's non-finite guard stops a run whose batch was not
+  packed (ejax's packer makes only packed rows). Evaluation, serving and sampling keep the check."""
+  token = _UNCHECKED.set(unchecked)
+  try:
+    yield
+  finally:
+    _UNCHECKED.reset(token)
+
+
+@jax.custom_jvp
+def _poisoned(out: jax.Array, valid: jax.Array) -> jax.Array:
+  """`out` where `valid` (a scalar), NaN everywhere otherwise. Its derivative passes the tangent through,
+  so the backward adds no pass over d_out; the forward's select fuses into the route's own elementwise
+  pass over its output (tokamax's zeroing of queries without keys)."""
+  return jnp.where(valid, out, jnp.asarray(jnp.nan, out.dtype))
+
+
+@_poisoned.defjvp
+def _poisoned_jvp(primals, tangents):
+  return _poisoned(*primals), tangents[0]
+
+
 def with_attention_impl(method):
   """Decorates a module method: its attention calls run the module's `attention_impl` (default_impl)."""
   @functools.wraps(method)
@@ -345,6 +379,8 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
     valid = segments.valid
     fast = lambda q, k, v: cudnn_packed.attention(q, k, v, segments, scale=scale, causal=ordered)
   fallback = "pallas" if on_gpu and pallas_gpu.supports(q, k) else "xla"
+  if _UNCHECKED.get():
+    return _poisoned(fast(q, k, v), valid)
   exact = functools.partial(flash_attention, scale=scale, impl=fallback, block_sizes=block_sizes,
                             interpret=interpret, **mask_kwargs)
   return jax.lax.cond(valid, fast, exact, q, k, v)
