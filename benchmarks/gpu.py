@@ -71,12 +71,13 @@ FIGURES = (
     # (priced 1.22x at the datasheet's FP8 rate), fp8_frozen (the frozen towers' GEMMs, train.frozen_fp8:
     # 1.15x) and fp8_xla_delayed (model.fp8, the trained feed-forwards: 1.05x); then scanned
     # (the default until 2026-11-28: it checks the switch to unrolled blocks the compile-only H100
-    # priced). Each arm's figures are saved as it ends. `graphs` comes after the goals' arms (a failure
-    # to build a CUDA graph could end the process): the Hopper attention route puts each attention call
-    # in a lax.cond beside its fallback, and XLA:GPU waits for the device at every conditional (36 a
-    # step) unless CUDA graphs run it (train.command_buffers).
+    # priced). Each arm's figures are saved as it ends. `layout_checked` comes after the goals' arms: the
+    # step with Hopper's attention routes in their lax.cond beside ejax's exact kernel (XLA:GPU waits
+    # for the device at each, 36 a step), as before the train step ran them unchecked (2026-11-29): what
+    # that saved. GR00T's unrolled step has no loop for `graphs` (CUDA graphs over loops) to take; pi0.5's has.
     Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
-                          "configured,seed_padded,fp8_all,fp8_frozen,fp8_xla_delayed,graphs,scanned,padded,best_fit",
+                          "configured,seed_padded,fp8_all,fp8_frozen,fp8_xla_delayed,layout_checked,scanned,padded,"
+                          "best_fit",
                           "--steps", "8",
                           "--profile", PROFILE),
            ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",

@@ -20,6 +20,9 @@ feeds it the model's own example batch, in arms timed back to back in one proces
                (model.scan_layers=True, model.remat="full": GR00T's default until 2026-11-28)
   graphs       the configured step compiled with train.command_buffers: XLA:GPU puts loops (the
                scanned blocks) and their bodies in CUDA graphs too (ejax.train.step.compiler_options)
+  layout_checked  the configured step with train.check_attention_layout: Hopper's attention routes
+               in a lax.cond beside ejax's exact kernel (XLA:GPU waits for the device at each), as
+               before 2026-11-29's unchecked default
 DreamZero's batch has no packed rows: its arms are configured, unscanned and attn_<impl> (the 5B on
 accelerators, --dit_layers N to cut its DiT to what one GPU holds; runlocal on CPUs).
 Every arm's step is lowered from shapes and compiled in worker threads (XLA compiles outside the GIL):

@@ -1,5 +1,6 @@
 """benchmarks/train_step.py's arms: each arm's config and batch from the configured model (the layouts
-of ejax.train.layout_arms, FP8 routes, attention implementations, the other block layout, CUDA graphs).
+of ejax.train.layout_arms, FP8 routes, attention implementations, the other block layout, CUDA graphs,
+the attention layout checked).
 The arms themselves are listed in train_step.py's docstring."""
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 import jax
 
 UNPACKED = ("dreamzero",)   # models whose batch has no packed rows (no layout arms)
-ALL_ARMS = ("configured", "graphs", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned", "scanned")
+ALL_ARMS = ("configured", "graphs", "layout_checked", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned",
+            "scanned")
 
 
 def arm_configs(config, arms: list[str], samples: int) -> dict:
@@ -37,6 +39,9 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
     elif arm == "graphs":
       out[arm] = with_layout("configured")
       out[arm][0].train.command_buffers = True
+    elif arm == "layout_checked":
+      out[arm] = with_layout("configured")
+      out[arm][0].train.check_attention_layout = True
     elif arm.split("_")[0] == "fp8" and "fp8" in config.model:
       from ejax.kernels.fp8 import DENSE_IMPLS as FP8_IMPLS
       for impl in FP8_IMPLS + ("frozen", "all") if arm == "fp8" else [arm[len("fp8_"):]]:

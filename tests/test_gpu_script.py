@@ -122,6 +122,18 @@ def test_the_graphs_arm_is_the_configured_step_with_its_loops_in_cuda_graphs():
   assert graphs.model == configured.model and batch.keys() == graphs_batch.keys()
 
 
+def test_the_layout_checked_arm_is_the_configured_step_with_the_attention_layout_checked():
+  from benchmarks.gpu import FIGURES
+  from benchmarks.train_step import load_config
+  from benchmarks.train_step_arms import arm_configs
+  arms = arm_configs(load_config("configs/groot.py", "runlocal"), ["configured", "layout_checked"], 2)
+  (configured, _), (checked, _) = arms["configured"], arms["layout_checked"]
+  assert checked.train.check_attention_layout and not configured.train.check_attention_layout
+  assert checked.model == configured.model
+  groot = next(f for f in FIGURES if f.name == "train_step").args
+  assert "layout_checked" in groot[groot.index("--arms") + 1].split(",")
+
+
 def test_the_fp8_frozen_arm_is_the_configured_step_with_frozen_fp8_copies():
   from benchmarks.train_step import load_config
   from benchmarks.train_step_arms import arm_configs
