@@ -113,14 +113,18 @@ def _no_cudnn():
                     reason=tokamax_gpu.unavailable_reason() or str(mosaic_backward.available()))
 def test_groot_train_step_lowers_with_the_mosaic_attention_route(forbid_fallbacks, tokamax_h100):
   """model.attention_impl="mosaic": every attention of the step (SigLIP, the LLM, the DiT's self- and
-  packed cross-attention) runs tokamax's forward and ejax's Mosaic GPU backward, with ejax's Triton
-  kernels only as the branch for batches whose mask is not key ranges."""
+  packed cross-attention) runs tokamax's forward and ejax's Mosaic GPU backward, unconditionally (the
+  train step's unchecked_layout); with train.check_attention_layout, ejax's Triton kernels are the
+  branch for batches whose mask is not key ranges."""
   config = load_config("configs/groot.py", "runlocal")
   config.model.update(attention_impl="mosaic", dtype="bfloat16")  # the kernels take 16-bit floats
   module = _lowered_train_step(config)
   calls = custom_calls(module)
-  assert set(calls) == {TRITON, "mosaic_gpu_v2"}
+  assert set(calls) == {"mosaic_gpu_v2"}
   assert calls["mosaic_gpu_v2"] >= 3  # a forward, a dQ and a dK/dV kernel at least (export dedups)
+  config.train.check_attention_layout = True
+  module = _lowered_train_step(config)
+  assert set(custom_calls(module)) == {TRITON, "mosaic_gpu_v2"}
   assert set(triton_kernels(module)) == ATTENTION_GRAD
 
 
@@ -128,11 +132,10 @@ def test_groot_train_step_lowers_with_the_mosaic_attention_route(forbid_fallback
 @pytest.mark.skipif(mosaic_backward.available() is not None, reason=str(mosaic_backward.available()))
 def test_groot_train_step_lowers_with_ejax_own_mosaic_kernels(forbid_fallbacks):
   """model.attention_impl="mosaic_own": every attention of the step runs ejax's Mosaic GPU forward and
-  backward kernels (no tokamax), ejax's Triton kernels only in the branch for other layouts."""
+  backward kernels (no tokamax), and nothing else (the train step runs them unchecked)."""
   config = load_config("configs/groot.py", "runlocal")
   config.model.update(attention_impl="mosaic_own", dtype="bfloat16")
   module = _lowered_train_step(config)
   calls = custom_calls(module)
-  assert set(calls) == {TRITON, "mosaic_gpu_v2"}
+  assert set(calls) == {"mosaic_gpu_v2"}
   assert calls["mosaic_gpu_v2"] >= 3
-  assert set(triton_kernels(module)) == ATTENTION_GRAD
