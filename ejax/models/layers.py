@@ -383,9 +383,14 @@ class Attention(nnx.Module):
 DROPOUT_DRAWS_PER_WORD = 4
 
 
+def _dropped_draws(rate: float) -> int:
+  """How many of the 256 values of an 8-bit draw drop an element: `rate` rounded, 1 to 255."""
+  return min(max(round(rate * 256), 1), 255)
+
+
 def dropout_rate(rate: float) -> float:
   """The rate dropout applies for `rate`: rounded to a multiple of 1/256, at least 1/256."""
-  return min(max(round(rate * 256), 1), 255) / 256
+  return _dropped_draws(rate) / 256
 
 
 def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
@@ -396,7 +401,7 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
   if x.ndim == 0 or x.shape[-1] % DROPOUT_DRAWS_PER_WORD:
     keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
-  threshold = round(dropout_rate(rate) * 256)
+  threshold = _dropped_draws(rate)
   words = jax.random.bits(rng, x.shape[:-1] + (x.shape[-1] // DROPOUT_DRAWS_PER_WORD,), jnp.uint32)
   draws = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(x.shape)  # word i -> elements 4i .. 4i+3
   return jnp.where(draws >= threshold, x / (1.0 - threshold / 256), 0.0).astype(x.dtype)

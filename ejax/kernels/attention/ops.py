@@ -378,9 +378,9 @@ def _external_attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale:
     segments = intervals.packed_segments(mask, ordered, cudnn_packed.MAX_SEGMENTS)
     valid = segments.valid
     fast = lambda q, k, v: cudnn_packed.attention(q, k, v, segments, scale=scale, causal=ordered)
-  fallback = "pallas" if on_gpu and pallas_gpu.supports(q, k) else "xla"
   if _UNCHECKED.get():
     return _poisoned(fast(q, k, v), valid)
+  fallback = "pallas" if on_gpu and pallas_gpu.supports(q, k) else "xla"
   exact = functools.partial(flash_attention, scale=scale, impl=fallback, block_sizes=block_sizes,
                             interpret=interpret, **mask_kwargs)
   return jax.lax.cond(valid, fast, exact, q, k, v)

@@ -171,16 +171,13 @@ class Fp8Dense(nnx.Module):
     return y.astype(dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def prime_fp8_histories(model: nnx.Module) -> int:
+def prime_fp8_histories(model: nnx.Module) -> None:
   """Primes every delayed-scaling history in `model` with its kernel's amax (xla.prime_kernel_history):
-  each module that keeps one says how (`prime_fp8_history`). Returns how many modules did."""
-  primed = 0
+  each module that keeps one says how (`prime_fp8_history`)."""
   for _, node in nnx.iter_graph(model):
     if isinstance(node, nnx.Module) and isinstance(getattr(node, "fp8_history", None), Fp8History) \
         and hasattr(node, "prime_fp8_history"):
       node.prime_fp8_history()
-      primed += 1
-  return primed
 
 
 def make_dense(in_features: int, out_features: int, *, fp8: bool | str,
