@@ -94,6 +94,45 @@ def test_mosaic_own_lowers_to_three_mosaic_gpu_kernels(forbid_fallbacks, mask_ki
   assert set(triton_kernels(module)) == ATTENTION_KERNELS
 
 
+@pytest.mark.skipif(mosaic_backward.available() is not None, reason=str(mosaic_backward.available()))
+def test_repeated_layers_lower_each_mosaic_gpu_kernel_once_per_shape(forbid_fallbacks, monkeypatch):
+  """Three identical attention calls (a model's repeated layers) and one of another length: one forward,
+  dQ and dK/dV kernel for each shape in the program, not one for each call (ops._once_per_shape: the full
+  GR00T step's 99 kernels lowered one by one in 41 s). The kernels are traced once per shape and per
+  value of their module settings: a changed setting is traced anew, never served from before."""
+  from ejax.kernels.attention import mosaic_forward
+
+  traced, forward = [], mosaic_forward.forward
+
+  def counted(q, *args, **kwargs):
+    traced.append(q.shape)
+    return forward(q, *args, **kwargs)
+
+  monkeypatch.setattr(mosaic_forward, "forward", counted)
+
+  def loss(q, k, v, segment_ids, keys, q2):
+    total = 0.0
+    for x in (q, q, q, q2):
+      out = flash_attention(x, k, v, q_segment_ids=segment_ids[:, :x.shape[1]], kv_segment_ids=segment_ids,
+                            mask_kind="causal", q_positions=keys[:, :x.shape[1]], kv_positions=keys, impl="mosaic_own")
+      total = total + jnp.sum(out.astype(jnp.float32) ** 2)
+    return total
+
+  args = _args() + (jax.ShapeDtypeStruct((BATCH, LEN // 2, HEADS, HEAD_DIM), jnp.bfloat16),)
+  step = lambda: jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 5)))
+  assert custom_calls(lower_for_cuda(step(), *args))["mosaic_gpu_v2"] == 6  # 3 kernels x 2 shapes
+  assert len(traced) == 2
+  lower_for_cuda(step(), *args)  # another program with the same shapes and settings
+  assert len(traced) == 2
+  pingpong = mosaic_forward.PINGPONG
+  monkeypatch.setattr(mosaic_forward, "PINGPONG", not pingpong)
+  assert custom_calls(lower_for_cuda(step(), *args))["mosaic_gpu_v2"] == 6
+  assert len(traced) == 4
+  monkeypatch.setattr(mosaic_forward, "PINGPONG", pingpong)
+  lower_for_cuda(step(), *args)
+  assert len(traced) == 4
+
+
 @pytest.mark.parametrize("kv_heads, written", [(HEADS, "bf16"), (KV_HEADS, "f32")])
 def test_dkv_kernel_writes_bf16_unless_it_sums_a_group(forbid_fallbacks, kv_heads, written):
   """The Triton dK/dV pass writes one slice per query head: fp32 where a group of query heads shares a

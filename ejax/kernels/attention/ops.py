@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ejax.kernels import platform
-from ejax.kernels.attention import (cudnn_packed, intervals, mosaic_backward, mosaic_forward, pallas_gpu,
-                                    tokamax_gpu, xla)
+from ejax.kernels.attention import (cudnn_packed, intervals, mosaic_backward, mosaic_common, mosaic_forward,
+                                    pallas_gpu, tokamax_gpu, xla)
 from ejax.kernels.attention.reference import MASK_KINDS, attention_mask, attention_reference
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           BlockSizes, MaskInputs, normalise_mask, pad_to_blocks)
@@ -58,9 +58,10 @@ _RANGE_IMPLS = ("tokamax", "tokamax_fwd", "mosaic", "mosaic_own")  # each query'
 _MOSAIC_BACKWARD_IMPLS = ("mosaic", "mosaic_own")
 # What "auto" runs on a Hopper GPU (compute capability 9.x): the first of these that applies (else
 # "pallas"), ordered by benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128
-# (BENCHMARKS.md): on an H200 (2026-11-28) forward / forward+backward mosaic 150 / 166, tokamax_fwd
-# 152 / 91, tokamax 135 / 68, pallas 64 / 73. mosaic takes head sizes 64 and 128; pi0.5's 256 goes on.
-HOPPER_AUTO = ("mosaic", "tokamax_fwd")
+# (BENCHMARKS.md): on an H200 forward / forward+backward mosaic_own 179 / 178 and mosaic 163 / 163
+# (2026-11-29), tokamax_fwd 152 / 91, tokamax 135 / 68, pallas 64 / 73 (2026-11-28). mosaic_own and
+# mosaic take head sizes 64 and 128; pi0.5's 256 goes on to tokamax_fwd.
+HOPPER_AUTO = ("mosaic_own", "mosaic", "tokamax_fwd")
 # EJAX_HOPPER_AUTO="tokamax_fwd,pallas" (say) replaces HOPPER_AUTO in this process: a route that fails
 # on some machine (benchmarks/gpu.py checks each before its figures) is left out without an edit.
 HOPPER_AUTO_ENV = "EJAX_HOPPER_AUTO"
@@ -148,13 +149,31 @@ def _mosaic_ranges(ranges, q_len: int):
           q_pad)
 
 
+_KERNEL_SETTINGS = (mosaic_common, mosaic_forward, mosaic_backward)
+_ONCE_PER_SHAPE: dict = {}
+
+
+def _once_per_shape(kernel, **static):
+  """`kernel` with `static` bound, as one jax.jit for each binding and each value of the Mosaic GPU
+  kernels' module settings (their upper-case names, read as the call is traced). A model's repeated
+  layers call it with the same shapes, and jax traces and lowers an inner jit once per program for
+  each shape: GR00T's full train step has 99 Mosaic GPU kernel calls, lowered one by one in 41 s on a
+  2-core CPU (37.6 s on an H200's host, 2026-11-29), each lowering a Mosaic GPU module of its own."""
+  settings = tuple((module.__name__, name, value) for module in _KERNEL_SETTINGS for name, value in vars(module).items()
+                   if name.isupper() and isinstance(value, (bool, int, float, str)))
+  key = (kernel, tuple(sorted(static.items())), settings)
+  if key not in _ONCE_PER_SHAPE:
+    _ONCE_PER_SHAPE[key] = jax.jit(functools.partial(kernel, **static))
+  return _ONCE_PER_SHAPE[key]
+
+
 def _mosaic_forward(plan: _Plan, q, k, v, ranges):
   """mosaic_forward's kernel on copies padded to whole tiles: (out, lse), 0 where a query sees no key."""
   q_len, kv_len = q.shape[1], k.shape[1]
   k_start, k_end, q_pad = _mosaic_ranges(ranges, q_len)
   kv_pad = -kv_len % mosaic_backward.LENGTH_MULTIPLE
-  out, lse = mosaic_forward.forward(_pad_rows(q, q_pad), _pad_rows(k, kv_pad), _pad_rows(v, kv_pad), k_start,
-                                    k_end, scale=plan.scale)
+  forward = _once_per_shape(mosaic_forward.forward, scale=plan.scale, interpret=not platform.on_gpu())
+  out, lse = forward(_pad_rows(q, q_pad), _pad_rows(k, kv_pad), _pad_rows(v, kv_pad), k_start, k_end)
   return out[:, :q_len], lse[..., :q_len]
 
 
@@ -164,9 +183,9 @@ def _mosaic_backward(plan: _Plan, q, k, v, ranges, out, lse, d_out):
   k_start, k_end, q_pad = _mosaic_ranges(ranges, q_len)
   kv_pad = -kv_len % mosaic_backward.LENGTH_MULTIPLE
   lse = jnp.pad(lse, [(0, 0), (0, 0), (0, q_pad)])
-  dq, dk, dv = mosaic_backward.backward(_pad_rows(q, q_pad), _pad_rows(k, kv_pad), _pad_rows(v, kv_pad),
-                                        _pad_rows(out, q_pad), lse, _pad_rows(d_out, q_pad), k_start, k_end,
-                                        scale=plan.scale)
+  backward = _once_per_shape(mosaic_backward.backward, scale=plan.scale, interpret=not platform.on_gpu())
+  dq, dk, dv = backward(_pad_rows(q, q_pad), _pad_rows(k, kv_pad), _pad_rows(v, kv_pad), _pad_rows(out, q_pad), lse,
+                        _pad_rows(d_out, q_pad), k_start, k_end)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
 
 
