@@ -8,19 +8,23 @@ skipping what no longer fits the total budget, and writes all.json and most figu
 First it checks auto's Hopper attention routes (check_routes) and leaves out of the figures one that
 fails. The figures:
 
-  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, scanned, packing and FP8
-              arms; the configured arm's profile (ms a step per kind of op, the top kernels)
+  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
+              step per kind of op, the top kernels), seed-padded, all-FP8 and layout-checked arms
+  train_step_pi05  the same for pi0.5: configured, FP8 (fp8_xla_delayed), its scanned blocks in CUDA
+                   graphs (graphs)
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
-  train_step_pi05  the same for pi0.5: configured, FP8 (fp8_xla_delayed, fp8_xla_delayed_fastacc,
-                   fp8_xla), its scanned blocks in CUDA graphs (graphs)
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
   serve       benchmarks/serve.py: served vs in-process chunks per second
   startup     benchmarks/train_step.py --startup: full GR00T state and step compiled from shapes
+  train_step_more, train_step_pi05_more  the two models' other arms (FP8 routes, scanned, padded)
   dreamzero   benchmarks/train_step.py --models dreamzero --dit_layers 2,6: the 5B's step at two DiT
-              depths one GPU holds, extrapolated to its 30 blocks (issue 32); last, so a window that
-              has the others recorded runs it with `--only dreamzero`
+              depths one GPU holds, extrapolated to its 30 blocks (issue 32; 10.3 samples/s on an
+              H200, 2026-11-29)
+
+A window fits the first three or four (~9 minutes); a later one runs the rest with `--only`, e.g.
+`--only fp8,packing,sim,serve,startup,train_step_more`.
 
   python benchmarks/download_wheels.py        # here, once: the wheels into .whl/ (git-ignored)
   python benchmarks/gpu.py --out $OUT/gpu     # there: ~9 minutes, then record BENCHMARKS.md
@@ -62,35 +66,27 @@ class Figure:
 
 
 FIGURES = (
-    # A full-size GR00T arm took ~65 s on an H200 (2026-11-28: state 12-15 s, compile 40-50 s scanned;
-    # the unrolled default compiles longer), the profiled first one ~95 s, when they compiled one after
-    # another. Since 2026-11-29 the first arm compiles alone while the others lower and is timed at
-    # once; the rest then compile side by side on the host's cores (train_step.run_arms) and run; the
-    # arms after the first train on its state (they have the same one). The arms of the issue's
-    # goals come first: seed_padded (packed >= 1.3x padded), then the FP8 arms (>= 1.1x bf16): fp8_all
-    # (priced 1.22x at the datasheet's FP8 rate), fp8_frozen (the frozen towers' GEMMs, train.frozen_fp8:
-    # 1.15x) and fp8_xla_delayed (model.fp8, the trained feed-forwards: 1.05x); then scanned
-    # (the default until 2026-11-28: it checks the switch to unrolled blocks the compile-only H100
-    # priced). Each arm's figures are saved as it ends. `layout_checked` comes after the goals' arms: the
-    # step with Hopper's attention routes in their lax.cond beside ejax's exact kernel (XLA:GPU waits
-    # for the device at each, 36 a step), as before the train step ran them unchecked (2026-11-29): what
-    # that saved. GR00T's unrolled step has no loop for `graphs` (CUDA graphs over loops) to take; pi0.5's has.
+    # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
+    # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
+    # all lowered before the first was timed, since fixed in train_step.run_arms). The first arm compiles
+    # alone while the next ones lower and is timed (profiled) at once; the rest then compile side by
+    # side on the host's cores and run on the first's state (they have the same one). So a window fits
+    # four: configured, then the issue's goals never measured: seed_padded (packed >= 1.3x padded),
+    # fp8_all (FP8 >= 1.1x bf16; priced 1.22x at the datasheet's FP8 rate) and layout_checked (the step
+    # with Hopper's attention routes in their lax.cond beside ejax's exact kernel, as before 2026-11-29:
+    # what running them unchecked saved). Each arm's figures are saved as it ends. The other arms are
+    # `train_step_more`, for a later window.
     Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
-                          "configured,seed_padded,fp8_all,fp8_frozen,fp8_xla_delayed,layout_checked,scanned,padded,"
-                          "best_fit",
-                          "--steps", "8",
-                          "--profile", PROFILE),
+                          "configured,seed_padded,fp8_all,layout_checked", "--steps", "8", "--profile", PROFILE),
            ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
-            "--profile", PROFILE), 250),
+            "--profile", PROFILE), 300),
     # pi0.5's state and compile did not finish in 100 s on 2026-11-28: never measured, so it goes second.
-    # Then its FP8 arms (model.fp8: the PaliGemma feed-forward's GEMMs; delayed scaling priced 1.09-1.15x
-    # at the GEMM rates the H200 windows imply, 1.22x at the datasheet's; BENCHMARKS.md, FP8), delayed
-    # scaling with its dX and dW accumulated fast as well (the backward GEMMs' full-precision
-    # accumulation is the bracket's low end), current scaling and, its blocks being scanned, its
-    # `graphs` arm where they fit.
+    # Then its FP8 arm (model.fp8: the PaliGemma feed-forward's GEMMs; delayed scaling priced 1.09-1.15x
+    # at the GEMM rates the H200 windows imply, 1.22x at the datasheet's; BENCHMARKS.md, FP8) and, its
+    # blocks being scanned, its `graphs` arm where they fit. fp8_xla_delayed_fastacc and fp8_xla are
+    # train_step_pi05_more's.
     Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
-                               "configured,fp8_xla_delayed,fp8_xla_delayed_fastacc,fp8_xla,graphs",
-                               "--steps", "5"),
+                               "configured,fp8_xla_delayed,graphs", "--steps", "5"),
            (), 150),  # --smoke: the same script as train_step's
     # Block-causal rows first, every route (~100 s with tokamax's autotuning cache empty): pallas, the
     # mosaic route, then ejax's own Mosaic GPU forward (mosaic_own, never run on a GPU) and the kernels'
@@ -117,6 +113,14 @@ FIGURES = (
     Figure("startup", ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py"),
            ("benchmarks/train_step.py", "--startup", "--config=configs/tiny.py:runlocal", "--per_device_batch", "4"),
            100, own_file=False),  # the full step's compile alone took 73 s on an H200
+    # GR00T's other arms: the frozen towers' FP8 GEMMs alone (train.frozen_fp8, priced 1.15x), the trained
+    # feed-forwards' (model.fp8 with delayed scaling, 1.05x), the scanned blocks (the default until
+    # 2026-11-28) and one sample a row of 384 (the 2026-11-28 baseline: 1.18x).
+    Figure("train_step_more", ("benchmarks/train_step.py", "--models", "groot", "--arms",
+                               "configured,fp8_frozen,fp8_xla_delayed,scanned,padded", "--steps", "8"),
+           (), 300),  # --smoke: the same script as train_step's
+    Figure("train_step_pi05_more", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
+                                    "configured,fp8_xla_delayed_fastacc,fp8_xla", "--steps", "5"), (), 200),
     Figure("dreamzero", ("benchmarks/train_step.py", "--models", "dreamzero", "--dit_layers", "2,6", "--steps", "3"),
            ("benchmarks/train_step.py", "--models", "dreamzero", "--dit_layers", "1,2", "--steps", "1"), 240),
 )
@@ -213,6 +217,43 @@ def environment() -> dict:
   return info
 
 
+GPU_SAMPLE = ("nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu",
+              "--format=csv,noheader,nounits", "-lms", "1000")
+
+
+def start_gpu_samples():
+  """nvidia-smi writing the GPU's SM clock, power, temperature and use once a second (None without it):
+  whether a figure ran at full clocks (2026-11-29: GR00T's steps slowed from 93 to 98 ms waited for)."""
+  try:
+    return subprocess.Popen(GPU_SAMPLE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  except OSError:
+    return None
+
+
+def gpu_samples_summary(process) -> dict:
+  """The samples' range: SM clock MHz (min / median / max), power W (max), temperature C (max), use % (median)."""
+  if process is None:
+    return {}
+  process.terminate()
+  try:
+    text, _ = process.communicate(timeout=10)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    text, _ = process.communicate()
+  rows = []
+  for line in text.splitlines():
+    try:
+      rows.append([float(part) for part in line.split(",")])
+    except ValueError:
+      continue
+  if not rows:
+    return {}
+  column = lambda i: sorted(row[i] for row in rows)
+  clocks, use = column(0), column(3)
+  return {"samples": len(rows), "sm_clock_mhz": [clocks[0], clocks[len(clocks) // 2], clocks[-1]],
+          "power_w_max": column(1)[-1], "temperature_c_max": column(2)[-1], "utilization_median": use[len(use) // 2]}
+
+
 def last_figure_line(output: str) -> str:
   """The benchmark's `<figure>: <value> (goal <goal>)` line (the last line that has one)."""
   lines = [line for line in output.strip().splitlines() if "(goal" in line]
@@ -227,7 +268,7 @@ def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dic
     args += ["--json", data_path]
   command = [sys.executable, *args]
   print(f"--- {figure.name}: {' '.join(args)} (limit {limit:.0f} s)", flush=True)
-  start = time.time()
+  start, sampler = time.time(), (None if smoke else start_gpu_samples())
   try:
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
     output, code, timed_out = done.stdout + done.stderr, done.returncode, False
@@ -239,7 +280,8 @@ def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dic
   # tokamax logs one line per kernel shape its autotuning cache lacks (thousands of characters each)
   output = "\n".join(line for line in output.splitlines() if "Autotuning cache miss" not in line)
   result = {"name": figure.name, "command": " ".join(args), "returncode": code, "timed_out": timed_out,
-            "seconds": round(seconds, 1), "line": last_figure_line(output), "output": output[-20000:]}
+            "seconds": round(seconds, 1), "line": last_figure_line(output), "output": output[-20000:],
+            "gpu": gpu_samples_summary(sampler)}
   if os.path.exists(data_path):
     with open(data_path) as f:
       result["data"] = json.load(f)
@@ -250,7 +292,8 @@ def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dic
   tail = "\n".join(output.strip().splitlines()[-25:])
   print(tail, flush=True)
   status = "timed out" if timed_out else f"exit {code}"
-  print(f"--- {figure.name}: {status} after {seconds:.0f} s", flush=True)
+  print(f"--- {figure.name}: {status} after {seconds:.0f} s" + (f"; GPU {json.dumps(result['gpu'])}" if result["gpu"] else ""),
+        flush=True)
   return result
 
 

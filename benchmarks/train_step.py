@@ -212,15 +212,19 @@ def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: di
       if i >= 2:  # two warm-up steps
         times.append(time.perf_counter() - start)
     # The trainer's cadence (ejax.train.loop): step i is dispatched before step i-1's loss is read, so
-    # the host's dispatch overlaps the device's work.
-    start, previous = time.perf_counter(), None
-    for _ in range(steps):
-      state, metrics = compiled(state, batch)
-      if previous is not None:
-        float(previous["loss"])
-      previous = metrics
+    # the host's dispatch overlaps the device's work. Timed in steady state, as a long run sees it: from
+    # the first loss read (the next step already queued) to the last, `steps` steps apart. A mean from
+    # the first dispatch on also holds the one dispatch the device waits for (2026-11-29: 107.7 ms
+    # over 5 steps that ran 96.5 ms each waited for).
+    state, metrics = compiled(state, batch)
+    cadence = []
+    for _ in range(steps + 1):
+      previous, (state, metrics) = metrics, compiled(state, batch)
+      float(previous["loss"])
+      cadence.append(time.perf_counter())
     jax.block_until_ready(metrics["loss"])
-    trainer_seconds = (time.perf_counter() - start) / steps
+    cadence = [later - earlier for earlier, later in zip(cadence, cadence[1:])]
+    trainer_seconds = sum(cadence) / steps
     loss = float(metrics["loss"])
     profile = None
     if profile_dir:
@@ -255,7 +259,8 @@ def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: di
   return dict(
       state_seconds=state_seconds, state_shared=reused, compile_seconds=compile_seconds,
       lower_seconds=prepared.lower_seconds, step_ms=1e3 * trainer_seconds,
-      blocked_step_ms=1e3 * median, step_ms_all=[1e3 * t for t in times], samples=samples, samples_per_second=samples_per_second,
+      blocked_step_ms=1e3 * median, step_ms_all=[1e3 * t for t in times],
+      cadence_step_ms_all=[1e3 * t for t in cadence], samples=samples, samples_per_second=samples_per_second,
       model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
       model_flops_per_sample=per_sample_model, row_tokens=row_tokens, loss=loss,
       packing=dict(config.model.get("packing", {})), step_peak_gib=step_bytes / 2**30,
@@ -354,11 +359,11 @@ def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, p
   compiles outside the GIL), each timed on a device no compile is using: a GPU compile autotunes its
   GEMMs on the device, which must not share it with a timed step.
 
-  The first arm compiles alone while the others lower, then builds its state and is timed (and
-  profiled into `profile_dir` when given): the headline figure comes as early as when arms ran one
-  after another, its autotuning ran on an idle device, and it fills XLA's in-process autotuning cache
-  for the others' GEMMs (mostly the same shapes). Then the rest compile side by side, `workers` at a
-  time (compile_workers), and are timed in order once all have ended. A compile that has not ended
+  The first arm compiles alone while the others lower (until its compile ends), then builds its state
+  and is timed (and profiled into `profile_dir` when given): the headline figure comes as early as
+  when arms ran one after another, its autotuning ran on an idle device, and it fills XLA's in-process
+  autotuning cache for the others' GEMMs (mostly the same shapes). Then the rest lower and compile
+  side by side, `workers` at a time (compile_workers), and are timed in order once all have ended. A compile that has not ended
   `wait_s` after its wait began (one stalled, as XLA's Triton GEMM autotuning did on 2026-11-27) holds
   back no other arm: the compiled arms are timed (their figures say how many compiles still ran) and
   it comes after them, or is given up on when no compile has ended for another `wait_s`. Arms with the
@@ -367,17 +372,26 @@ def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, p
   prepared = {}
   start = time.perf_counter()
   pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
-  first, lower_seconds = None, {}
-  for label, (arm_config, example) in arms.items():
+  first, lower_seconds, to_lower = None, {}, list(arms)
+
+  def lower_next() -> str:
+    label = to_lower.pop(0)
     try:
-      prepared[label] = prepare_arm(arm_config, example)
+      prepared[label] = prepare_arm(*arms[label])
+      lower_seconds[label] = prepared[label].lower_seconds
     except Exception as error:  # noqa: BLE001 (recorded as the arm's figure)
       prepared[label] = error
-      continue
-    lower_seconds[label] = prepared[label].lower_seconds
-    if first is None:
+    return label
+
+  while to_lower and first is None:
+    label = lower_next()
+    if isinstance(prepared[label], PreparedArm):
       first = label
       prepared[label].compiling = pool.submit(prepared[label].compile)
+  # The others lower only while the first compiles: a full-size GR00T arm lowered in 37.6 s on an H200's
+  # host (2026-11-29), and lowering all nine before timing the first left no figure in 240 s.
+  while to_lower and first is not None and not prepared[first].compiling.done():
+    lower_next()
   compiling = {}  # future -> label
   shared = {}     # arms with the same state train on one (run_arm)
   timed = []
@@ -398,10 +412,16 @@ def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, p
     compiling[prepared[first].compiling] = first
     concurrent.futures.wait(compiling, timeout=wait_s)
     time_compiled([first])
-  for label, arm in prepared.items():
-    if isinstance(arm, PreparedArm) and arm.compiling is None:
-      arm.compiling = pool.submit(arm.compile)
-      compiling[arm.compiling] = label
+  def compile_lowered() -> None:
+    for label, arm in prepared.items():
+      if isinstance(arm, PreparedArm) and arm.compiling is None:
+        arm.compiling = pool.submit(arm.compile)
+        compiling[arm.compiling] = label
+
+  compile_lowered()
+  while to_lower:  # the rest lower while the lowered ones compile
+    lower_next()
+    compile_lowered()
   rest = [future for future, label in compiling.items() if label not in timed]
   concurrent.futures.wait(rest, timeout=wait_s)
   finished = {label: future.result()[1] for future, label in compiling.items()

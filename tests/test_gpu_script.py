@@ -254,11 +254,13 @@ def test_an_attention_route_that_fails_its_check_is_left_out_of_the_figures(tmp_
     return run
 
   first, second = ops.HOPPER_AUTO[:2]
+  after_first = ",".join(ops.HOPPER_AUTO[1:])  # the routes from the one that passed on
+  last_fails = {route: (1, False) for route in ops.HOPPER_AUTO}
   for outcomes, calls_wanted, env_wanted in (
-      ({first: (0, False)}, [first], None),                                  # the default stands
-      ({first: (1, False), second: (0, False)}, [first, second], second),    # off, or an error
-      ({first: (None, True), second: (0, False)}, [first, second], second),  # hung
-      ({first: (1, False), second: (1, False)}, [first, second], gpu.FALLBACK_ROUTE)):
+      ({first: (0, False)}, [first], None),                                       # the default stands
+      ({first: (1, False), second: (0, False)}, [first, second], after_first),    # off, or an error
+      ({first: (None, True), second: (0, False)}, [first, second], after_first),  # hung
+      (last_fails, list(ops.HOPPER_AUTO), gpu.FALLBACK_ROUTE)):
     env, calls = {}, []
     report = gpu.check_routes(str(tmp_path), env, 5.0, run=runner(outcomes, calls))
     assert calls == calls_wanted and env.get("EJAX_HOPPER_AUTO") == env_wanted, (outcomes, calls, env)
@@ -280,3 +282,21 @@ def test_the_route_check_compares_values_and_gradients_with_xla():
   wrong = subprocess.run([sys.executable, "benchmarks/attention.py", "--check", "nonsense"], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
   assert wrong.returncode == 1 and "attention route nonsense: fails: ValueError" in wrong.stderr, wrong.stderr[-500:]
+
+
+def test_the_gpu_samples_beside_a_figure_give_its_clock_and_power_range():
+  """gpu.py samples nvidia-smi once a second during each figure: the SM clock's range says whether a
+  figure's steps ran at full clocks. Lines it cannot read are skipped; without nvidia-smi, nothing."""
+  from benchmarks import gpu
+
+  class Sampler:
+    def terminate(self):
+      self.stopped = True
+
+    def communicate(self, timeout=None):
+      return "1980, 650.5, 61, 99\n1755, 700.1, 70, 100\n[N/A], [N/A], 65, 0\n1830, 690.0, 66, 98\n", ""
+
+  assert gpu.gpu_samples_summary(Sampler()) == {"samples": 3, "sm_clock_mhz": [1755.0, 1830.0, 1980.0],
+                                                "power_w_max": 700.1, "temperature_c_max": 70.0,
+                                                "utilization_median": 99.0}
+  assert gpu.gpu_samples_summary(None) == {}
