@@ -133,7 +133,8 @@ def _ranged_fwd(plan: _Plan, options, q, k, v, k_start, k_end, has_keys, *mask):
     out, lse = _mosaic_forward(plan, q, k, v, (k_start, k_end, has_keys))
   else:
     ranges = intervals.KeyRanges(k_start, k_end, has_keys, jnp.bool_(True))
-    out, lse = tokamax_gpu.forward_with_lse(q, k, v, ranges, scale=plan.scale, on_gpu=on_gpu, config=config)
+    forward = _once_per_shape(tokamax_gpu.forward_with_lse, scale=plan.scale, on_gpu=on_gpu, config=config)
+    out, lse = forward(q, k, v, ranges)
   return out, (q, k, v, (k_start, k_end, has_keys), MaskInputs(*mask), out, lse)
 
 
@@ -154,11 +155,12 @@ _ONCE_PER_SHAPE: dict = {}
 
 
 def _once_per_shape(kernel, **static):
-  """`kernel` with `static` bound, as one jax.jit for each binding and each value of the Mosaic GPU
+  """`kernel` with `static` bound, as one jax.jit for each binding and each value of ejax's Mosaic GPU
   kernels' module settings (their upper-case names, read as the call is traced). A model's repeated
   layers call it with the same shapes, and jax traces and lowers an inner jit once per program for
   each shape: GR00T's full train step has 99 Mosaic GPU kernel calls, lowered one by one in 41 s on a
-  2-core CPU (37.6 s on an H200's host, 2026-11-29), each lowering a Mosaic GPU module of its own."""
+  2-core CPU (37.6 s on an H200's host with tokamax's forward, 2026-11-29), each lowering a Mosaic GPU
+  module of its own. Used for ejax's kernels and tokamax's forward (its config is hashable)."""
   settings = tuple((module.__name__, name, value) for module in _KERNEL_SETTINGS for name, value in vars(module).items()
                    if name.isupper() and isinstance(value, (bool, int, float, str)))
   key = (kernel, tuple(sorted(static.items())), settings)
