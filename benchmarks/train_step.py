@@ -363,11 +363,11 @@ def run_arms(results: dict, arms: dict, steps: int, out: dict, json_path: str, p
   and is timed (and profiled into `profile_dir` when given): the headline figure comes as early as
   when arms ran one after another, its autotuning ran on an idle device, and it fills XLA's in-process
   autotuning cache for the others' GEMMs (mostly the same shapes). Then the rest lower and compile
-  side by side, `workers` at a time (compile_workers), and are timed in order once all have ended. A compile that has not ended
-  `wait_s` after its wait began (one stalled, as XLA's Triton GEMM autotuning did on 2026-11-27) holds
-  back no other arm: the compiled arms are timed (their figures say how many compiles still ran) and
-  it comes after them, or is given up on when no compile has ended for another `wait_s`. Arms with the
-  same state train on one (run_arm)."""
+  side by side, `workers` at a time (compile_workers), and are timed in order once all have ended. A
+  compile that has not ended `wait_s` after its wait began (one stalled, as XLA's Triton GEMM
+  autotuning did on 2026-11-27) holds back no other arm: the compiled arms are timed (their figures
+  say how many compiles still ran) and it comes after them, or is given up on when no compile has
+  ended for another `wait_s`. Arms with the same state train on one (run_arm)."""
   workers = workers or compile_workers(len(arms))
   prepared = {}
   start = time.perf_counter()
