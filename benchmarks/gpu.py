@@ -8,11 +8,11 @@ skipping what no longer fits the total budget, and writes all.json and most figu
 First it checks auto's Hopper attention routes (check_routes) and leaves out of the figures one that
 fails. The figures:
 
+  attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
               step per kind of op, the top kernels), seed-padded, all-FP8 and layout-checked arms
   train_step_pi05  the same for pi0.5: configured, FP8 (fp8_xla_delayed), its scanned blocks in CUDA
                    graphs (graphs)
-  attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
@@ -66,6 +66,14 @@ class Figure:
 
 
 FIGURES = (
+    # Attention first: its kernels' rings were deepened after the 2026-11-29 window (2 -> 4-6 slots,
+    # BENCHMARKS.md), ~100 s for the block-causal rows' first arms: pallas, mosaic_own (auto's first
+    # Hopper route), its variants (rings of 2 slots: the measured form) and the mosaic route; the causal
+    # rows after them are cut off at the limit (the sweep never fitted). The dense baseline (4.4-4.8x,
+    # measured in both windows) is skipped for their time.
+    Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
+                         "--head_dim", "128", "--skip_dense"),
+           ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
     # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
     # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
     # all lowered before the first was timed, since fixed in train_step.run_arms). The first arm compiles
@@ -88,13 +96,6 @@ FIGURES = (
     Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
                                "configured,fp8_xla_delayed,graphs", "--steps", "5"),
            (), 150),  # --smoke: the same script as train_step's
-    # Block-causal rows first, every route (~100 s with tokamax's autotuning cache empty): pallas, the
-    # mosaic route, then ejax's own Mosaic GPU forward (mosaic_own, never run on a GPU) and the kernels'
-    # variants; the causal rows after them are cut off at the limit (the sweep never fitted). The dense
-    # baseline (4.4-4.8x, measured in both windows) is skipped for their time.
-    Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
-                         "--head_dim", "128", "--skip_dense"),
-           ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
     # fp8.py stops starting arms after --budget_s, so its last line comes inside the limit.
     Figure("fp8", ("benchmarks/fp8.py", "--budget_s", "40"), ("benchmarks/fp8.py", "--tokens", "128"), 60),
     Figure("packing", ("benchmarks/packing.py", "--width", "1024", "--depth", "8", "--heads", "8", "--samples", "192",

@@ -115,10 +115,13 @@ def _reference_grads(q, k, v, d_out, k_start, k_end, scale):
 
 
 @MOSAIC
-@pytest.mark.parametrize("head_dim,heads,kv_heads,ctas", [(64, 2, 1, None), (128, 2, 2, None), (64, 2, 1, 3)])
-def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_heads, ctas):
+@pytest.mark.parametrize("head_dim,heads,kv_heads,ctas,stages",
+                         [(64, 2, 1, None, None), (128, 2, 2, None, None), (64, 2, 1, 3, None), (64, 2, 1, None, 2),
+                          (64, 2, 1, 3, 3)])
+def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_heads, ctas, stages):
   """`ctas`: persistent kernels of that many CTAs, each looping over several work items (8 for dQ, 16
-  for dK/dV), their own tiles double-buffered and the ring carried from one item to the next."""
+  for dK/dV), their own tiles double-buffered and the ring carried from one item to the next. `stages`:
+  the rings' slots (None: the deepest that fits, more than a work item's steps here)."""
   rng = np.random.default_rng(1)
   length = 256
   # Segments up to 200 tokens: some tiles lie inside every range of their queries (no mask applied).
@@ -131,7 +134,8 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
   scale = head_dim**-0.5
   out, lse, want = _reference_grads(q, k, v, d_out, k_start, k_end, scale)
   got = mosaic_backward.backward(q, k, v, out.astype(jnp.bfloat16), lse, d_out, jnp.asarray(k_start),
-                                 jnp.asarray(k_end), scale=scale, persistent=ctas is not None, ctas=ctas)
+                                 jnp.asarray(k_end), scale=scale, persistent=ctas is not None, ctas=ctas,
+                                 stages=stages)
   for name, g, w, primal in zip("qkv", got, want, (q, k, v)):
     assert g.shape == primal.shape and g.dtype == primal.dtype, name
     np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=2e-2 * float(jnp.abs(w).max()),
@@ -142,15 +146,18 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
 
 
 @MOSAIC
-@pytest.mark.parametrize("head_dim,heads,kv_heads,compute_wgs,pingpong,block_kv,ctas",
-                         [(64, 2, 1, 2, True, 64, None), (128, 2, 2, 2, True, 64, None),
-                          (64, 2, 1, 2, False, 128, None), (64, 2, 2, 1, False, 64, None),
-                          (64, 2, 1, 2, True, 64, 3), (64, 2, 2, 1, False, 128, 1)])
-def test_forward_kernel_matches_the_reference(head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv, ctas):
+@pytest.mark.parametrize("head_dim,heads,kv_heads,compute_wgs,pingpong,block_kv,ctas,stages",
+                         [(64, 2, 1, 2, True, 64, None, None), (128, 2, 2, 2, True, 64, None, None),
+                          (64, 2, 1, 2, False, 128, None, None), (64, 2, 2, 1, False, 64, None, None),
+                          (64, 2, 1, 2, True, 64, 3, None), (64, 2, 2, 1, False, 128, 1, None),
+                          (64, 2, 1, 2, True, 64, None, 2), (64, 2, 1, 2, True, 64, 3, 3)])
+def test_forward_kernel_matches_the_reference(head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv, ctas,
+                                              stages):
   """Out and lse over packed and shuffled ranges, with queries whose first tiles are all masked and
   padding queries that see no key (0 out and lse, the backward's convention). `ctas`: a persistent
   kernel of that many CTAs, each looping over several of the 8 work items (its ring and Q buffers
-  carried from one to the next; interpret mode checks every barrier phase is observed)."""
+  carried from one to the next; interpret mode checks every barrier phase is observed). `stages`: the
+  ring's slots (None: the deepest that fits, more than an item's steps here)."""
   rng = np.random.default_rng(3)
   length = 256
   rows = [_ranges(layout, length, rng, longest=200) for layout in ("packed", "shuffled")]
@@ -163,7 +170,7 @@ def test_forward_kernel_matches_the_reference(head_dim, heads, kv_heads, compute
   want_out, want_lse, _ = _reference_grads(q, k, v, q, k_start, k_end, scale)
   out, lse = mosaic_forward.forward(q, k, v, jnp.asarray(k_start), jnp.asarray(k_end), scale=scale,
                                     compute_wgs=compute_wgs, pingpong=pingpong, block_kv=block_kv,
-                                    persistent=ctas is not None, ctas=ctas)
+                                    persistent=ctas is not None, ctas=ctas, stages=stages)
   assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, heads, length)
   np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=1e-2)
   np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4, rtol=1e-5)

@@ -9,7 +9,7 @@ its warpgroups computes those of its own 64 queries only), a dK/dV tile only the
 reach it (tile bounds computed in XLA, read by the kernel).
 
 Layout (as in jax's Mosaic GPU attention example): a warpgroup issues the TMA copies, of each work
-item's own tiles (two items' buffers) and of the streamed operand into a ring of `stages`
+item's own tiles (two items' buffers when persistent) and of the streamed operand into a ring of `stages`
 shared-memory slots; compute warpgroups of 64 rows each (two in dQ, one in dK/dV: DQ_WGS, DKV_WGS)
 hand a buffer or slot back with an arrive on its "free" barrier. A CTA runs one work item, or with
 PERSISTENT one an SM loops over them, the ring and buffers carried from one item to the next (the
@@ -36,7 +36,8 @@ from ejax.kernels import platform
 # available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (ops.py, the tests, the benchmark).
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
     LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
-    inner_ranges, item_part, kernel_params, kv_ring, kv_spans, mma, persistent_ctas, store_item, work_items)
+    inner_ranges, item_part, kernel_params, kv_ring, kv_spans, mma, own_buffers, persistent_ctas, ring_stages,
+    store_item, work_items)
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
 # score tiles fit the 168 registers a thread of a 384-thread CTA). dK/dV: one, so a thread may use
@@ -53,27 +54,53 @@ PERSISTENT = False
 # thread at head size 128), K in dK/dV. From shared memory (SS) a 64 x 64 x 16 wgmma reads all of an
 # SM's shared-memory bandwidth (mosaic_forward.Q_IN_REGISTERS). Off: the measured route's form.
 OPERANDS_IN_REGISTERS = False
+# Both kernels' ring slots; None: the deepest that fits shared memory up to mosaic_common.MAX_STAGES
+# (at head size 128 with a CTA an item: dQ 5, dK/dV 5). Was 2.
+STAGES = None
 
 
-def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> int:
-  """Shared memory of the larger kernel: its own two operands' tiles, for two items, and the ring of
-  streamed tiles (16-bit)."""
-  dq = 2 * (4 * DQ_WGS * block_q + 2 * stages * block_kv) * head_dim
-  dkv = 2 * (4 * DKV_WGS * block_kv + 2 * stages * block_q) * head_dim + stages * 4 * block_q * 4
-  return max(dq, dkv)
+def _dq_sizes(head_dim: int, block_q: int, block_kv: int, persistent: bool) -> tuple[int, int]:
+  """dQ's shared memory (bytes beside the ring: Q and dO tiles, one item's or persistent two; bytes a
+  ring slot: a K and a V tile), 16-bit."""
+  return 2 * 2 * own_buffers(persistent) * DQ_WGS * block_q * head_dim, 2 * 2 * block_kv * head_dim
 
 
-def head_dim_fits(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bool:
+def _dkv_sizes(head_dim: int, block_q: int, block_kv: int, persistent: bool) -> tuple[int, int]:
+  """dK/dV's: its K and V tiles beside the ring; a slot holds a Q and a dO tile and their four f32 rows."""
+  return (2 * 2 * own_buffers(persistent) * DKV_WGS * block_kv * head_dim,
+          2 * 2 * block_q * head_dim + 4 * block_q * 4)
+
+
+def stages_for(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int | None = None,
+               persistent: bool = False) -> tuple[int, int]:
+  """(dQ's, dK/dV's) ring slots: `stages`, else STAGES, else the deepest that fits each kernel
+  (mosaic_common.ring_stages)."""
+  stages = STAGES if stages is None else stages
+  return tuple(ring_stages(*sizes(head_dim, block_q, block_kv, persistent), stages)
+               for sizes in (_dq_sizes, _dkv_sizes))
+
+
+def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int | None = None,
+               persistent: bool = False) -> int:
+  """Shared memory of the larger kernel: its own two operands' tiles and its ring of streamed tiles."""
+  return max(fixed + slots * slot for (fixed, slot), slots in zip(
+      (_dq_sizes(head_dim, block_q, block_kv, persistent), _dkv_sizes(head_dim, block_q, block_kv, persistent)),
+      stages_for(head_dim, block_q, block_kv, stages, persistent)))
+
+
+def head_dim_fits(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int | None = None,
+                  persistent: bool = False) -> bool:
   """128-byte swizzled rows (a multiple of 64 elements), the accumulators in registers and the tiles
-  in a CTA's shared memory: 64 or 128."""
+  with a ring of two slots or more in a CTA's shared memory: 64 or 128."""
   return (head_dim % 64 == 0 and head_dim <= MAX_HEAD_DIM
-          and smem_bytes(head_dim, block_q, block_kv, stages) <= SMEM_BYTES)
+          and min(stages_for(head_dim, block_q, block_kv, stages, persistent)) >= 2
+          and smem_bytes(head_dim, block_q, block_kv, stages, persistent) <= SMEM_BYTES)
 
 
-def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2) -> bool:
+def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int | None = None, persistent: bool = False) -> bool:
   """Whether the kernels take these operands as they are (ops.py pads lengths first)."""
   return (available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
-          and head_dim_fits(q.shape[-1], block_q, block_kv, stages)
+          and head_dim_fits(q.shape[-1], block_q, block_kv, stages, persistent)
           and q.shape[1] % LENGTH_MULTIPLE == 0 and k.shape[1] % LENGTH_MULTIPLE == 0
           and LENGTH_MULTIPLE % (DQ_WGS * block_q) == 0 and LENGTH_MULTIPLE % (DKV_WGS * block_kv) == 0)
 
@@ -106,22 +133,25 @@ def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int 
 
 
 def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q: int = 64,
-             block_kv: int = 64, stages: int = 2, persistent: bool | None = None, ctas: int | None = None,
-             interpret: bool | None = None):
+             block_kv: int = 64, stages: int | None = None, persistent: bool | None = None,
+             ctas: int | None = None, interpret: bool | None = None):
   """(dq, dk, dv) of attention over each query's key range [k_start, k_end). `persistent` (None: the
-  module's PERSISTENT): both kernels a CTA an SM (or `ctas`) looping over the work items."""
+  module's PERSISTENT): both kernels a CTA an SM (or `ctas`) looping over the work items. `stages`
+  (None: stages_for's): both kernels' ring slots."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
-  if not supports(q, k, block_q, block_kv, stages):
+  persistent = PERSISTENT if persistent is None else persistent
+  if not supports(q, k, block_q, block_kv, stages, persistent):
     raise ValueError(f"mosaic attention backward: needs bf16/f16, head_dim 64 or 128, "
                      f"q_len and kv_len multiples of {LENGTH_MULTIPLE}; "
                      f"got {q.dtype}, q {q.shape}, k {k.shape}" + (f" ({available()})" if available() else ""))
   if interpret is None:
     interpret = not platform.on_gpu()
-  persistent = PERSISTENT if persistent is None else persistent
+  dq_stages, dkv_stages = stages_for(head_dim, block_q, block_kv, stages, persistent)
+  buffers = own_buffers(persistent)
   groups = heads // kv_heads
   dtype = q.dtype
   k, v, d_out = k.astype(dtype), v.astype(dtype), d_out.astype(dtype)
@@ -183,7 +213,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         row = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
         def step(i, dq_acc):
-          slot = lax.rem(g + i, stages)
+          slot = lax.rem(g + i, dq_stages)
           plgpu.barrier_wait(k_bar.at[slot])
           plgpu.barrier_wait(v_bar.at[slot])
 
@@ -210,7 +240,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           return dq_acc
 
         def pass_by(i):
-          slot = lax.rem(g + i, stages)
+          slot = lax.rem(g + i, dq_stages)
           plgpu.barrier_wait(k_bar.at[slot])
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
@@ -233,13 +263,13 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
       copying_warpgroup(dq_items, lo_ref, hi_ref, own,
                         kv_ring(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, groups, block_kv), q_free,
-                        (k_free, v_free), stages)
+                        (k_free, v_free), dq_stages)
 
   dq = plgpu.kernel(
       dq_kernel, **{out_name: jax.ShapeDtypeStruct(q.shape, dtype)},
-      **{scratch_name: [tiles(2 * DQ_WGS, block_q)] * 2 + [tiles(stages, block_kv)] * 2
+      **{scratch_name: [tiles(buffers * DQ_WGS, block_q)] * 2 + [tiles(dq_stages, block_kv)] * 2
       + [plgpu.Barrier(num_barriers=2 * DQ_WGS)] * 2 + [plgpu.Barrier(num_arrivals=DQ_WGS, num_barriers=2)]
-      + [plgpu.Barrier(num_barriers=stages)] * 2 + [plgpu.Barrier(num_arrivals=DQ_WGS, num_barriers=stages)] * 2},
+      + [plgpu.Barrier(num_barriers=dq_stages)] * 2 + [plgpu.Barrier(num_arrivals=DQ_WGS, num_barriers=dq_stages)] * 2},
       grid=(persistent_ctas(math.prod(dq_items), persistent, ctas),), grid_names=("ctas",),
       num_threads=DQ_WGS + 1, **params)(q, k, v, d_out, rows, kv_lo, kv_hi, wg_lo, wg_hi, inner_lo, inner_hi)
 
@@ -273,7 +303,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
         def step(i, carry):
           dk_acc, dv_acc = carry
-          slot = lax.rem(g + i, stages)
+          slot = lax.rem(g + i, dkv_stages)
           plgpu.barrier_wait(q_bar.at[slot])
 
           def scores_t(s_ref):
@@ -332,16 +362,16 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
                 (rows_ref.at[b, h, :, queries], rows_smem.at[slot], rows_bar.at[slot]),
                 (do_ref.at[b, queries, h], do_smem.at[slot], do_bar.at[slot])]
 
-      copying_warpgroup(dkv_items, lo_ref, hi_ref, own, ring, kv_free, (q_free, rows_free, do_free), stages)
+      copying_warpgroup(dkv_items, lo_ref, hi_ref, own, ring, kv_free, (q_free, rows_free, do_free), dkv_stages)
 
   per_head = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), dtype)
   dk, dv = plgpu.kernel(
       dkv_kernel, **{out_name: (per_head, per_head)},
-      **{scratch_name: [tiles(2 * DKV_WGS, block_kv)] * 2 + [tiles(stages, block_q)] * 2
-      + [plgpu.SMEM((stages, 4, block_q), jnp.float32)]
+      **{scratch_name: [tiles(buffers * DKV_WGS, block_kv)] * 2 + [tiles(dkv_stages, block_q)] * 2
+      + [plgpu.SMEM((dkv_stages, 4, block_q), jnp.float32)]
       + [plgpu.Barrier(num_barriers=2 * DKV_WGS)] * 2 + [plgpu.Barrier(num_arrivals=DKV_WGS, num_barriers=2)]
-      + [plgpu.Barrier(num_barriers=stages)] * 3
-      + [plgpu.Barrier(num_arrivals=DKV_WGS, num_barriers=stages)] * 3},
+      + [plgpu.Barrier(num_barriers=dkv_stages)] * 3
+      + [plgpu.Barrier(num_arrivals=DKV_WGS, num_barriers=dkv_stages)] * 3},
       grid=(persistent_ctas(math.prod(dkv_items), persistent, ctas),), grid_names=("ctas",),
       num_threads=DKV_WGS + 1, **params)(q, k, v, d_out, rows, qb_lo, qb_hi, inner_lo, inner_hi)
   if groups > 1:  # each kv head's gradient is the sum over the q heads that read it

@@ -23,8 +23,14 @@ from ejax.kernels import platform
 LENGTH_MULTIPLE = 128  # q_len and kv_len: whole CTA tiles of the kernels (ops.py pads to it)
 MEMORY_REGISTERS = 40  # a thread of the copying warpgroup (setmaxnreg); the compute ones share the rest
 SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a CTA
+SMEM_SLACK = 4 * 1024  # beside the tiles: barriers, and buffers aligned to 1 KB (a 6-slot forward ring was 2.8 KB over)
 H100_SMS = 132  # an H100's / H200's SMs: a persistent kernel's CTAs when lowered off a GPU
 LOG2E = math.log2(math.e)
+# The ring's slots at most (the deepest that fits shared memory is taken up to this). A ring step's
+# copy for step i + stages is issued once step i's slot is freed, so the ring hides a copy's latency
+# (~1-2 us from L2 or HBM under load) only if stages - 1 steps take longer: a 64-key step of the
+# forward's two warpgroups is ~0.56 us of an H200 SM's tensor cores.
+MAX_STAGES = 6
 # Registers bound the head size first: a dK/dV warpgroup holds two f32 [64, head_dim] accumulators and
 # two f32 [64, 64] score tiles: 192 of its 256 registers a thread at 128, all 256 at 192.
 MAX_HEAD_DIM = 128
@@ -74,6 +80,20 @@ def inner_ranges(k_start, k_end, block_q: int):
           k_end.reshape(batch, -1, block_q).min(-1).astype(jnp.int32))
 
 
+def own_buffers(persistent: bool) -> int:
+  """Buffers of a work item's own tiles: two when persistent (the next item's copied during the last
+  one's compute), else one (a CTA runs one item)."""
+  return 2 if persistent else 1
+
+
+def ring_stages(fixed_bytes: int, stage_bytes: int, stages: int | None = None) -> int:
+  """`stages`, or where None the deepest ring that fits a CTA's shared memory beside `fixed_bytes`, at
+  most MAX_STAGES (0 where not even one slot fits)."""
+  if stages is not None:
+    return stages
+  return int(max(0, min(MAX_STAGES, (SMEM_BYTES - SMEM_SLACK - fixed_bytes) // stage_bytes)))
+
+
 def kernel_params(interpret: bool) -> tuple[dict, str, str]:
   """(plgpu.kernel keyword arguments, the output's and the scratch's keyword names) of ejax's Mosaic GPU
   kernels. jax 0.11 says out_type / scratch_types, 0.9 out_shape / scratch_shapes (with 0.9's CUDA
@@ -117,7 +137,8 @@ def persistent_ctas(num_items: int, persistent: bool, ctas: int | None = None) -
 def item_part(lo_ref, hi_ref, b, item, j, wg, wgs: int, rows: int):
   """A compute warpgroup's part of work item `item` (row tile of batch row b, the CTA's j-th item):
   (the item's first ring tile, how many it streams, the warpgroup's block index, its `rows` rows as a
-  pl.ds, its buffer of the item's own tiles, double-buffered by j)."""
+  pl.ds, its buffer of the item's own tiles, double-buffered by j; a kernel of a CTA an item has j 0
+  and one buffer)."""
   from jax.experimental import pallas as pl
   lo = lo_ref[b, item]
   block = item * wgs + wg
@@ -143,8 +164,8 @@ def copying_warpgroup(items: tuple, lo_ref, hi_ref, own, ring, buffer_free, ring
   """A kernel's copying warpgroup over this CTA's work items (work_items). For item j (h, t, b):
   - its own tiles into buffer j % 2 once the item two before has freed it (an arrive on `buffer_free`
     there): the (source, destination, barrier) TMA copies of own(h, t, b, half);
-  - its ring steps, step i in slot (g + i) % stages once the compute warpgroups have freed it (an arrive
-    on each of `ring_frees`): the copies of ring(h, t, b, lo_ref[b, t] + i, slot);
+  - its ring steps, step i in slot (g + i) % stages: the copies of ring(h, t, b, lo_ref[b, t] + i, slot),
+    the n-th once the compute warpgroups have freed its slot (an arrive on the n-th of `ring_frees`);
   then the frees not waited for yet (the last two buffers', the last slots'), so every barrier phase is
   observed by each thread that waits on it, which Mosaic GPU's interpret mode checks."""
   from jax.experimental import pallas as pl
@@ -163,12 +184,10 @@ def copying_warpgroup(items: tuple, lo_ref, hi_ref, own, ring, buffer_free, ring
     def _fetch(i):
       slot = lax.rem(g + i, stages)
 
-      @pl.when(g + i >= stages)
-      def _wait():
-        for free in ring_frees:
-          plgpu.barrier_wait(free.at[slot])
-
-      copy(ring(h, t, b, lo + i, slot))
+      # Each copy waits only for its own free: K's slot is refilled once K is read, not after V too.
+      for free, one in zip(ring_frees, ring(h, t, b, lo + i, slot), strict=True):
+        pl.when(g + i >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+        copy([one])
 
   plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
   items_done, steps_done = work_items(items, lo_ref, hi_ref, item)

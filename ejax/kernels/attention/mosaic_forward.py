@@ -33,13 +33,15 @@ from jax import lax
 from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
                                                   compute_registers, copying_warpgroup, inner_ranges, item_part,
-                                                  kernel_params, kv_ring, kv_spans, mma, persistent_ctas, store_item,
-                                                  work_items)
+                                                  kernel_params, kv_ring, kv_spans, mma, own_buffers, persistent_ctas,
+                                                  ring_stages, store_item, work_items)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
 BLOCK_KV = 64  # keys a ring slot: smaller tiles skip more of the pairs the ranges forbid
-STAGES = 2  # ring slots
+# Ring slots; None: the deepest that fits shared memory up to MAX_STAGES (6 at head size 128 with a CTA
+# an item, 5 persistent). Was 2, too shallow to hide a copy's latency at 64-key steps (BENCHMARKS.md).
+STAGES = None
 # A CTA an SM looping over the work items (static round-robin), its copying warpgroup fetching the
 # next item's Q and K/V while the compute ones finish the last: no CTA start-up between items. Else a
 # CTA an item.
@@ -53,20 +55,34 @@ Q_IN_REGISTERS = True
 LN2 = math.log(2.0)
 
 
-def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int = 2,
-               compute_wgs: int = FWD_WGS) -> int:
-  """Shared memory a CTA: its queries' tiles, two items' (reused for the output), the K/V ring and
-  the lse rows."""
-  return 2 * (2 * compute_wgs * block_q + 2 * stages * block_kv) * head_dim + compute_wgs * block_q * 4
+def _fixed_bytes(head_dim: int, block_q: int, compute_wgs: int, persistent: bool) -> int:
+  """Shared memory beside the ring: the queries' tiles, one item's or persistent two (reused for the
+  output), and the lse rows."""
+  return 2 * own_buffers(persistent) * compute_wgs * block_q * head_dim + compute_wgs * block_q * 4
 
 
+def stages_for(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int | None = None,
+               compute_wgs: int = FWD_WGS, persistent: bool = False) -> int:
+  """The K/V ring's slots: `stages`, else STAGES, else the deepest that fits (mosaic_common.ring_stages)."""
+  return ring_stages(_fixed_bytes(head_dim, block_q, compute_wgs, persistent), 4 * block_kv * head_dim,
+                     STAGES if stages is None else stages)
 
-def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int = 2, compute_wgs: int = FWD_WGS) -> bool:
+
+def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int | None = None,
+               compute_wgs: int = FWD_WGS, persistent: bool = False) -> int:
+  """Shared memory a CTA: the tiles beside the ring and the K/V ring (`stages` None: stages_for's)."""
+  return (_fixed_bytes(head_dim, block_q, compute_wgs, persistent)
+          + stages_for(head_dim, block_q, block_kv, stages, compute_wgs, persistent) * 4 * block_kv * head_dim)
+
+
+def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int | None = None, compute_wgs: int = FWD_WGS,
+             persistent: bool = False) -> bool:
   """Whether the kernel takes these operands as they are (ops.py pads lengths first)."""
   tile = LENGTH_MULTIPLE
   return (available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
           and q.shape[-1] % 64 == 0 and q.shape[-1] <= MAX_HEAD_DIM
-          and smem_bytes(q.shape[-1], block_q, block_kv, stages, compute_wgs) <= SMEM_BYTES
+          and stages_for(q.shape[-1], block_q, block_kv, stages, compute_wgs, persistent) >= 2
+          and smem_bytes(q.shape[-1], block_q, block_kv, stages, compute_wgs, persistent) <= SMEM_BYTES
           and q.shape[1] % tile == 0 and k.shape[1] % tile == 0
           and tile % (compute_wgs * block_q) == 0 and tile % block_kv == 0)
 
@@ -91,17 +107,17 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
 
   wgs = FWD_WGS if compute_wgs is None else compute_wgs
   block_kv = BLOCK_KV if block_kv is None else block_kv
-  stages = STAGES if stages is None else stages
   persistent = PERSISTENT if persistent is None else persistent
   q_in_registers = Q_IN_REGISTERS
   pingpong = (PINGPONG if pingpong is None else pingpong) and wgs == 2
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
-  if not supports(q, k, block_q, block_kv, stages, wgs):
+  if not supports(q, k, block_q, block_kv, stages, wgs, persistent):
     missing = available()
     raise ValueError(f"mosaic attention forward: needs bf16/f16, head_dim 64 or 128, q_len and kv_len "
                      f"multiples of {LENGTH_MULTIPLE}; got {q.dtype}, q {q.shape}, k {k.shape}"
                      + (f" ({missing})" if missing else ""))
+  stages = stages_for(head_dim, block_q, block_kv, stages, wgs, persistent)
   if interpret is None:
     interpret = not platform.on_gpu()
   groups = heads // kv_heads
@@ -231,7 +247,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   out, lse = plgpu.kernel(
       forward_kernel, **{out_name: (jax.ShapeDtypeStruct(q.shape, dtype),
                                     jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))},
-      **{scratch_name: [tiles(2 * wgs, block_q), tiles(stages, block_kv), tiles(stages, block_kv),
+      **{scratch_name: [tiles(own_buffers(persistent) * wgs, block_q), tiles(stages, block_kv), tiles(stages, block_kv),
                         plgpu.SMEM((wgs, block_q), jnp.float32),
                         plgpu.Barrier(num_barriers=2 * wgs), plgpu.Barrier(num_arrivals=wgs, num_barriers=2)]
       + [plgpu.Barrier(num_barriers=stages)] * 2
