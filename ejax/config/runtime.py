@@ -25,12 +25,20 @@ MULTI_PROCESS_CPU_NOTE = ("persistent compilation cache off: a multi-process CPU
                           "(README, Multi-host)")
 
 
-def enable_compilation_cache(directory: str | None, min_compile_seconds: float = 0.0) -> bool:
+# The cache's bound in bytes. A bound (not jax's default, none) also turns on jax's file lock around
+# each entry's read and write: without it an entry is written in place, so a second process sharing
+# the directory (two runs on one machine, a process a GPU, two test workers) can read it half written.
+CACHE_MAX_BYTES = 16 * 2**30
+
+
+def enable_compilation_cache(directory: str | None, min_compile_seconds: float = 0.0,
+                             max_bytes: int = CACHE_MAX_BYTES) -> bool:
   """Persists compiled programs so a resumed or repeated run compiles nothing: its step and every
   small program (by default whatever the compile time). Returns whether the cache is on.
 
   Programs are keyed by their HLO, compile options and the jax/XLA version, so a stale entry can
-  never be used for a different program. An empty directory disables the cache, and so does a
+  never be used for a different program. Entries are read and written under a file lock, the least
+  recently used evicted beyond `max_bytes`. An empty directory disables the cache, and so does a
   multi-process run on CPUs (see above). Call it after jax.distributed is initialised.
   """
   if jax.process_count() > 1 and jax.default_backend() == "cpu":
@@ -50,4 +58,5 @@ def enable_compilation_cache(directory: str | None, min_compile_seconds: float =
   jax.config.update("jax_compilation_cache_dir", directory)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size", max_bytes)
   return True
