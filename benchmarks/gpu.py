@@ -102,7 +102,7 @@ FIGURES = (
                        "--padded_batch", "32", "--rows_per_batch", "8"),
            ("benchmarks/packing.py", "--samples", "8", "--padded_batch", "4", "--rounds", "1", "--width", "32",
             "--depth", "1"), 50, json_flag=False),
-    Figure("sim", ("benchmarks/sim.py", "--gpu"), ("benchmarks/sim.py", "--quick", "--camera-envs", "2",
+    Figure("sim", ("benchmarks/sim.py", "--gpu"), ("benchmarks/sim.py", "--quick", "--tasks", "2", "--camera-envs", "2",
                                                    "--camera-steps", "1", "--camera-rounds", "1"), 40, json_flag=False,
            smoke_limit=240),
     Figure("serve", ("benchmarks/serve.py", "--seconds", "3", "--rounds", "1"),

@@ -32,13 +32,15 @@ from ejax.sim.native import NativeBatchedEnv
 IMAGE_SIZE = (64, 64)
 
 
-def make_env(backend: str, num_envs: int, renderer: str | None):
-  """renderer None: no cameras; "jax" / "mujoco": who casts the camera rays (mujoco: native only)."""
+def make_env(backend: str, num_envs: int, renderer: str | None, tasks: int | None = None):
+  """renderer None: no cameras; "jax" / "mujoco": who casts the camera rays (mujoco: native only).
+  tasks: the first that many of the 15 (None: all)."""
+  names = registry.list_tasks()[:tasks]
   if backend == "native" and renderer is not None:
-    return NativeBatchedEnv(registry.list_tasks(), num_envs, cameras=True, image_size=IMAGE_SIZE,
-                            episode_length=10_000, camera_renderer=renderer)
-  return make_batched(registry.list_tasks(), num_envs, backend=backend, cameras=renderer is not None,
-                      image_size=IMAGE_SIZE, episode_length=10_000)
+    return NativeBatchedEnv(names, num_envs, cameras=True, image_size=IMAGE_SIZE, episode_length=10_000,
+                            camera_renderer=renderer)
+  return make_batched(names, num_envs, backend=backend, cameras=renderer is not None, image_size=IMAGE_SIZE,
+                      episode_length=10_000)
 
 
 class Runner:
@@ -60,17 +62,18 @@ class Runner:
     return time.perf_counter() - start
 
 
-def measure(backend: str, num_envs: int, renderer: str | None, steps: int) -> float:
-  runner = Runner(make_env(backend, num_envs, renderer))
+def measure(backend: str, num_envs: int, renderer: str | None, steps: int, tasks: int | None = None) -> float:
+  runner = Runner(make_env(backend, num_envs, renderer, tasks))
   return num_envs * steps / runner.run(steps)
 
 
-def compare_native_cameras(num_envs: int, steps: int, rounds: int) -> tuple[float, float, float]:
+def compare_native_cameras(num_envs: int, steps: int, rounds: int,
+                           tasks: int | None = None) -> tuple[float, float, float]:
   """(new, old) env-steps/s of the native backend with cameras, and the fraction of identical pixels.
 
   Both runners get the same seed and actions, so they simulate the same states; `rounds` alternating
   rounds of `steps` steps each."""
-  new, old = Runner(make_env("native", num_envs, "mujoco")), Runner(make_env("native", num_envs, "jax"))
+  new, old = Runner(make_env("native", num_envs, "mujoco", tasks)), Runner(make_env("native", num_envs, "jax", tasks))
   new_time = old_time = 0.0
   for _ in range(rounds):
     new_time += new.run(steps)
@@ -88,6 +91,8 @@ def main() -> None:
   parser.add_argument("--camera-steps", type=int, default=2, help="steps per round of the camera comparison")
   parser.add_argument("--camera-rounds", type=int, default=8, help="alternating rounds of the camera comparison")
   parser.add_argument("--quick", action="store_true", help="only the batch-64 pair the ratio needs, few steps (tests)")
+  parser.add_argument("--tasks", type=int, default=None,
+                      help="the first N of the 15 tasks (default all; tests: fewer branches to compile)")
   args = parser.parse_args()
   device = jax.devices()[0]
   print(f"# ejax.sim throughput, {device.platform} ({device.device_kind}), {platform.node()}, "
@@ -104,18 +109,18 @@ def main() -> None:
   results = {}
   print(f"{'backend':<8} {'envs':>6} {'cameras':>8} {'env-steps/s':>12}")
   for backend, num_envs, renderer, steps in configurations:
-    rate = measure(backend, num_envs, renderer, steps)
+    rate = measure(backend, num_envs, renderer, steps, args.tasks)
     results[(backend, num_envs, renderer)] = rate
     print(f"{backend:<8} {num_envs:>6} {renderer or 'none':>8} {rate:>12.0f}", flush=True)
   ratio = results[("native", 64, None)] / results[("mjx", 64, None)]
   print(f"native/mjx env-steps/s at batch 64 without cameras ({device.platform}): {ratio:.2f}x (goal >= 2x on CPU)")
 
-  new, old, same = compare_native_cameras(args.camera_envs, args.camera_steps, args.camera_rounds)
+  new, old, same = compare_native_cameras(args.camera_envs, args.camera_steps, args.camera_rounds, args.tasks)
   print(f"native {args.camera_envs} envs, cameras {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} x {len(env_lib.CAMERA_NAMES)}, "
         f"{args.camera_rounds} alternating rounds of {args.camera_steps} steps: mujoco (new) {new:.0f}, "
         f"jax (old) {old:.0f} env-steps/s; identical pixels in the last images {same:.2%}", flush=True)
   # Bound: cameras that cost nothing, i.e. the native backend's rate without cameras at this batch.
-  bare = results.get(("native", args.camera_envs, None)) or measure("native", args.camera_envs, None, 10)
+  bare = results.get(("native", args.camera_envs, None)) or measure("native", args.camera_envs, None, 10, args.tasks)
   print(f"native camera env-steps/s new/old: {new / old:.2f}x of a possible {bare / old:.2f}x "
         f"(cameras free: native without cameras / old) (goal 5x)")
 

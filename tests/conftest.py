@@ -2,8 +2,11 @@
 
 import os
 
-# Before JAX initialises: 8 fake CPU devices so that sharding tests see a real mesh.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Before JAX initialises: 8 fake CPU devices so that sharding tests see a real mesh. The suite compiles
+# far more than it runs, so XLA:CPU's code is built with LLVM's optimisations off (level 0): a third less
+# CPU time for compile-bound files (tests/train/test_frozen_fp8.py 102 -> 68 s), none lost where the
+# training runs (GR00T's overfit test 188 vs 183 s). Subprocesses (jobs, notebooks) inherit it.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 # XLA:CPU aborts the process ("Termination timeout ... of 40 seconds exceeded, only 3 of 8 threads
 # arrived") when the fake devices of one program reach a collective that far apart; on a loaded
 # 2-core machine (two test workers, a GR00T train step per device) they can. A real deadlock still
@@ -26,13 +29,17 @@ from ejax.config.runtime import enable_compilation_cache  # noqa: E402
 
 nnx.use_eager_sharding(False)
 # Many tests compile the same small programs (a train step per mesh, say): compile each once per
-# session, in a fresh directory. A cache kept across sessions in the system's temp directory once
+# session, in a fresh directory that the session's first process (xdist's controller, or the only
+# one) makes and its workers inherit, so both share it (entries are read and written under a file
+# lock, ejax.config.runtime). A cache kept across sessions in the system's temp directory once
 # held an entry that aborted the process when run (CI died mid-suite, exit 134, and a stale local
-# cache did the same until cleared); EJAX_TEST_XLA_CACHE=DIR keeps one across sessions on purpose.
-_session_cache = os.environ.get("EJAX_TEST_XLA_CACHE") or tempfile.mkdtemp(prefix="ejax-test-xla-")
-enable_compilation_cache(_session_cache, 0.5)
-if "EJAX_TEST_XLA_CACHE" not in os.environ:
+# cache did the same until cleared; entries were then written without a lock);
+# EJAX_TEST_XLA_CACHE=DIR keeps one across sessions on purpose.
+_session_cache = os.environ.get("EJAX_TEST_XLA_CACHE") or os.environ.get("EJAX_TEST_SESSION_XLA_CACHE")
+if not _session_cache:
+  _session_cache = os.environ["EJAX_TEST_SESSION_XLA_CACHE"] = tempfile.mkdtemp(prefix="ejax-test-xla-")
   atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
+enable_compilation_cache(_session_cache, 0.5)
 
 
 @pytest.fixture
