@@ -3,10 +3,13 @@
 import os
 
 # Before JAX initialises: 8 fake CPU devices so that sharding tests see a real mesh. The suite compiles
-# far more than it runs, so XLA:CPU's code is built with LLVM's optimisations off (level 0): a third less
-# CPU time for compile-bound files (tests/train/test_frozen_fp8.py 102 -> 68 s), none lost where the
-# training runs (GR00T's overfit test 188 vs 183 s). Subprocesses (jobs, notebooks) inherit it.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# more than it runs, so XLA:CPU's code is built at LLVM's optimisation level 1, not 2: compile-bound
+# files take less CPU time (tests/train/test_frozen_fp8.py 102 -> 87 s) and MJX's rollouts run as fast
+# (the 20-seed expert test 21 s at both). Level 0 compiled faster still (68 s) but ran those rollouts
+# 5x slower (108 s) and rounded the device-built and traced inits 1 ulp apart (tests/train/test_state.py).
+# Subprocesses (notebooks, benchmarks) inherit it; `python -m ejax.main` runs of tests/test_main.py's
+# run_main do not.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1")
 # XLA:CPU aborts the process ("Termination timeout ... of 40 seconds exceeded, only 3 of 8 threads
 # arrived") when the fake devices of one program reach a collective that far apart; on a loaded
 # 2-core machine (two test workers, a GR00T train step per device) they can. A real deadlock still
