@@ -23,7 +23,9 @@ from ejax.kernels import platform
 LENGTH_MULTIPLE = 128  # q_len and kv_len: whole CTA tiles of the kernels (ops.py pads to it)
 MEMORY_REGISTERS = 40  # a thread of the copying warpgroup (setmaxnreg); the compute ones share the rest
 SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a CTA
-SMEM_SLACK = 4 * 1024  # beside the tiles: barriers, and buffers aligned to 1 KB (a 6-slot forward ring was 2.8 KB over)
+# Kept free beside the tiles for barriers and buffers aligned to 1 KB: a 6-slot forward ring at head
+# size 128 came to 2.8 KB more than its tiles, 248 bytes over a CTA's shared memory.
+SMEM_SLACK = 4 * 1024
 H100_SMS = 132  # an H100's / H200's SMs: a persistent kernel's CTAs when lowered off a GPU
 LOG2E = math.log2(math.e)
 # The ring's slots at most (the deepest that fits shared memory is taken up to this). A ring step's

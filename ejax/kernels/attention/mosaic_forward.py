@@ -39,8 +39,8 @@ from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HE
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
 BLOCK_KV = 64  # keys a ring slot: smaller tiles skip more of the pairs the ranges forbid
-# Ring slots; None: the deepest that fits shared memory up to MAX_STAGES (6 at head size 128 with a CTA
-# an item, 5 persistent). Was 2, too shallow to hide a copy's latency at 64-key steps (BENCHMARKS.md).
+# Ring slots; None: the deepest that fits shared memory up to MAX_STAGES (5 at head size 128 with a CTA
+# an item, 4 persistent; 6 at 64). Was 2, too shallow to hide a copy's latency at 64-key steps (BENCHMARKS.md).
 STAGES = None
 # A CTA an SM looping over the work items (static round-robin), its copying warpgroup fetching the
 # next item's Q and K/V while the compute ones finish the last: no CTA start-up between items. Else a

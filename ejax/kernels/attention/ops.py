@@ -162,7 +162,7 @@ def _once_per_shape(kernel, **static):
   2-core CPU (37.6 s on an H200's host with tokamax's forward, 2026-11-29), each lowering a Mosaic GPU
   module of its own. Used for ejax's kernels and tokamax's forward (its config is hashable)."""
   settings = tuple((module.__name__, name, value) for module in _KERNEL_SETTINGS for name, value in vars(module).items()
-                   if name.isupper() and isinstance(value, (bool, int, float, str)))
+                   if name.isupper() and isinstance(value, (bool, int, float, str, type(None))))
   key = (kernel, tuple(sorted(static.items())), settings)
   if key not in _ONCE_PER_SHAPE:
     _ONCE_PER_SHAPE[key] = jax.jit(functools.partial(kernel, **static))
