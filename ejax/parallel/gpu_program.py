@@ -246,8 +246,8 @@ def read(hlo_text: str) -> Program:
         kind = "collective" if op.removesuffix("-start").removesuffix("-done") in hlo.COLLECTIVES else op
         size = hlo.shape_bytes(operands) + hlo.shape_bytes(result)
       kernels.append(Kernel(kind, name, result[:80], runs, flops, float(size), peak_scale, computation))
-  # A conditional runs one of its branches (ops.py's attention: a kernel path or its fallback): the
-  # costliest is kept, the others' kernels and loops dropped.
+  # A conditional runs one of its branches (attention's packed-row routes, routes.py: a kernel path
+  # or its fallback): the costliest is kept, the others' kernels and loops dropped.
   dropped: set[str] = set()
   for branches in module.conditionals:
     reached = [module.reached(branch) for branch in branches]

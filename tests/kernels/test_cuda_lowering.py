@@ -225,7 +225,7 @@ def test_unmasked_attention_trains_on_cudnn_at_odd_lengths_under_remat(cudnn_h10
 def test_unmasked_attention_padded_to_even_lengths_computes_the_attention():
   """The padding itself, with jnp standing in for cuDNN: the padded key gets no weight, the padded
   query row is cut off, gradients match."""
-  from ejax.kernels.attention import ops
+  from ejax.kernels.attention import cudnn
 
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.normal(size=(2, 5, 2, 8)), jnp.float32)
@@ -238,8 +238,8 @@ def test_unmasked_attention_padded_to_even_lengths_computes_the_attention():
 
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(jax.nn, "dot_product_attention", xla_instead)
-    got = ops._cudnn_unmasked(q, k, v, 8**-0.5)
-    got_grads = jax.grad(lambda q, k, v: jnp.sum(ops._cudnn_unmasked(q, k, v, 8**-0.5) ** 2), (0, 1, 2))(q, k, v)
+    got = cudnn.unmasked(q, k, v, 8**-0.5)
+    got_grads = jax.grad(lambda q, k, v: jnp.sum(cudnn.unmasked(q, k, v, 8**-0.5) ** 2), (0, 1, 2))(q, k, v)
   want = attention_reference(q, k, v)
   want_grads = jax.grad(lambda q, k, v: jnp.sum(attention_reference(q, k, v) ** 2), (0, 1, 2))(q, k, v)
   np.testing.assert_allclose(got, want, atol=1e-5)

@@ -204,7 +204,7 @@ def test_an_fp8_gemm_floor_counts_its_flops_at_the_fp8_peak():
   assert kernel.floor_seconds("h100") == pytest.approx(kernel.flops / (2 * peak))  # compute-bound at 4096^3
 
 
-# ops.py's Mosaic attention route: a lax.cond between the Mosaic GPU kernel (fast path, where the key
+# routes.py's Mosaic attention route: a lax.cond between the Mosaic GPU kernel (fast path, where the key
 # ranges are valid) and a fallback; XLA prints a two-way conditional with true/false computations.
 CONDITIONAL = """
 HloModule jit_step, entry_computation_layout={(pred[], bf16[8,2048,64]{2,1,0})->bf16[8,2048,64]{2,1,0}}

@@ -5,7 +5,7 @@ max_segments(+1)], -1 padded) and runs each segment as its own sequence, so it d
 segments allow, unlike the dense-mask path (ops "cudnn"), which runs every pair of the row. It covers
 self-attention rows with the "bidirectional" and "causal" mask kinds (cuDNN's causal mask runs along
 the packed tokens: order keys must rise along each segment); "block_causal" has no cuDNN form.
-intervals.packed_segments checks the layout on device and ops.py falls back to ejax's kernel where
+intervals.packed_segments checks the layout on device and routes.py falls back to ejax's kernel where
 it does not hold. The entry point is jax's private `fused_attention_stablehlo.dot_product_attention`
 (jax.nn.dot_product_attention has no offsets argument).
 """
@@ -17,7 +17,7 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from ejax.kernels.attention.intervals import PackedSegments
 
-# The most segments one row may hold for the packed path (more: the layout check fails and ops.py
+# The most segments one row may hold for the packed path (more: the layout check fails and routes.py
 # falls back). cuDNN takes a static [batch, max_segments] table; a 4,096-token row of the VLA mix
 # holds ~10.
 MAX_SEGMENTS = 64

@@ -8,7 +8,7 @@ decrease along a segment. Then query i of segment s attends the keys of s from i
 the last whose order key is <= i's: one range.
 
 Whether a batch has that layout is data, known only on device, so every function here returns a
-traced `valid` flag beside its arrays; ops.py runs the external kernel under `lax.cond(valid, ...)`
+traced `valid` flag beside its arrays; routes.py runs the external kernel under `lax.cond(valid, ...)`
 with ejax's own kernel as the other branch, and every impl gives reference.py's answer on any input.
 """
 

@@ -18,7 +18,7 @@ recomputed in both kernels (7 matmuls a tile pair, as FlashAttention-2).
 
 Inputs are ejax's: q [batch, q_len, heads, d], k / v [batch, kv_len, kv_heads, d] (bf16 / f16),
 lse [batch, heads, q_len] f32 (natural log, 0 where a query sees no key), per query k_start / k_end
-[batch, q_len] (an empty range where it sees none). q_len and kv_len must be multiples of 128 (ops.py
+[batch, q_len] (an empty range where it sees none). q_len and kv_len must be multiples of 128 (routes.py
 pads them), d 64 or 128 (registers). Off GPU the kernels run in Mosaic GPU
 interpret mode (jax >= 0.11; tests), which has no wgmma from registers: there `mma` is a jnp dot.
 """
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejax.kernels import platform
-# available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (ops.py, the tests, the benchmark).
+# available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (routes.py, the tests, the benchmark).
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
     LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
     inner_ranges, item_part, kernel_params, kv_ring, kv_spans, mma, own_buffers, persistent_ctas, ring_stages,
@@ -98,7 +98,7 @@ def head_dim_fits(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: 
 
 
 def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int | None = None, persistent: bool = False) -> bool:
-  """Whether the kernels take these operands as they are (ops.py pads lengths first)."""
+  """Whether the kernels take these operands as they are (routes.py pads lengths first)."""
   return (available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
           and head_dim_fits(q.shape[-1], block_q, block_kv, stages, persistent)
           and q.shape[1] % LENGTH_MULTIPLE == 0 and k.shape[1] % LENGTH_MULTIPLE == 0

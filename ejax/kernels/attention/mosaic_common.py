@@ -20,7 +20,7 @@ from jax import lax
 
 from ejax.kernels import platform
 
-LENGTH_MULTIPLE = 128  # q_len and kv_len: whole CTA tiles of the kernels (ops.py pads to it)
+LENGTH_MULTIPLE = 128  # q_len and kv_len: whole CTA tiles of the kernels (routes.py pads to it)
 MEMORY_REGISTERS = 40  # a thread of the copying warpgroup (setmaxnreg); the compute ones share the rest
 SMEM_BYTES = 227 * 1024  # an H100's / H200's shared memory a CTA
 # Kept free beside the tiles for barriers and buffers aligned to 1 KB: a 6-slot forward ring at head

@@ -17,7 +17,7 @@ tiles that cross an edge of some query's range.
 Inputs are ejax's: q [batch, q_len, heads, d], k / v [batch, kv_len, kv_heads, d] (bf16 / f16), per
 query k_start / k_end [batch, q_len] (an empty range where it sees none). Returns out (q's dtype) and
 lse [batch, heads, q_len] f32 (natural log): both 0 where a query sees no key, the convention of the
-backward. q_len and kv_len multiples of 128 (ops.py pads them), d 64 or 128. Off GPU the kernel runs
+backward. q_len and kv_len multiples of 128 (routes.py pads them), d 64 or 128. Off GPU the kernel runs
 in Mosaic GPU interpret mode (jax >= 0.11; tests).
 """
 
@@ -77,7 +77,7 @@ def smem_bytes(head_dim: int, block_q: int = 64, block_kv: int = 64, stages: int
 
 def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int | None = None, compute_wgs: int = FWD_WGS,
              persistent: bool = False) -> bool:
-  """Whether the kernel takes these operands as they are (ops.py pads lengths first)."""
+  """Whether the kernel takes these operands as they are (routes.py pads lengths first)."""
   tile = LENGTH_MULTIPLE
   return (available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
           and q.shape[-1] % 64 == 0 and q.shape[-1] <= MAX_HEAD_DIM

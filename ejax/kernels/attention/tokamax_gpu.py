@@ -3,7 +3,7 @@
 tokamax (a DeepMind kernel library, jax >= 0.11.1, Python >= 3.12) has no segment ids in its public
 `dot_product_attention`, but its Mosaic GPU op takes a `Mask(k_start=..., k_end=...)`: per query one
 range of keys, and its SM90 kernel skips the kv blocks outside each q block's ranges, forward and
-backward. intervals.py turns packed segment masks into such ranges (ops.py keeps ejax's own kernel
+backward. intervals.py turns packed segment masks into such ranges (routes.py keeps ejax's own kernel
 for layouts that are not). Off GPU the same call runs tokamax's plain XLA op, for tests.
 
 tokamax imports `xprof` (a 31 MB wheel) at import time for its profiling benchmark helper only, which
