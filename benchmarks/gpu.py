@@ -76,7 +76,7 @@ FIGURES = (
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
     # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
     # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
-    # all lowered before the first was timed, since fixed in train_step.run_arms). The first arm compiles
+    # all lowered before the first was timed, since fixed in train_step_run.run_arms). The first arm compiles
     # alone while the next ones lower and is timed (profiled) at once; the rest then compile side by
     # side on the host's cores and run on the first's state (they have the same one). So a window fits
     # four: configured, then the goals never measured: seed_padded (packed >= 1.3x padded),

@@ -95,7 +95,7 @@ def test_profile_summary_reads_kernel_names_inside_cuda_graphs():
 
 
 def test_train_step_sets_the_profile_beside_the_kernel_models_floor():
-  from benchmarks.train_step import measured_vs_floor
+  from benchmarks.train_step_run import measured_vs_floor
   line = measured_vs_floor({"by_kind": {"matmul": 60.0, "attention": 8.0, "fusion": 30.0, "other": 1.0}},
                            {"floor_ms_by_kind": {"gemm": 39.5, "fusion": 22.5, "pallas": 2.8}})
   assert line == "measured / floor ms a step: gemm 60.0 / 39.5, pallas 8.0 / 2.8, fusion 30.0 / 22.5"
@@ -149,7 +149,7 @@ def test_the_fp8_frozen_arm_is_the_configured_step_with_frozen_fp8_copies():
 
 
 def test_arms_share_a_state_only_where_its_shapes_agree():
-  from benchmarks.train_step import state_signature
+  from benchmarks.train_step_run import state_signature
   from ejax.parallel import make_mesh
   from ejax.train.optim import make_optimizer
   from tests.train.helpers import tiny_config
@@ -170,7 +170,7 @@ def test_arms_share_a_state_only_where_its_shapes_agree():
 def _scheduled_arms(monkeypatch, compiles: dict, wait_s: float) -> dict:
   """run_arms over arms whose compiles are `compiles[label]()` and whose timing is a stand-in (the
   real arms run in the smoke test above): the order and figures run_arms gives them."""
-  from benchmarks import train_step
+  from benchmarks import train_step_run as train_step
 
   def prepare(config, example):
     return train_step.PreparedArm(config, {}, None, [], None, {}, ("state",), 0.01, compiles[config])
@@ -206,7 +206,7 @@ def test_a_stalled_compile_holds_back_no_other_arm(monkeypatch):
 def test_a_compile_that_never_ends_is_given_up_on(monkeypatch):
   import threading
 
-  from benchmarks import train_step
+  from benchmarks import train_step_run as train_step
 
   release = threading.Event()
   try:
@@ -227,7 +227,7 @@ def test_the_first_arm_is_timed_before_the_others_compile(monkeypatch):
   def compile_of(label):
     return lambda: (events.append(f"compile {label}"), ("compiled", 0.01))[1]
 
-  from benchmarks import train_step
+  from benchmarks import train_step_run as train_step
   real_record = train_step.record_arm
   monkeypatch.setattr(train_step, "record_arm", lambda results, label, *args, **kwargs: (
       events.append(f"time {label}"), real_record(results, label, *args, **kwargs))[1])
