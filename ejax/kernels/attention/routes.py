@@ -176,9 +176,10 @@ _ranged.defvjp(_ranged_fwd, _ranged_bwd)
 
 
 def attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale: float, block_sizes, interpret,
-              tokamax_config, exact):
-  """`impl`'s route where the rows are packed, `exact(q, k, v, impl=..., scale=..., block_sizes=...,
-  interpret=..., **mask_kwargs)` (ops.flash_attention with ejax's own kernel) for any other batch."""
+              tokamax_config, exact_attention):
+  """`impl`'s route where the rows are packed, `exact_attention(q, k, v, impl=..., scale=...,
+  block_sizes=..., interpret=..., **mask_kwargs)` (ops.flash_attention, given ejax's own kernel) for any
+  other batch."""
   batch, q_len, _, _ = q.shape
   kv_len = k.shape[1]
   on_gpu = platform.on_gpu()
@@ -231,6 +232,6 @@ def attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale: float, bl
   if _UNCHECKED.get():
     return _poisoned(fast(q, k, v), valid)
   fallback = "pallas" if on_gpu and pallas_gpu.supports(q, k) else "xla"
-  exact = functools.partial(exact, scale=scale, impl=fallback, block_sizes=block_sizes, interpret=interpret,
-                            **mask_kwargs)
+  exact = functools.partial(exact_attention, scale=scale, impl=fallback, block_sizes=block_sizes,
+                            interpret=interpret, **mask_kwargs)
   return jax.lax.cond(valid, fast, exact, q, k, v)
