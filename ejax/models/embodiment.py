@@ -15,6 +15,12 @@ from ejax.parallel import constrain
 from ejax.parallel.axes import ACT_BATCH, EMBED, EMBODIMENT, IN_FEATURES, MLP
 
 
+# Tables of at most this many rows run as one matmul a row over every sample (`_by_rows`), not as a
+# copy of a row a sample. train.embodiment_rows cuts the tables to the rows a run trains (one, for
+# GR00T's full config), and runlocal's have two.
+ROWS_BY_MATMUL = 4
+
+
 class CategorySpecificLinear(nnx.Module):
   """x [n, len, in] with ids [n] -> x @ W[id] + b[id]; W is named (EMBODIMENT, *axes)."""
 
@@ -30,13 +36,30 @@ class CategorySpecificLinear(nnx.Module):
     self.b = layers.make_param(rngs, layers.ZEROS, (num_categories, out_features), (EMBODIMENT, axes[1]), param_dtype)
 
   def __call__(self, x: jax.Array, category_ids: jax.Array) -> jax.Array:
+    table, bias, x = self.W[...], self.b[...], x.astype(self.dtype)
+    if table.shape[0] <= ROWS_BY_MATMUL:
+      return _by_rows(x, table.astype(self.dtype), bias.astype(self.dtype), category_ids)
     # Each sample's table lives with the sample (batch-sharded): XLA gathers the FSDP-sharded tables
     # whole, as it gathers any weight, and takes each device's samples' ones locally. Left to itself
     # it kept the tables' FSDP sharding on the taken copies and gathered the activations of the whole
     # global batch onto every device instead (GBs per device at 1,024 devices).
-    w = constrain(jnp.take(self.W[...], category_ids, axis=0).astype(self.dtype), (ACT_BATCH, None, None))  # [n, in, out]
-    b = constrain(jnp.take(self.b[...], category_ids, axis=0).astype(self.dtype), (ACT_BATCH, None))  # [n, out]
-    return jnp.einsum("nli,nio->nlo", x.astype(self.dtype), w) + b[:, None, :]
+    w = constrain(jnp.take(table, category_ids, axis=0).astype(self.dtype), (ACT_BATCH, None, None))  # [n, in, out]
+    b = constrain(jnp.take(bias, category_ids, axis=0).astype(self.dtype), (ACT_BATCH, None))  # [n, out]
+    return jnp.einsum("nli,nio->nlo", x, w) + b[:, None, :]
+
+
+def _by_rows(x: jax.Array, table: jax.Array, bias: jax.Array, category_ids: jax.Array) -> jax.Array:
+  """x [n, len, in] @ table[id] + bias[id] as one matmul a row over all n samples, each sample keeping
+  its own row's: the gather's values, up to the matmuls' order of summation. The gather copies a row for
+  every sample ([n, in, out]: at GR00T's full size 32 copies of up to 9 MB a table and step), reads them
+  in batched matmuls of 16 rows each, and in the backward writes per-sample gradients that a scatter
+  sums (BENCHMARKS.md: "The embodiment tables without a copy a sample"). A table of a few rows costs a
+  few matmuls of n x len rows instead. An id outside the table gets row 0's result (the gather's would
+  be NaN); the train step checks ids on the host (ejax.train.rows)."""
+  y = jnp.dot(x, table[0]) + bias[0]
+  for row in range(1, table.shape[0]):
+    y = jnp.where((category_ids == row)[:, None, None], jnp.dot(x, table[row]) + bias[row], y)
+  return y
 
 
 class CategorySpecificMLP(nnx.Module):
