@@ -11,13 +11,13 @@ host and waits for the device before it launches a branch (`syncing_conditionals
 conditional runs inside a CUDA graph (train.command_buffers).
 
 Per kernel: the bytes it reads and writes (operands and result; an operand a fusion only slices counts
-its slices, a dynamic-update-slice in place counts the update) and, for GEMMs (cuBLAS calls and
-fusions holding a dot, XLA's Triton GEMMs), 2 FLOPs per multiply-add. The floor of a kernel is
-max(FLOPs / peak, bytes / bandwidth); the program's floor is their sum. Of a conditional's branches
-the costliest counts (ejax's attention routes: a kernel path and its fallback behind a lax.cond).
-Pallas kernels (Triton and Mosaic GPU: the attention and FP8 kernels) count their bytes only: their
-arithmetic depends on the mask's active tiles, which the program does not hold (ejax.train.flops
-counts it).
+its slices, a gather the rows it takes, a dynamic-update-slice in place counts the update) and, for
+GEMMs (cuBLAS calls and fusions holding a dot, XLA's Triton GEMMs), 2 FLOPs per multiply-add. The floor
+of a kernel is max(FLOPs / peak, bytes / bandwidth); the program's floor is their sum. Of a
+conditional's branches the costliest counts (ejax's attention routes: a kernel path and its fallback
+behind a lax.cond). Pallas kernels (Triton and Mosaic GPU: the attention and FP8 kernels) count their
+bytes only: their arithmetic depends on the mask's active tiles, which the program does not hold
+(ejax.train.flops counts it).
 `launch_seconds` prices every launch on top of the floor: the one full-size step timed on a GPU puts
 it at ~5 us a launch, its host-synchronised loops' waits included (LAUNCH_SECONDS).
 """
@@ -145,7 +145,7 @@ def _fusion_body(lines: list[str]) -> _Body:
         shape, op, operands = instructions[user]
         if op == "bitcast":
           pending.append(user)
-        elif op in ("dynamic-slice", "slice") and operands[0] == value:
+        elif op in ("dynamic-slice", "slice", "gather") and operands[0] == value:  # a gather reads its rows
           total += hlo.shape_bytes(shape)
         elif not (op == "dynamic-update-slice" and operands[0] == value):  # updated in place: not read
           return None

@@ -182,6 +182,31 @@ def test_an_async_fusion_is_one_kernel_reading_its_slice():
   assert kernel.bytes == 2 * 256 * 256 + 4 + 2 * 256 * 256  # one layer read, written; not all four
 
 
+# A token embedding: a fusion gathers 512 rows of a 32,000-row table.
+GATHER_FUSION = """
+HloModule jit_step, entry_computation_layout={(bf16[32000,256]{1,0}, s32[512]{0})->bf16[512,256]{1,0}}
+
+%fused_gather (param_0: bf16[32000,256], param_1: s32[512]) -> bf16[512,256] {
+  %param_0 = bf16[32000,256]{1,0} parameter(0)
+  %param_1 = s32[512]{0} parameter(1)
+  %bitcast.1 = s32[512,1]{1,0} bitcast(s32[512]{0} %param_1)
+  %gather.1 = bf16[512,1,256]{2,1,0} gather(bf16[32000,256]{1,0} %param_0, s32[512,1]{1,0} %bitcast.1), offset_dims={1,2}, collapsed_slice_dims={}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,256}
+  ROOT %bitcast.2 = bf16[512,256]{1,0} bitcast(bf16[512,1,256]{2,1,0} %gather.1)
+}
+
+ENTRY %main (table: bf16[32000,256], ids: s32[512]) -> bf16[512,256] {
+  %table = bf16[32000,256]{1,0} parameter(0)
+  %ids = s32[512]{0} parameter(1)
+  ROOT %embed = bf16[512,256]{1,0} fusion(bf16[32000,256]{1,0} %table, s32[512]{0} %ids), kind=kLoop, calls=%fused_gather
+}
+"""
+
+
+def test_a_gather_reads_the_rows_it_takes_not_the_table():
+  (kernel,) = gpu_program.read(GATHER_FUSION).kernels
+  assert kernel.bytes == 2 * 512 * 256 + 4 * 512 + 2 * 512 * 256  # rows read, ids, rows written
+
+
 # XLA's cuBLASLt FP8 GEMM (model.fp8_impl="xla"): e4m3 operands with their scales.
 FP8_GEMM = """
 HloModule jit_step, entry_computation_layout={(f8e4m3fn[4096,4096]{1,0}, f8e4m3fn[4096,4096]{1,0}, f32[], f32[])->bf16[4096,4096]{1,0}}
