@@ -69,7 +69,8 @@ RING_OF_2 = ((mosaic_forward, "STAGES", 2), (mosaic_backward, "STAGES", 2))
 PERSISTENT = ((mosaic_forward, "PERSISTENT", True), (mosaic_backward, "PERSISTENT", True))
 DKV_2 = ((mosaic_backward, "DKV_WGS", 2),)
 BACKWARD_RS = ((mosaic_backward, "OPERANDS_IN_REGISTERS", True),)  # the score wgmmas' own operands
-MOSAIC_OWN_VARIANTS = (("rings of 2 slots", RING_OF_2), ("persistent", PERSISTENT), ("persistent, backward operands in registers", PERSISTENT + BACKWARD_RS),
+MOSAIC_OWN_VARIANTS = (("rings of 2 slots", RING_OF_2), ("K waited for during PV", ((mosaic_forward, "K_WAIT_DURING_PV", True),)),
+                       ("persistent", PERSISTENT), ("persistent, backward operands in registers", PERSISTENT + BACKWARD_RS),
                        ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
                        ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
                        ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),

@@ -22,6 +22,9 @@ For the jax the GPU machines carry (0.11.2), the same over .venv-jax011 (.ci/jax
   python3.12 -m venv .venv-cuda011
   echo "$PWD/.venv-jax011/lib/python3.12/site-packages" > .venv-cuda011/lib/python3.12/site-packages/ejax.pth
   .venv-cuda011/bin/pip install "jax-cuda12-plugin[with-cuda]==0.11.2"
+
+and for the newest jax (0.12.0.1 on 2026-11-30; `JAX=0.12.0.1 .ci/jax011-venv` builds .venv-jax012) the
+same with 012 and 0.12.0.1.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from ejax.kernels import platform
 # available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (routes.py, the tests, the benchmark).
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
     LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
-    inner_ranges, item_part, kernel_params, kv_ring, kv_spans, mma, own_buffers, persistent_ctas, ring_stages,
+    inner_ranges, item_part, kernel_params, kv_ring, kv_spans, load, mma, own_buffers, persistent_ctas, ring_stages,
     store_item, work_items)
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
@@ -196,7 +196,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       def _item(h, qi, b, j, g):
         lo, steps, block, rows_q, buf = item_part(lo_ref, hi_ref, b, qi, j, wg, DQ_WGS, block_q)
         q_s, do_s = q_smem.at[buf], do_smem.at[buf]
-        lse2, delta_, start, end = (plgpu.load(rows_ref.at[b, h, i, rows_q], (), layout=row_layout, optimized=False)
+        lse2, delta_, start, end = (load(rows_ref.at[b, h, i, rows_q], row_layout, optimized=False)
                                     for i in range(4))
         inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
         # This warpgroup computes only the kv tiles its own queries' ranges touch, steps [first, last) of
@@ -207,8 +207,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         plgpu.barrier_wait(do_bar.at[buf])
         # Q and dO in registers for the two score wgmmas (RS), as the forward's Q (mosaic_forward.py).
         held = OPERANDS_IN_REGISTERS and not interpret
-        q_op = plgpu.load(q_s, (), layout=wgmma_layout) if held else q_s
-        do_op = plgpu.load(do_s, (), layout=wgmma_layout) if held else do_s
+        q_op = load(q_s, wgmma_layout) if held else q_s
+        do_op = load(do_s, wgmma_layout) if held else do_s
         shape = (block_q, block_kv)
         row = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
@@ -296,7 +296,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         # K alone, and with one compute warpgroup: with V too it spilled 144 bytes a thread at head size
         # 128, with two warpgroups 16 (ptxas, compile-only H100).
         held = OPERANDS_IN_REGISTERS and not interpret and DKV_WGS == 1
-        k_op = plgpu.load(k_s, (), layout=wgmma_layout) if held else k_s
+        k_op = load(k_s, wgmma_layout) if held else k_s
         v_op = v_s
         shape = (block_kv, block_q)
         col = lambda x: lax.broadcast_in_dim(x, shape, [1])
@@ -314,7 +314,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           s_t = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
           # The per-query rows are read from shared memory where they are used, not held in registers
           # across the step: the dK/dV warpgroup is the one that runs short of them.
-          row = lambda r: col(plgpu.load(rows_smem.at[slot, r], (), layout=col_layout))
+          row = lambda r: col(load(rows_smem.at[slot, r], col_layout))
           plgpu.barrier_wait(rows_bar.at[slot])
           p_t = jnp.exp2(s_t * c - row(0))
 

@@ -109,18 +109,34 @@ def kernel_params(interpret: bool) -> tuple[dict, str, str]:
   return (params,) + (("out_type", "scratch_types") if new_names else ("out_shape", "scratch_shapes"))
 
 
-def mma(acc, lhs, rhs, interpret: bool):
+def load(ref, layout, optimized: bool = True):
+  """The whole of `ref` into registers in `layout` (plgpu.load): jax 0.11 takes an index after the ref
+  (`()`: all of it), jax 0.12 takes the ref alone (index it with .at first)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
+  return plgpu.load(ref, layout=layout, optimized=optimized)
+
+
+def mma(acc, lhs, rhs, interpret: bool, meanwhile=None):
   """acc + lhs @ rhs (lhs in registers, rhs in shared memory) on the tensor cores, waited for.
-  Interpret mode runs neither a register operand nor an accumulator-initialised wgmma (run_state),
-  so there the same sum is a dot of the values."""
+  `meanwhile()`, if given, runs after the wgmma is issued and before it is waited for (a barrier wait
+  for the next step's operand, as jax's Mosaic GPU attention example does). Interpret mode runs neither
+  a register operand nor an accumulator-initialised wgmma (run_state), so there the same sum is a dot
+  of the values."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   if interpret:
+    if meanwhile is not None:
+      meanwhile()
     return acc + jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
 
   def accumulate(ref):
     plgpu.wgmma(ref, lhs, rhs)
+    if meanwhile is not None:
+      meanwhile()
 
   return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
 

@@ -33,7 +33,7 @@ from jax import lax
 from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
                                                   compute_registers, copying_warpgroup, inner_ranges, item_part,
-                                                  kernel_params, kv_ring, kv_spans, mma, own_buffers, persistent_ctas,
+                                                  kernel_params, kv_ring, kv_spans, load, mma, own_buffers, persistent_ctas,
                                                   ring_stages, store_item, work_items)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
@@ -52,6 +52,10 @@ PERSISTENT = False
 # k-step of 16, 64 x 64 x 16 x 2 flops at 4,096 a clock), before the TMA copies write theirs: it could
 # not run at the tensor cores' rate. From registers it reads B only, 64 bytes a clock.
 Q_IN_REGISTERS = True
+# The next step's K waited for while this step's PV wgmma runs, not after it (jax's Mosaic GPU attention
+# example does so): the wait, and a copy still landing, leave the warpgroup's tensor-core phase.
+# Off until a GPU times it beside the form measured on 2026-11-29.
+K_WAIT_DURING_PV = False
 LN2 = math.log(2.0)
 
 
@@ -109,6 +113,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   block_kv = BLOCK_KV if block_kv is None else block_kv
   persistent = PERSISTENT if persistent is None else persistent
   q_in_registers = Q_IN_REGISTERS
+  early_k = K_WAIT_DURING_PV
   pingpong = (PINGPONG if pingpong is None else pingpong) and wgs == 2
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
@@ -159,7 +164,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
       def _item(h, qi, b, j, g):
         lo, steps, block, rows_q, buf = item_part(cta_lo_ref, cta_hi_ref, b, qi, j, wg, wgs, block_q)
         q_s = q_smem.at[buf]
-        start, end = (plgpu.load(ranges_ref.at[b, i, rows_q], (), layout=row_layout, optimized=False)
+        start, end = (load(ranges_ref.at[b, i, rows_q], row_layout, optimized=False)
                       for i in range(2))
         first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
         last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
@@ -167,11 +172,14 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
         plgpu.barrier_wait(q_bar.at[buf])
         # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS).
-        q_regs = plgpu.load(q_s, (), layout=wgmma_layout) if q_in_registers and not interpret else None
+        q_regs = load(q_s, wgmma_layout) if q_in_registers and not interpret else None
+
+        def wait_k(i):
+          plgpu.barrier_wait(k_bar.at[lax.rem(g + i, stages)])
 
         def pass_by(i):  # a tile of the ring outside this warpgroup's span
           slot = lax.rem(g + i, stages)
-          plgpu.barrier_wait(k_bar.at[slot])
+          wait_k(i)
           plgpu.barrier_arrive(k_free.at[slot])
           take_turn()
           take_turn()
@@ -181,7 +189,8 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         def step(i, carry):
           acc, m, l = carry
           slot = lax.rem(g + i, stages)
-          plgpu.barrier_wait(k_bar.at[slot])
+          if not early_k:
+            wait_k(i)
 
           def scores(s_ref):
             plgpu.wgmma(s_ref, q_s if q_regs is None else q_regs, k_smem.at[slot].T)
@@ -214,7 +223,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           plgpu.barrier_wait(v_bar.at[slot])
           if pingpong:
             plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
-          acc = mma(acc, p16, v_smem.at[slot], interpret)
+          # early_k: step i + 1's K (waited for here, not at its start) while the PV wgmma runs.
+          meanwhile = (lambda: pl.when(i + 1 < last)(lambda: wait_k(i + 1))) if early_k else None
+          acc = mma(acc, p16, v_smem.at[slot], interpret, meanwhile)
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l
 
@@ -223,6 +234,8 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
         pl.when(wg == 1)(take_turn)  # offsets the two warpgroups by one turn
         pl.loop(0, first)(pass_by)
+        if early_k:
+          pl.when(first < last)(lambda: wait_k(first))
         acc, m, l = lax.fori_loop(first, last, step, (acc, m, l))
         pl.loop(last, steps)(pass_by)
         pl.when(wg == 0)(take_turn)
