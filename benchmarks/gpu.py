@@ -255,10 +255,12 @@ def gpu_samples_summary(process) -> dict:
           "power_w_max": column(1)[-1], "temperature_c_max": column(2)[-1], "utilization_median": use[len(use) // 2]}
 
 
-def last_figure_line(output: str) -> str:
-  """The benchmark's `<figure>: <value> (goal <goal>)` line (the last line that has one)."""
+def last_figure_line(output: str, stdout: str = "") -> str:
+  """The benchmark's `<figure>: <value> (goal <goal>)` line (the last line that has one), else the last
+  line it printed to stdout (the startup line), else the output's last. `output` holds stderr too, whose
+  warnings come after stdout (jax 0.12 warns that `with mesh:` is deprecated)."""
   lines = [line for line in output.strip().splitlines() if "(goal" in line]
-  return lines[-1] if lines else (output.strip().splitlines() or [""])[-1]
+  return lines[-1] if lines else (stdout.strip().splitlines() or output.strip().splitlines() or [""])[-1]
 
 
 def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dict) -> dict:
@@ -272,16 +274,17 @@ def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dic
   start, sampler = time.time(), (None if smoke else start_gpu_samples())
   try:
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-    output, code, timed_out = done.stdout + done.stderr, done.returncode, False
+    stdout, code, timed_out = done.stdout, done.returncode, False
+    output = stdout + done.stderr
   except subprocess.TimeoutExpired as error:
-    output = ((error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else (error.stdout or ""))
-    output += ((error.stderr or b"").decode(errors="replace") if isinstance(error.stderr, bytes) else (error.stderr or ""))
+    stdout = ((error.stdout or b"").decode(errors="replace") if isinstance(error.stdout, bytes) else (error.stdout or ""))
+    output = stdout + ((error.stderr or b"").decode(errors="replace") if isinstance(error.stderr, bytes) else (error.stderr or ""))
     code, timed_out = None, True
   seconds = time.time() - start
   # tokamax logs one line per kernel shape its autotuning cache lacks (thousands of characters each)
   output = "\n".join(line for line in output.splitlines() if "Autotuning cache miss" not in line)
   result = {"name": figure.name, "command": " ".join(args), "returncode": code, "timed_out": timed_out,
-            "seconds": round(seconds, 1), "line": last_figure_line(output), "output": output[-20000:],
+            "seconds": round(seconds, 1), "line": last_figure_line(output, stdout), "output": output[-20000:],
             "gpu": gpu_samples_summary(sampler)}
   if os.path.exists(data_path):
     with open(data_path) as f:

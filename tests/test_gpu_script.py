@@ -302,3 +302,17 @@ def test_the_gpu_samples_beside_a_figure_give_its_clock_and_power_range():
                                                 "power_w_max": 700.1, "temperature_c_max": 70.0,
                                                 "utilization_median": 99.0}
   assert gpu.gpu_samples_summary(None) == {}
+
+
+def test_a_figure_line_is_found_before_the_warnings_printed_after_it():
+  """A figure's line is its last `(goal` line, else the last line it printed to stdout: warnings on
+  stderr come after it in the output (jax 0.12's `with mesh:` deprecation did, and the startup
+  figure's line became the warning's source line)."""
+  from benchmarks import gpu
+
+  stdout = "state: built\nstartup configs/groot.py: state 1.6 s, train step compile 45.7 s (cpu)\n"
+  stderr = "train_step.py:181: DeprecationWarning: `with mesh:` is deprecated\n  with mesh, sharding_context(mesh, rules):\n"
+  assert gpu.last_figure_line(stdout + stderr, stdout) == stdout.splitlines()[-1]
+  figure = "attention: 179.1 TFLOP/s (goal 300)\n"
+  assert gpu.last_figure_line(figure + "more\n" + stderr, figure + "more\n") == figure.strip()
+  assert gpu.last_figure_line("only stderr\n") == "only stderr"
