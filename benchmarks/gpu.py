@@ -258,7 +258,7 @@ def gpu_samples_summary(process) -> dict:
 def last_figure_line(output: str, stdout: str = "") -> str:
   """The benchmark's `<figure>: <value> (goal <goal>)` line (the last line that has one), else the last
   line it printed to stdout (the startup line), else the output's last. `output` holds stderr too, whose
-  warnings come after stdout (jax 0.12 warns that `with mesh:` is deprecated)."""
+  warnings come after stdout (jax 0.12 printed a DeprecationWarning there)."""
   lines = [line for line in output.strip().splitlines() if "(goal" in line]
   return lines[-1] if lines else (stdout.strip().splitlines() or output.strip().splitlines() or [""])[-1]
 

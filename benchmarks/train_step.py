@@ -178,7 +178,7 @@ def startup(config_path: str, per_device_batch: int, unscanned: bool = False) ->
     step = jit_train_step(make_train_step(model_parts(model_config), tx, schedule, config.train), plan.shardings,
                           {k: v.sharding for k, v in batch.items()}, mesh)
     start, cpu_start = time.perf_counter(), time.process_time()
-    with mesh, sharding_context(mesh, rules):
+    with sharding_context(mesh, rules):
       compiled = step.lower(abstract_state, batch).compile()
     memory = compiled.memory_analysis()
     return (time.perf_counter() - start, time.process_time() - cpu_start,

@@ -115,7 +115,7 @@ def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: di
   if shared is not None and not reused:
     shared.clear()  # the last arm's state goes before this one's is made
     gc.collect()
-  with mesh, sharding_context(mesh, rules):
+  with sharding_context(mesh, rules):
     start = time.perf_counter()
     if reused:
       state = shared.pop("state")

@@ -31,6 +31,9 @@ from flax import nnx  # noqa: E402
 from ejax.config.runtime import enable_compilation_cache  # noqa: E402
 
 nnx.use_eager_sharding(False)
+# ejax names its mesh wherever it places or constrains (NamedSharding, shard_map(mesh=...)) and never
+# enters one with `with mesh:`, which jax 0.12 deprecates: any use of that form fails the suite.
+jax.config.update("jax_disallow_mesh_context_manager", True)
 # Many tests compile the same small programs (a train step per mesh, say): compile each once per
 # session, in a fresh directory that the session's first process (xdist's controller, or the only
 # one) makes and its workers inherit, so both share it (entries are read and written under a file

@@ -125,7 +125,7 @@ def lower_train_step(config, mesh, batch: dict):
   abstract, shardings = abstract_train_state(config.model, config.train, tx, mesh, rules)
   step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train),
                         shardings, {k: v.sharding for k, v in batch.items()}, mesh)
-  with mesh, sharding_context(mesh, rules):  # as the trainer traces it (ejax/train/loop.py)
+  with sharding_context(mesh, rules):  # as the trainer traces it (ejax/train/loop.py)
     lowered = step.lower(abstract_target(abstract, shardings), batch)
   return lowered, abstract, shardings, tx
 

@@ -141,7 +141,7 @@ def encode(config: ConfigDict) -> dict:
   mesh = make_mesh(config.mesh.to_dict())
   rules = [tuple(rule) for rule in config.sharding_rules]
   batch_size = int(config.train.global_batch_size)
-  with mesh, sharding_context(mesh, rules):
+  with sharding_context(mesh, rules):
     model, frozen = frozen_model(config, mesh, rules)
     graphdef, state = nnx.split(model)
     run = lambda fn: jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args))

@@ -140,7 +140,6 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
           "norm_stats": to_jsonable(getattr(data_iter, "norm_stats", None))}
 
   # --- The first batch and the step (before a fresh state: the step then compiles beside it) ----
-  cleanup.enter_context(mesh)
   cleanup.enter_context(sharding_context(mesh, rules))
   batch_axis = 1 if train_cfg.grad_accum_steps > 1 else 0  # micro-batches stack on axis 0
   rows = embodiment_rows.from_train(train_cfg)

@@ -502,8 +502,7 @@ def _merge_trees(a: dict, b: dict) -> dict:
 def create_train_state(model_config, train, tx, mesh: Mesh, rules: Rules, seed: int) -> tuple[TrainState, Any]:
   """Initialises the state directly into its shardings; returns (state, shardings)."""
   plan = plan_train_state(model_config, train, tx, mesh, rules, seed)
-  with mesh:
-    state = materialize(plan)
+  state = materialize(plan)
   return state, plan.shardings
 
 

@@ -82,7 +82,7 @@ def test_a_cached_batch_gives_the_in_step_loss(cached):
     np.testing.assert_array_equal(cached_batch[key], in_step_batch[key], err_msg=key)
   mesh = make_mesh(config.mesh.to_dict())
   rules = [tuple(rule) for rule in config.sharding_rules]
-  with mesh, sharding_context(mesh, rules):
+  with sharding_context(mesh, rules):
     model, frozen = encode_job.frozen_model(config, mesh, rules)
     assert encoder_cache.fingerprint(frozen, ["vae"]) != encoder_cache.fingerprint(frozen, ["text_encoder"])
     reader.check_frozen(frozen)                     # the trainer's weights: accepted
@@ -130,7 +130,7 @@ def test_a_stale_damaged_or_unfinished_cache_is_one_error(cached, tmp_path):
   other.seed = 1
   mesh = make_mesh(other.mesh.to_dict())
   rules = [tuple(rule) for rule in other.sharding_rules]
-  with mesh, sharding_context(mesh, rules):
+  with sharding_context(mesh, rules):
     _, frozen = encode_job.frozen_model(other, mesh, rules)
   reader = encoder_cache.CachedBatches(directory, config=config, batch_size=BATCH, seed=0)
   with pytest.raises(DataError, match="other frozen weights"):
@@ -176,7 +176,7 @@ def test_refresh_rewrites_a_cache_of_other_frozen_weights(dataset, tmp_path):
   before = encoder_cache.read_manifest(directory)["frozen"]["fingerprint"]
   mesh = make_mesh(config.mesh.to_dict())
   rules = [tuple(rule) for rule in config.sharding_rules]
-  with mesh, sharding_context(mesh, rules):
+  with sharding_context(mesh, rules):
     _, frozen = encode_job.frozen_model(config, mesh, rules)
   reader = encode_job.open_cache(config, batch_size=BATCH)   # its settings match: opened as it is
   next(reader)

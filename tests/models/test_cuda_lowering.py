@@ -56,8 +56,7 @@ def _lowered_train_step(config) -> str:
   batch = _abstract_batch(config, mesh, rules)
   step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train),
                         shardings, {k: v.sharding for k, v in batch.items()}, mesh)
-  with mesh:
-    return lower_for_cuda(step, state, batch)
+  return lower_for_cuda(step, state, batch)
 
 
 @pytest.mark.parametrize("path", MODELS)

@@ -32,16 +32,15 @@ def train_on_example(config, steps: int, *, read_before=None, mesh_shape=(1, 1, 
   arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
   if accum > 1:
     arrays = {k: v.reshape((accum, -1) + v.shape[1:]) for k, v in arrays.items()}
-  with mesh:
-    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
-    kept = read_before(state) if read_before else None
-    batch = global_batch(arrays, mesh, rules, batch_axis=int(accum > 1))
-    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
-                          jax.tree.map(lambda x: x.sharding, batch), mesh)
-    losses = []
-    for _ in range(steps):
-      state, metrics = step(state, batch)
-      losses.append(float(metrics["loss"]))
+  state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+  kept = read_before(state) if read_before else None
+  batch = global_batch(arrays, mesh, rules, batch_axis=int(accum > 1))
+  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
+                        jax.tree.map(lambda x: x.sharding, batch), mesh)
+  losses = []
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
   return kept, state, shardings, losses
 
 
@@ -108,17 +107,16 @@ def groot_steps(steps: int = 2, **train):
   example = get_model_spec("groot").example_batch(config.model, 4, 0)
   arrays = {k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object}
   arrays["embodiment_id"] = np.ones_like(arrays["embodiment_id"])  # every sample is robot 1
-  with mesh:
-    state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
-    before = tables(state.params)
-    accum = int(config.train.grad_accum_steps)
-    if accum > 1:  # micro-batches stacked on axis 0, as ejax/train/inputs.py stacks them
-      arrays = {k: v.reshape((accum, -1) + v.shape[1:]) for k, v in arrays.items()}
-    batch = global_batch(arrays, mesh, rules, batch_axis=int(accum > 1))
-    step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
-                          jax.tree.map(lambda x: x.sharding, batch), mesh)
-    for _ in range(steps):
-      state, metrics = step(state, batch)
+  state, shardings = create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+  before = tables(state.params)
+  accum = int(config.train.grad_accum_steps)
+  if accum > 1:  # micro-batches stacked on axis 0, as ejax/train/inputs.py stacks them
+    arrays = {k: v.reshape((accum, -1) + v.shape[1:]) for k, v in arrays.items()}
+  batch = global_batch(arrays, mesh, rules, batch_axis=int(accum > 1))
+  step = jit_train_step(make_train_step(model_parts(config.model), tx, schedule, config.train), shardings,
+                        jax.tree.map(lambda x: x.sharding, batch), mesh)
+  for _ in range(steps):
+    state, metrics = step(state, batch)
   return before, state, metrics
 
 

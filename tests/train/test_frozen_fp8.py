@@ -109,8 +109,7 @@ def test_input_scales_bound_what_the_projections_read(monkeypatch):
   config = _config(True)
   mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
   tx, _ = make_optimizer(config.train)
-  with mesh:
-    state, _ = create_train_state(config.model, config.train, tx, mesh, [tuple(r) for r in config.sharding_rules], 0)
+  state, _ = create_train_state(config.model, config.train, tx, mesh, [tuple(r) for r in config.sharding_rules], 0)
   model = compute_model(model_parts(config.model).graphdef, state.params, state.frozen, state.rest, jnp.float32)
   paths = {id(node.kernel): tuple(path) + ("kernel",) for path, node in nnx.iter_graph(model)
            if hasattr(type(node), "FP8_CONTRACTED")}

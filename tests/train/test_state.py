@@ -41,8 +41,7 @@ def test_device_initialised_state_equals_the_traced_init_bit_for_bit(which, monk
   config.train.ema_decay = 0.99  # the EMA copy too
   mesh, rules, tx = _setup(config)
   plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=5)
-  with mesh:
-    built = state_lib.materialize(plan)
+  built = state_lib.materialize(plan)
   traced = _traced_state(config, plan.shardings, seed=5)
   assert jax.tree.structure(built) == jax.tree.structure(traced)
   # Parameters made outside layers.make_param (tiny's position table and nnx.Embed: values written in
@@ -76,12 +75,10 @@ def test_host_drawn_parameters_follow_the_initializers_distributions():
   fp8_model.update(fp8=True, fp8_impl="xla_delayed")  # + the program priming the FP8 histories
   fp8 = state_lib.plan_train_state(fp8_model, config.train, tx, mesh, rules, seed=2)
   assert state_lib.compile_state_init(fp8)["programs"] == 1
-  with mesh:
-    built, again = state_lib.materialize(plan), state_lib.materialize(plan)
+  built, again = state_lib.materialize(plan), state_lib.materialize(plan)
   traced = _traced_state(config, plan.shardings, seed=2)
   other = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=3)
-  with mesh:
-    reseeded = state_lib.materialize(other)
+  reseeded = state_lib.materialize(other)
   compared = 0
   for a, b, c, d in zip(*(jax.tree.leaves(s.params) for s in (built, again, traced, reseeded))):
     a, b, c, d = (np.asarray(x) for x in (a, b, c, d))
@@ -108,8 +105,7 @@ def test_the_compute_copy_starts_as_the_cast_weights_made_by_one_small_program()
   mesh, rules, tx = _setup(config)
   plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=1)
   assert state_lib.compile_state_init(plan)["programs"] == 1
-  with mesh:
-    built = state_lib.materialize(plan)
+  built = state_lib.materialize(plan)
   copy = optim.compute_copy(built.opt_state)
   pairs = list(zip(jax.tree.leaves(copy), jax.tree.leaves(built.params)))
   assert pairs and len(pairs) == len(jax.tree.leaves(built.params))
@@ -141,9 +137,8 @@ def test_loaded_weights_are_placed_and_the_rest_initialised():
   for key in path[:-1]:
     node = node.setdefault(key, {})
   node[path[-1]] = value
-  with mesh:
-    built = state_lib.materialize(plan, pure)
-    reference = state_lib.materialize(plan)
+  built = state_lib.materialize(plan, pure)
+  reference = state_lib.materialize(plan)
   got = dict(nnx.to_flat_state(built.params))
   np.testing.assert_array_equal(np.asarray(got[path].get_value()), value)
   for (p, a), (_, b) in zip(nnx.to_flat_state(built.params), nnx.to_flat_state(reference.params)):
@@ -170,8 +165,7 @@ def test_the_train_job_starts_from_imported_weights(tmp_path):
 
   mesh, rules, tx = _setup(config)
   plan = state_lib.plan_train_state(config.model, config.train, tx, mesh, rules, seed=0)
-  with mesh:
-    state = state_lib.materialize(plan, state_lib.read_weights(str(tmp_path / "imported"), plan))
+  state = state_lib.materialize(plan, state_lib.read_weights(str(tmp_path / "imported"), plan))
   got = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state.params)}
   assert got.keys() == imported.keys()
   for name, value in imported.items():
@@ -188,8 +182,7 @@ def test_the_train_job_starts_from_imported_weights(tmp_path):
   step_dir = tmp_path / "run" / "checkpoints"
   saved = ocp.StandardCheckpointer().restore(str(step_dir / str(numbered(str(step_dir))[-1]) / "state"))
   trained = saved["ema_params"] if saved.get("ema_params") else saved["params"]
-  with mesh:
-    state = state_lib.materialize(plan, state_lib.read_weights(str(tmp_path / "run"), plan))
+  state = state_lib.materialize(plan, state_lib.read_weights(str(tmp_path / "run"), plan))
   got = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state.params)}
   want = state_lib._flat_pure(state_lib._strip_values(trained))
   assert got.keys() == want.keys()
