@@ -72,7 +72,7 @@ class StackedRMSNorm(nnx.Module):
   def __init__(self, depth: int, width: int, *, dtype=jnp.float32):
     shape = (depth, width) if depth else (width,)
     names = (ax.LAYERS, ax.NORM) if depth else (ax.NORM,)
-    self.scale = nnx.Param(jnp.zeros(shape, dtype), sharding_names=names)
+    self.scale = nnx.Param(jnp.zeros(shape, dtype), out_sharding=names)
 
 
 class StackedAdaRMSNorm(nnx.Module):
@@ -86,8 +86,8 @@ class StackedAdaRMSNorm(nnx.Module):
     lead = (depth,) if depth else ()
     lead_names = (ax.LAYERS,) if depth else ()
     self.kernel = nnx.Param(jnp.zeros(lead + (cond_dim, 3 * width), dtype),
-                            sharding_names=lead_names + (ax.EMBED, ax.MLP))
-    self.bias = nnx.Param(jnp.zeros(lead + (3 * width,), dtype), sharding_names=lead_names + (ax.NORM,))
+                            out_sharding=lead_names + (ax.EMBED, ax.MLP))
+    self.bias = nnx.Param(jnp.zeros(lead + (3 * width,), dtype), out_sharding=lead_names + (ax.NORM,))
 
 
 def _norm(depth: int, config: GemmaConfig, dtype):
@@ -129,7 +129,7 @@ def add_fp8_history(decoder: "GemmaDecoder") -> None:
   """Gives the decoder's feed-forward the amax histories of delayed-scaling FP8 (DELAYED_IMPLS): one
   per GEMM (FEED_FORWARD_FP8_SITES) a layer, stacked like the weights."""
   shape = new_history(decoder.config.depth, len(FEED_FORWARD_FP8_SITES))
-  decoder.layers.fp8_history = Fp8History(shape, sharding_names=(ax.LAYERS, None, None, None))
+  decoder.layers.fp8_history = Fp8History(shape, out_sharding=(ax.LAYERS, None, None, None))
 
 
 # Adapter weight shapes per einsum weight, as openpi's lora.Einsum / lora.FeedForward make them
@@ -191,7 +191,7 @@ class GemmaDecoder(nnx.Module):
     """Token ids [B, T] -> [B, T, D], scaled by sqrt(width) as Gemma does."""
     if self.embedder is None:
       raise ValueError("this Gemma decoder has vocab_size=0 and no token embedder; feed embeddings")
-    table = self.embedder.value.astype(dtype)
+    table = self.embedder[...].astype(dtype)
     return table[tokens] * jnp.sqrt(float(self.config.width)).astype(dtype)
 
 
@@ -312,28 +312,28 @@ def layer_weights(decoder: GemmaDecoder, dtype) -> dict:
   compute dtype. A sampling loop makes them once and passes them to run_mixture's every call: XLA:GPU
   (a compile-only H100, jaxlib 0.9.2) leaves the cast inside a fori_loop, once a denoising step."""
   layers = decoder.layers
-  weights = {name: getattr(layers, name).value.astype(dtype)
+  weights = {name: getattr(layers, name)[...].astype(dtype)
              for name in ("q_einsum", "kv_einsum", "attn_vec_einsum", "gating_einsum", "linear")}
   history = getattr(layers, "fp8_history", None)
   if history is not None:  # delayed-scaling FP8 feed-forward: [depth, sites, 3, history], not cast
-    weights["fp8_history"] = history.value
+    weights["fp8_history"] = history[...]
   lora = getattr(layers, "lora", None)
   if lora is not None:
-    weights["lora"] = {f"{name}_{part}": getattr(lora, f"{name}_{part}").value.astype(dtype)
+    weights["lora"] = {f"{name}_{part}": getattr(lora, f"{name}_{part}")[...].astype(dtype)
                        for name in lora.names() for part in "ab"}
     weights["lora_scale"] = jnp.full((decoder.config.depth,), lora.scale, dtype)  # scanned with the layers
   for norm_name in ("pre_attention_norm", "pre_ffw_norm"):
     norm = getattr(layers, norm_name)
-    weights[norm_name] = ({"scale": norm.scale.value} if isinstance(norm, StackedRMSNorm)
-                          else {"kernel": norm.kernel.value, "bias": norm.bias.value})
+    weights[norm_name] = ({"scale": norm.scale[...]} if isinstance(norm, StackedRMSNorm)
+                          else {"kernel": norm.kernel[...], "bias": norm.bias[...]})
   return weights
 
 
 def _final_norm_weights(decoder: GemmaDecoder) -> dict:
   norm = decoder.final_norm
   if isinstance(norm, StackedRMSNorm):
-    return {"scale": norm.scale.value}
-  return {"kernel": norm.kernel.value, "bias": norm.bias.value}
+    return {"scale": norm.scale[...]}
+  return {"kernel": norm.kernel[...], "bias": norm.bias[...]}
 
 
 def run_mixture(

@@ -107,10 +107,10 @@ def make_param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], names: S
   records = _deferred.get()
   if records is not None:
     shape, dtype = tuple(int(n) for n in shape), jnp.dtype(param_dtype)
-    param = nnx.Param(jax.ShapeDtypeStruct(shape, dtype), sharding_names=tuple(names))
+    param = nnx.Param(jax.ShapeDtypeStruct(shape, dtype), out_sharding=tuple(names))
     records[id(param)] = (param, DeferredInit(init, param_key(rngs), shape, dtype))
     return param
-  return nnx.Param(init(param_key(rngs), tuple(shape), param_dtype), sharding_names=tuple(names))
+  return nnx.Param(init(param_key(rngs), tuple(shape), param_dtype), out_sharding=tuple(names))
 
 
 def with_adapter(projection: nnx.Module, x: jax.Array, y: jax.Array) -> jax.Array:

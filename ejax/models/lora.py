@@ -99,16 +99,16 @@ def _projections(module: nnx.Module, targets: tuple[str, ...]):
   kinds = {"attn": (layers.Attention,), "ffn": (layers.MLP, layers.GatedMLP)}
   wanted = tuple(kind for target in targets for kind in kinds[target])
   found = []
-  for _, block in module.iter_modules():
+  for _, block in nnx.iter_modules(module):
     if isinstance(block, wanted):
-      for _, child in block.iter_modules():
+      for _, child in nnx.iter_modules(block):
         if type(child) in _PROJECTIONS:
           found.append((child, _PROJECTIONS[type(child)]))
   return found
 
 
 def _find(model: nnx.Module, name: str) -> list[nnx.Module]:
-  return [node for path, node in model.iter_modules() if path and path[-1] == name]
+  return [node for path, node in nnx.iter_modules(model) if path and path[-1] == name]
 
 
 def attach(model: nnx.Module, model_config, rngs: nnx.Rngs, param_dtype=jnp.float32) -> nnx.Module:
@@ -116,7 +116,7 @@ def attach(model: nnx.Module, model_config, rngs: nnx.Rngs, param_dtype=jnp.floa
   for name, config in settings(model_config).items():
     modules = _find(model, name)
     if not modules:
-      children = sorted({str(path[0]) for path, _ in model.iter_modules() if path})
+      children = sorted({str(path[0]) for path, _ in nnx.iter_modules(model) if path})
       raise ValueError(f"model.lora.{name}: the model has no submodule {name!r}; use one of {', '.join(children)}")
     for module in modules:
       if isinstance(module, gemma.GemmaDecoder):
@@ -128,7 +128,7 @@ def attach(model: nnx.Module, model_config, rngs: nnx.Rngs, param_dtype=jnp.floa
         raise ValueError(f"model.lora.{name}: {type(module).__name__} has no attention or MLP projections to adapt")
       for projection, in_ndim in projections:
         kernel = projection.kernel
-        projection.lora = Adapter(kernel.shape, in_ndim, kernel.sharding_names, config, param_dtype=param_dtype,
+        projection.lora = Adapter(kernel.shape, in_ndim, kernel.out_sharding, config, param_dtype=param_dtype,
                                   rngs=rngs)
   return model
 
@@ -146,7 +146,7 @@ def trainable_filter(base_filter, model_config):
 def merge(model: nnx.Module) -> nnx.Module:
   """Folds every adapter into its weights and removes it (in place; returned): the model then has
   the released architecture and computes the same function."""
-  for _, node in list(model.iter_modules()):
+  for _, node in list(nnx.iter_modules(model)):
     lora = getattr(node, LORA, None)
     if isinstance(lora, Adapter):
       node.kernel[...] = (node.kernel[...] + lora.delta().astype(node.kernel.dtype))
@@ -170,11 +170,11 @@ def without_adapters(model_config):
 
 
 def has_adapters(model: nnx.Module) -> bool:
-  return any(getattr(node, LORA, None) is not None for _, node in model.iter_modules())
+  return any(getattr(node, LORA, None) is not None for _, node in nnx.iter_modules(model))
 
 
 def count(model_or_state: Any) -> int:
   """Adapter parameters in a model or state."""
   state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
-  return sum(int(np.size(v.value if hasattr(v, "value") else v)) for path, v in nnx.to_flat_state(state)
+  return sum(int(np.size(v.get_value() if isinstance(v, nnx.Variable) else v)) for path, v in nnx.to_flat_state(state)
              if LORA in path)

@@ -80,7 +80,7 @@ class TinyFlowPolicy(nnx.Module):
     self.task_embed = nnx.Embed(cfg.num_tasks, w, rngs=rngs,
                                 embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), (ax.VOCAB, ax.EMBED)))
     self.position = nnx.Param(jax.random.normal(rngs.params(), (cfg.horizon + 2, w)) * 0.02,
-                              sharding_names=(None, ax.EMBED))
+                              out_sharding=(None, ax.EMBED))
     policy = remat_policy(cfg.remat)
     block = Block if cfg.remat == "none" else nnx.remat(Block, policy=policy)
     self.blocks = nnx.List([block(cfg, rngs) for _ in range(cfg.depth)])

@@ -1,6 +1,6 @@
 """Logical axis names: the only axis vocabulary model code uses.
 
-Parameters name their axes at creation (`nnx.Param(value, sharding_names=(EMBED, MLP))` or
+Parameters name their axes at creation (`nnx.Param(value, out_sharding=(EMBED, MLP))` or
 `nnx.with_partitioning(init, (EMBED, MLP))`); activations are constrained at block boundaries with
 the ACT_* names through `ejax.parallel.constrain`. The table in `configs/common.py` maps each name
 onto the mesh axes (data, fsdp, tensor); model code never names a mesh axis.

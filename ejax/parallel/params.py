@@ -11,7 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ejax.parallel.rules import Rules, logical_to_spec
 
-# flax 0.12 stores the names under `out_sharding`; other releases use `sharding_names` / `sharding`.
+# ejax's variables carry their names under `out_sharding` (flax 0.12, where `sharding_names` is a
+# deprecated alias of it); other flax releases store them under `sharding_names` / `sharding`.
 _METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 

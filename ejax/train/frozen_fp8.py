@@ -91,12 +91,12 @@ def plan(model: nnx.Module, frozen: nnx.State) -> nnx.State | None:
       # One scale per norm for the projections reading it (q, k and v share one conversion), its
       # own for an o_proj.
       scale_path = source[1] + ("output_scale",) if source[0] == "norm" else kernel_path + ("input_scale",)
-      flat[scale_path] = Fp8Copy(jax.ShapeDtypeStruct((), jnp.float32), sharding_names=(), source=source)
+      flat[scale_path] = Fp8Copy(jax.ShapeDtypeStruct((), jnp.float32), out_sharding=(), source=source)
     # [out, in]: each flattened side sharded as its leading dimension was.
     flat[kernel_path + ("values",)] = Fp8Copy(jax.ShapeDtypeStruct((outer, inner), E4M3),
-                                              sharding_names=(names[contracted], names[0]), contracted=contracted,
+                                              out_sharding=(names[contracted], names[0]), contracted=contracted,
                                               input_from=scale_path)
-    flat[kernel_path + ("scale",)] = Fp8Copy(jax.ShapeDtypeStruct((), jnp.float32), sharding_names=())
+    flat[kernel_path + ("scale",)] = Fp8Copy(jax.ShapeDtypeStruct((), jnp.float32), out_sharding=())
   return nnx.from_flat_state(flat) if flat else None
 
 

@@ -183,14 +183,14 @@ def _renamed(tree, renames: dict[str, str]):
   renamed paths ({old path prefix "a/b": new}), e.g. to restore a checkpoint written with other names."""
   def rename(state):
     flat = []
-    for path, value in state.flat_state():
+    for path, value in nnx.to_flat_state(state):
       text = "/".join(str(k) for k in path)
       for old, new in renames.items():
         if text == old or text.startswith(old + "/"):
           path = tuple(new.split("/")) + path[len(old.split("/")):]
           break
       flat.append((path, value))
-    return nnx.State.from_flat_path(flat)
+    return nnx.from_flat_state(flat)
   return jax.tree.map(lambda x: rename(x) if isinstance(x, nnx.State) else x, tree,
                       is_leaf=lambda x: isinstance(x, nnx.State))
 

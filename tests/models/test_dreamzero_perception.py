@@ -69,7 +69,7 @@ def test_the_hook_writes_every_chunks_state_slots_and_adds_the_modules_losses():
   np.testing.assert_allclose(metrics["aux_state_loss"], (error * batch["aux_mask"]).sum() / 2, rtol=1e-5)
   # The module trains with the DiT; the frozen encoders stay out.
   trained = nnx.state(model, dz.trainable_filter(c))
-  assert set(trained.to_pure_dict()) == {"dit", "perception"}
+  assert set(nnx.to_pure_dict(trained)) == {"dit", "perception"}
 
 
 @pytest.fixture(scope="module")
@@ -108,5 +108,5 @@ def test_runlocal_with_perception_trains_the_module_and_the_dit(labelled_dataset
   assert result["final_step"] == 2
   for entry in history:
     assert all(np.isfinite(entry[name]) for name in ("loss", "action_loss", "aux_state_loss", "aux_heatmap_loss"))
-  params = result["state"].params.to_pure_dict()
+  params = nnx.to_pure_dict(result["state"].params)
   assert set(params) == {"dit", "perception"} and "queries" in params["perception"]

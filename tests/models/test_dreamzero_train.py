@@ -3,6 +3,7 @@ same trainer as GR00T on ejax/data/synthetic.py, batches from ejax/models/dreamz
 
 import jax
 import numpy as np
+from flax import nnx
 
 from ejax.data import synthetic
 from ejax.models.dreamzero import inputs
@@ -36,6 +37,6 @@ def test_runlocal_trains_on_synthetic_data(tmp_path):
     values = np.asarray([entry[name] for entry in history])
     assert values[-4:].mean() < ratio * values[:4].mean(), (name, values)
   # umT5, CLIP and the VAE are frozen: the trainer keeps them outside the optimizer.
-  frozen_paths = {str(path[0].key) for path, _ in jax.tree_util.tree_flatten_with_path(result["state"].frozen.to_pure_dict())[0]}
-  trained_paths = {str(path[0].key) for path, _ in jax.tree_util.tree_flatten_with_path(result["state"].params.to_pure_dict())[0]}
+  frozen_paths = {str(path[0].key) for path, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(result["state"].frozen))[0]}
+  trained_paths = {str(path[0].key) for path, _ in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(result["state"].params))[0]}
   assert frozen_paths == {"text_encoder", "image_encoder", "vae"} and trained_paths == {"dit"}

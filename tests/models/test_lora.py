@@ -92,8 +92,8 @@ def test_pi05_adapters_are_openpis_shapes_and_merge_to_the_same_function(pi05_lo
   merged = lora.merge(nnx.clone(model))
   assert not lora.has_adapters(merged) and lora.has_adapters(model)
   plain = nnx.eval_shape(lambda: pi05.create(pi05.model_config("runlocal"), nnx.Rngs(0)))
-  assert jax.tree.structure(nnx.state(merged, nnx.Param).to_pure_dict()) == \
-      jax.tree.structure(nnx.state(plain, nnx.Param).to_pure_dict())
+  assert jax.tree.structure(nnx.to_pure_dict(nnx.state(merged, nnx.Param))) == \
+      jax.tree.structure(nnx.to_pure_dict(nnx.state(plain, nnx.Param)))
   np.testing.assert_allclose(_loss(merged, batch), with_adapters, rtol=2e-5)
 
 
@@ -129,12 +129,12 @@ def test_only_adapters_and_unadapted_modules_train(pi05_lora):
   assert any("/lora/" in p for p in trained) and any(p.startswith("vision/") for p in trained)
   assert not [p for p in trained if p.startswith(("llm/", "expert/")) and "/lora/" not in p]
   adapters = lora.count(model)
-  total = sum(int(np.size(v.value)) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
-  llm_and_expert = sum(int(np.size(v.value)) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+  total = sum(int(np.size(v.get_value())) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  llm_and_expert = sum(int(np.size(v.get_value())) for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
                        if path[0] in ("llm", "expert") and "lora" not in path)
   # Trained: everything but the adapted decoders' own weights (the adapters are in `total`).
   assert 0 < adapters < llm_and_expert / 2 and total - llm_and_expert == sum(
-      int(np.size(v.value)) for _, v in nnx.to_flat_state(nnx.state(model, trainable)))
+      int(np.size(v.get_value())) for _, v in nnx.to_flat_state(nnx.state(model, trainable)))
 
 
 def test_openpi_lora_checkpoints_round_trip_and_export_merged(pi05_lora):
@@ -156,7 +156,7 @@ def test_groot_adapters_on_the_dit_and_llm_merge_to_the_same_function():
   from ejax.models import groot
   config = _config("groot", {"dit": {"rank": 4, "alpha": 8.0}, "llm": {"rank": 2, "targets": "attn"}})
   model = _random_model(config)
-  projections = [node for _, node in model.iter_modules() if isinstance(getattr(node, "lora", None), lora.Adapter)]
+  projections = [node for _, node in nnx.iter_modules(model) if isinstance(getattr(node, "lora", None), lora.Adapter)]
   dit_blocks, llm_blocks = config.dit.num_layers, config.llm.num_layers
   # DiT: q, k, v, o and the feed-forward's two layers per block; LLM: q, k, v, o per block.
   assert len(projections) == 6 * dit_blocks + 4 * llm_blocks

@@ -113,10 +113,10 @@ class Fp8Dense(nnx.Module):
     self.impl = _check_impl(impl)
     self.kernel_axes = tuple(kernel_axes)
     self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype),
-                            sharding_names=tuple(kernel_axes))
+                            out_sharding=tuple(kernel_axes))
     # nnx.data: these attributes may hold None now and variables later (quantize, _from_linear).
     self.bias = nnx.data(nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype),
-                                   sharding_names=(kernel_axes[1],)) if use_bias else None)
+                                   out_sharding=(kernel_axes[1],)) if use_bias else None)
     self.kernel_fp8: Fp8Weight | None = nnx.data(None)
     self.kernel_scales: Fp8Weight | None = nnx.data(None)
     self.fp8_history = nnx.data(Fp8History(xla.new_history()) if impl in DELAYED_IMPLS else None)
@@ -139,15 +139,15 @@ class Fp8Dense(nnx.Module):
       # K-major [out, in], as cuBLASLt's FP8 GEMM wants its second operand; the scale is a scalar
       # ("xla") or one per output feature ("xla_rowwise", [out, 1]).
       values, scales = xla.quantize_weight(self.kernel[...], _XLA_SCALING[self.impl])
-      self.kernel_fp8 = Fp8Weight(values, sharding_names=self.kernel_axes[::-1])
-      self.kernel_scales = Fp8Weight(scales, sharding_names=(self.kernel_axes[1], None)[:scales.ndim])
+      self.kernel_fp8 = Fp8Weight(values, out_sharding=self.kernel_axes[::-1])
+      self.kernel_scales = Fp8Weight(scales, out_sharding=(self.kernel_axes[1], None)[:scales.ndim])
       self.kernel = None
       return
     kernel_q = quantize_blockwise(self.kernel[...], WEIGHT_BLOCK)
     # The FP8 kernel keeps the master kernel's logical axes (it has the same padded layout); the
     # handful of scales is replicated.
-    self.kernel_fp8 = Fp8Weight(kernel_q.values, sharding_names=self.kernel_axes)
-    self.kernel_scales = Fp8Weight(kernel_q.scales, sharding_names=(None, None))
+    self.kernel_fp8 = Fp8Weight(kernel_q.values, out_sharding=self.kernel_axes)
+    self.kernel_scales = Fp8Weight(kernel_q.scales, out_sharding=(None, None))
     self.kernel = None
 
   def __call__(self, x: jax.Array) -> jax.Array:

@@ -39,7 +39,7 @@ def converter(model_name: str):
 def save_params(model: nnx.Module, directory: str) -> None:
   import orbax.checkpoint as ocp
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(directory), nnx.state(model, nnx.Param).to_pure_dict(), force=True)
+  checkpointer.save(os.path.abspath(directory), nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
   checkpointer.wait_until_finished()
 
 
@@ -48,7 +48,7 @@ def restore_params(model_config, directory: str) -> nnx.Module:
   spec = get_model_spec(model_config.name)
   abstract = nnx.eval_shape(lambda: spec.create(model_config, nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-  restored = ocp.StandardCheckpointer().restore(os.path.abspath(directory), params.to_pure_dict())
+  restored = ocp.StandardCheckpointer().restore(os.path.abspath(directory), nnx.to_pure_dict(params))
   nnx.replace_by_pure_dict(params, restored)
   return nnx.merge(graphdef, params, rest)
 
