@@ -11,6 +11,7 @@ tolerance, and its success rates.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from typing import Any
 
 import jax
@@ -32,8 +33,10 @@ class Connection:
   def __init__(self, address: str, api_key: str = "", open_timeout_s: float = 30.0):
     self.uri = address if address.startswith(("ws://", "wss://")) else f"ws://{address}"
     headers = {"Authorization": f"Api-Key {api_key}"} if api_key else None
-    self._websocket = connect(self.uri, compression=None, max_size=None, additional_headers=headers,
-                              open_timeout=open_timeout_s)
+    # Held open as the context manager websockets >= 17.1 asks connect() to be used as.
+    self._open = contextlib.ExitStack()
+    self._websocket = self._open.enter_context(connect(self.uri, compression=None, max_size=None,
+                                                       additional_headers=headers, open_timeout=open_timeout_s))
     self.metadata = wire.unpackb(self._websocket.recv())
 
   def infer(self, observation: dict[str, Any]) -> dict[str, Any]:
@@ -44,7 +47,7 @@ class Connection:
     return wire.unpackb(reply)
 
   def close(self) -> None:
-    self._websocket.close()
+    self._open.close()
 
 
 class RemotePolicy:
