@@ -20,11 +20,24 @@ import inspect
 
 import jax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+try:  # Pallas's Triton backend, which jax 0.12 deprecates "to be removed in a future JAX version"
+  from jax.experimental.pallas import triton as plgpu
+except ImportError:
+  plgpu = None
 
 # A Pallas dot with fp32 accumulation and trans_a / trans_b: pl.dot up to jax 0.10; jax 0.11 removed it
 # in favour of the Triton backend's own (which 0.9.2, ejax's pinned version, does not have).
-pallas_dot = getattr(plgpu, "dot", None) or pl.dot
+pallas_dot = getattr(plgpu, "dot", None) or getattr(pl, "dot", None)
+
+
+def triton_missing() -> str | None:
+  """Why ejax's Pallas Triton kernels (the varlen attention kernel `pallas_gpu`, the block-wise FP8
+  GEMM) cannot be built with this jax, or None when they can. Without them attention's auto takes
+  XLA or the Hopper routes that need no Triton, and FP8's auto the jnp reference."""
+  if plgpu is None or pallas_dot is None:
+    return f"jax {jax.__version__} has no Pallas Triton backend (jax.experimental.pallas.triton)"
+  return None
 
 
 def varying_axes(x) -> frozenset[str]:

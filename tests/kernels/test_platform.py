@@ -36,3 +36,54 @@ def test_a_pallas_output_typed_varying_passes_shard_maps_check():
   # Outside shard_map nothing varies.
   outside = varying_struct((3,), jnp.float32, jnp.ones(3))
   assert outside.shape == (3,) and outside.dtype == jnp.float32
+
+
+_WITHOUT_TRITON = r"""
+import sys
+sys.modules["jax.experimental.pallas.triton"] = None  # `import` of it raises ImportError, as once removed
+import jax, jax.numpy as jnp, numpy as np
+from ejax.kernels import platform
+from ejax.kernels.attention import ops
+from ejax.kernels.attention.reference import attention_reference
+from ejax.kernels.fp8 import matmul, quantize
+import ejax.models.groot, ejax.models.pi05, ejax.train.loop  # the models and the trainer import too
+assert platform.plgpu is None and "no Pallas Triton backend" in platform.triton_missing()
+q, k, v = (jax.random.normal(jax.random.key(i), (1, 64, 2, 32)) for i in range(3))
+try:
+  ops.flash_attention(q, k, v, impl="pallas")
+except ValueError as error:
+  print("refused:", error)
+np.testing.assert_allclose(ops.flash_attention(q, k, v, impl="auto"), attention_reference(q, k, v), atol=1e-5)
+with platform.lowering_for("gpu"):
+  print("auto on a GPU:", ops.choose_impl(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), "auto"))
+a, b = quantize.quantize_activations(q.reshape(64, 64)), quantize.quantize_blockwise(k.reshape(64, 64).T)
+try:
+  matmul.fp8_matmul(a, b, impl="pallas")
+except ValueError as error:
+  print("refused:", error)
+np.testing.assert_array_equal(matmul.fp8_matmul(a, b), matmul.fp8_matmul_reference(a, b))
+print("ok")
+"""
+
+
+def test_a_jax_without_pallas_triton_imports_ejax_and_takes_other_routes():
+  """jax 0.12 deprecates Pallas's Triton backend "to be removed in a future JAX version". On a jax
+  without it ejax still imports; attention's auto and FP8's auto take routes that need no Triton,
+  and asking for the Triton kernels by name is refused in one line that says why."""
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  done = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], cwd=repo, capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+  lines = done.stdout.splitlines()
+  refusals = [line for line in lines if line.startswith("refused:")]
+  assert refusals == [
+      "refused: attention impl='pallas': jax " + jax.__version__ + " has no Pallas Triton backend "
+      "(jax.experimental.pallas.triton); use impl='auto'",
+      "refused: fp8_matmul impl='pallas': jax " + jax.__version__ + " has no Pallas Triton backend "
+      "(jax.experimental.pallas.triton); use impl='auto' or 'reference'"], lines
+  (chosen,) = [line.split(": ")[1] for line in lines if line.startswith("auto on a GPU")]
+  assert chosen not in ("pallas", "tokamax_fwd"), chosen
+  assert lines[-1] == "ok"

@@ -198,6 +198,8 @@ def flash_attention(
   if impl in routes.PACKED_IMPLS:
     return routes.attention(impl, q, k, v, mask_kind, mask_kwargs, scale, block_sizes, interpret,
                             tokamax_config, exact_attention=flash_attention)
+  if impl == "pallas" and platform.triton_missing():
+    raise ValueError(f"attention impl='pallas': {platform.triton_missing()}; use impl='auto'")
   if impl == "pallas" and not pallas_gpu.supports(q, k):
     raise ValueError(f"attention impl='pallas' needs head_dim in {pallas_gpu.SUPPORTED_HEAD_DIMS} "
                      f"and a float dtype, got head_dim={head_dim} {q.dtype}; use impl='auto'")

@@ -20,18 +20,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from ejax.kernels import platform
-from ejax.kernels.platform import pallas_dot
+from ejax.kernels.platform import pallas_dot, plgpu
 from ejax.kernels.attention.tiles import MASKED_SCORE, MaskInputs, active_tiles, compact, pair_mask
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def supports(q, k) -> bool:
-  """Whether the kernel handles these shapes: Triton tiles need a power-of-two head_dim."""
-  return q.shape[-1] in SUPPORTED_HEAD_DIMS and q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
+  """Whether the kernel handles these shapes (Triton tiles need a power-of-two head_dim) with this
+  jax (platform.triton_missing)."""
+  return (platform.triton_missing() is None and q.shape[-1] in SUPPORTED_HEAD_DIMS
+          and q.dtype in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
 def _compiler_params(head_dim: int, num_warps: int | None = None, num_stages: int | None = None):

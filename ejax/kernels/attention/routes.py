@@ -206,8 +206,8 @@ def attention(impl, q, k, v, mask_kind: str, mask_kwargs: dict, scale: float, bl
                                                  config=tokamax_config)
   elif impl == "tokamax_fwd":
     if on_gpu and not pallas_gpu.supports(q, k):
-      raise ValueError(f"attention impl='tokamax_fwd' runs ejax's Pallas backward, which needs head_dim in "
-                       f"{pallas_gpu.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}; use impl='auto'")
+      need = platform.triton_missing() or f"it needs head_dim in {pallas_gpu.SUPPORTED_HEAD_DIMS}, got {q.shape[-1]}"
+      raise ValueError(f"attention impl='tokamax_fwd' runs ejax's Pallas backward: {need}; use impl='auto'")
     ranges = intervals.key_ranges(mask, ordered)
     valid = ranges.valid
     blocks = (block_sizes or (GPU_BLOCK_SIZES if on_gpu else CPU_BLOCK_SIZES)).fitted(q_len, kv_len)

@@ -24,10 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from ejax.kernels import platform
-from ejax.kernels.platform import pallas_dot
+from ejax.kernels.platform import pallas_dot, plgpu
 from ejax.kernels.fp8.quantize import Fp8Tensor
 
 IMPLS = ("auto", "reference", "pallas")
@@ -118,12 +117,16 @@ def fp8_matmul_pallas(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.float32, *, bloc
 
 def fp8_matmul(a: Fp8Tensor, b: Fp8Tensor, out_dtype=jnp.float32, *, impl: str = "auto",
                interpret: bool | None = None) -> jax.Array:
-  """a @ b on block-quantised operands. impl "auto": the Pallas kernel on GPU, else the reference."""
+  """a @ b on block-quantised operands. impl "auto": the Pallas kernel on GPU (with a jax that has
+  Pallas's Triton backend), else the reference."""
   if impl not in IMPLS:
     raise ValueError(f"fp8_matmul impl={impl!r} is not one of {IMPLS}")
   on_gpu = platform.on_gpu()
+  missing = platform.triton_missing()
   if impl == "auto":
-    impl = "pallas" if on_gpu else "reference"
+    impl = "pallas" if on_gpu and missing is None else "reference"
+  if impl == "pallas" and missing:
+    raise ValueError(f"fp8_matmul impl='pallas': {missing}; use impl='auto' or 'reference'")
   if impl == "reference":
     return fp8_matmul_reference(a, b, out_dtype)
   return fp8_matmul_pallas(a, b, out_dtype, interpret=(not on_gpu) if interpret is None else interpret)
