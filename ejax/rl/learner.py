@@ -126,7 +126,7 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
         stopped = stopped | (metrics["approx_kl_proximal"] > target_kl)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(stopped, b, a), new, old)
         new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
-      metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), stopped_fraction=stopped.astype(jnp.float32))
+      metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), stopped_fraction=stopped.astype(jnp.float32))
       return (new_params, new_opt_state, stopped), metrics
 
     def epoch(carry, epoch_rng):

@@ -73,7 +73,7 @@ def make_optimizer(config: ConfigDict, trainable_mask: Any = None) -> optax.Grad
   actor_rate, critic_rate = config.learning_rate, config.critic_learning_rate or config.learning_rate
 
   def clip(leaves, critic):
-    norm = optax.global_norm(leaves)
+    norm = optax.tree.norm(leaves)
     scale = jnp.minimum(1.0, config.grad_clip_norm / jnp.maximum(norm, 1e-12))
     return [leaf * scale for leaf in leaves]
 
