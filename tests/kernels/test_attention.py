@@ -51,7 +51,8 @@ class AttentionTest:
   IMPLS = ("pallas", "xla", pytest.param("tokamax", marks=TOKAMAX), pytest.param("tokamax_fwd", marks=TOKAMAX))
 
   @pytest.fixture(scope="class")
-  def data(self):
+  @classmethod
+  def data(cls):
     rng = np.random.default_rng(0)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     segment_ids, positions, block_ids = _packed_layout(rng, LEN)
