@@ -63,7 +63,7 @@ except ValueError as error:
   print("refused:", error)
 np.testing.assert_array_equal(matmul.fp8_matmul(a, b), matmul.fp8_matmul_reference(a, b))
 from tests.train.helpers import load_config, train_on_example
-_, _, _, losses = train_on_example(load_config("configs/groot.py", "runlocal"), 2)  # the trainer's step
+_, _, _, losses = train_on_example(load_config("configs/tiny.py", "runlocal"), 2)  # the trainer's step
 print("losses:", losses)
 assert all(np.isfinite(losses))
 print("ok")
@@ -72,7 +72,7 @@ print("ok")
 
 def test_a_jax_without_pallas_triton_imports_ejax_and_takes_other_routes():
   """jax 0.12 deprecates Pallas's Triton backend "to be removed in a future JAX version". On a jax
-  without it ejax still imports and GR00T's train step runs; attention's auto and FP8's auto take
+  without it ejax still imports and the trainer's step runs; attention's auto and FP8's auto take
   routes that need no Triton, and asking for the Triton kernels by name is refused in one line that
   says why."""
   import os
