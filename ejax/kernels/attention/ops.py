@@ -198,11 +198,10 @@ def flash_attention(
   if impl in routes.PACKED_IMPLS:
     return routes.attention(impl, q, k, v, mask_kind, mask_kwargs, scale, block_sizes, interpret,
                             tokamax_config, exact_attention=flash_attention)
-  if impl == "pallas" and platform.triton_missing():
-    raise ValueError(f"attention impl='pallas': {platform.triton_missing()}; use impl='auto'")
   if impl == "pallas" and not pallas_gpu.supports(q, k):
-    raise ValueError(f"attention impl='pallas' needs head_dim in {pallas_gpu.SUPPORTED_HEAD_DIMS} "
-                     f"and a float dtype, got head_dim={head_dim} {q.dtype}; use impl='auto'")
+    need = platform.triton_missing() or (f"it needs head_dim in {pallas_gpu.SUPPORTED_HEAD_DIMS} and a float "
+                                         f"dtype, got head_dim={head_dim} {q.dtype}")
+    raise ValueError(f"attention impl='pallas': {need}; use impl='auto'")
 
   mask, ordered = normalise_mask(batch, q_len, kv_len, mask_kind, q_segment_ids, kv_segment_ids,
                                  q_positions, kv_positions, q_block_ids, kv_block_ids)
