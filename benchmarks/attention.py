@@ -133,12 +133,12 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
   """(label, impl, extra flash_attention kwargs) of the TFLOP/s comparison."""
   if not (on_gpu or all_arms):
     return []
-  # pallas first (the other arms' gradients are checked against it), then mosaic_own (auto's first
-  # Hopper route) and its variants, then the mosaic route; the routes measured in both H200 windows
-  # last, where the figure's time limit cuts first.
-  listed = [("pallas", "pallas", {}), ("mosaic_own", "mosaic_own", {})]
+  # pallas first (the other arms' gradients are checked against it), then the mosaic route (auto's
+  # first Hopper route; its backward's rings deepened since its last timing), mosaic_own and its
+  # variants; the routes measured in both H200 windows last, where the figure's time limit cuts first.
+  listed = [("pallas", "pallas", {}), ("mosaic", "mosaic", {}), ("mosaic_own", "mosaic_own", {})]
   listed += [(f"mosaic_own, {label}", "mosaic_own", {SETTINGS: settings}) for label, settings in MOSAIC_OWN_VARIANTS]
-  listed += [("mosaic", "mosaic", {}), ("mosaic, backward operands in registers", "mosaic", {SETTINGS: BACKWARD_RS}),
+  listed += [("mosaic, backward operands in registers", "mosaic", {SETTINGS: BACKWARD_RS}),
              ("mosaic, persistent backward", "mosaic", {SETTINGS: PERSISTENT[1:]}),
              ("mosaic, dK/dV in 2 warpgroups", "mosaic", {SETTINGS: DKV_2})]
   if on_gpu and tokamax_gpu.available():
@@ -250,6 +250,45 @@ def check_route(route: str, row_length: int, dtype) -> dict:
   return errors
 
 
+# check_forward_variants: mosaic_own's forward under each setting that changes its GPU code path, on
+# bidirectional packed segments at head sizes 64 and 128 and block-causal rows at 64. On the H200 of
+# 2026-11-30 its values were right at 128 (block-causal, causal) and wrong at 64 (segments, cross),
+# where Mosaic GPU interpret mode (tests) agrees with the reference: a setting that mends 64 names the
+# code path at fault.
+FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
+                    ("rings of 2 slots", ((mosaic_forward, "STAGES", 2),)),
+                    ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
+                    ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
+                    ("persistent", ((mosaic_forward, "PERSISTENT", True),)))
+
+
+def check_forward_variants(row_length: int, dtype, variants=FORWARD_VARIANTS) -> dict:
+  """{variant: {case: error of mosaic_own's forward values against impl "xla" in fp32}} (no backward)."""
+  segment_ids, block_ids, _, _ = packed_rows(2, row_length, 0)
+  segments = dict(mask_kind="bidirectional", q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+  block_causal = dict(mask_kind="block_causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                      q_block_ids=block_ids, kv_block_ids=block_ids)
+  cases = (("segments@64", 64, segments), ("segments@128", 128, segments), ("block-causal@64", 64, block_causal))
+  inputs = {}
+  for name, head_dim, mask in cases:
+    q, k, v = (jax.random.normal(key, (2, row_length, 2, head_dim), dtype) for key in jax.random.split(jax.random.key(1), 3))
+    mask = {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
+    want = jax.jit(lambda q, k, v, mask=mask: flash_attention(q, k, v, impl="xla", **mask))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    inputs[name] = (q, k, v, mask, want)
+  errors = {}
+  for label, settings in variants:
+    errors[label] = {}
+    for name, (q, k, v, mask, want) in inputs.items():
+      forward = with_settings(jax.jit(lambda q, k, v, mask=mask: flash_attention(q, k, v, impl="mosaic_own", **mask)),
+                              settings)
+      try:
+        errors[label][name] = float(relative_error(forward(q, k, v), want))
+      except Exception as error:  # noqa: BLE001  (a variant that does not build here: say so, go on)
+        errors[label][name] = f"{type(error).__name__}: {str(error)[:120]}"
+  return errors
+
+
 def unchecked_tokamax(q, k, v, mask: dict, on_gpu: bool):
   """tokamax on the key ranges without ops.py's layout check (valid here: the rows are packed)."""
   names = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "q_block_ids", "kv_block_ids")
@@ -277,6 +316,9 @@ def main():
   parser.add_argument("--json", default=None, help="write every number to this path")
   parser.add_argument("--dtype", default=None, help="q, k, v dtype (default bfloat16 on GPU, float32 elsewhere; "
                                                     "the mosaic arm takes 16-bit floats only)")
+  parser.add_argument("--check_forward_variants", action="store_true",
+                      help="only check mosaic_own's forward values under each of FORWARD_VARIANTS at head sizes 64 "
+                           "and 128 (which code path is wrong on a GPU)")
   parser.add_argument("--check", default=None, metavar="ROUTE",
                       help="only check one route's values and gradients against impl xla on small rows "
                            "(benchmarks/gpu.py does, for each of auto's Hopper routes, before its figures); "
@@ -285,6 +327,20 @@ def main():
 
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.dtype(args.dtype) if args.dtype else (jnp.bfloat16 if on_gpu else jnp.float32)
+  if args.check_forward_variants:
+    errors = check_forward_variants(args.row_length, dtype)
+    tolerance = CHECK_TOLERANCE[jnp.dtype(dtype)]
+    for label, by_case in errors.items():
+      cells = ", ".join(f"{name} {e:.1e}" if isinstance(e, float) else f"{name} {e}" for name, e in by_case.items())
+      print(f"mosaic_own forward, {label}: {cells}", flush=True)
+    if args.json:
+      with open(args.json, "w") as file:
+        json.dump(dict(dtype=jnp.dtype(dtype).name, errors=errors, tolerance=tolerance), file)
+    right = [label for label, by_case in errors.items()
+             if all(isinstance(e, float) and e <= tolerance for e in by_case.values())]
+    print(f"mosaic_own forward variants right at every case: {len(right)} of {len(errors)} "
+          f"({', '.join(right) or 'none'}) (goal all)")
+    return
   if args.check:
     try:
       errors = check_route(args.check, args.row_length, dtype)

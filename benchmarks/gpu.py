@@ -9,6 +9,8 @@ First it checks auto's Hopper attention routes (check_routes) and leaves out of 
 fails. The figures:
 
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
+  mosaic_own_check  attention.py --check_forward_variants: which of mosaic_own's forward code paths is
+              wrong at head size 64 on a GPU
   train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
               step per kind of op, the top kernels), seed-padded, all-FP8 and layout-checked arms
   train_step_pi05  the same for pi0.5: configured, FP8 (fp8_xla_delayed), its scanned blocks in CUDA
@@ -66,14 +68,18 @@ class Figure:
 
 
 FIGURES = (
-    # Attention first: its kernels' rings were deepened after the 2026-11-29 window (2 -> 4-6 slots,
-    # BENCHMARKS.md), ~100 s for the block-causal rows' first arms: pallas, mosaic_own (auto's first
-    # Hopper route), its variants (rings of 2 slots: the measured form) and the mosaic route; the causal
-    # rows after them are cut off at the limit (the sweep never fitted). The dense baseline (4.4-4.8x,
-    # measured in both windows) is skipped for their time.
+    # Attention first, ~100 s for the block-causal rows' first arms: pallas, the mosaic route (auto's
+    # first Hopper route), mosaic_own and its variants; the causal rows after them are cut off at the
+    # limit (the sweep never fitted). The dense baseline (4.4-4.8x, measured in both windows) is skipped
+    # for their time. On 2026-11-30 the limit fell inside mosaic_own's variants, before the mosaic route.
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--skip_dense"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
+    # mosaic_own's forward under each setting that changes its GPU code path, values only: on 2026-11-30
+    # it was wrong at head size 64 on the GPU and right in interpret mode (BENCHMARKS.md). Not in --smoke:
+    # interpret mode takes ~13 s a case (tests/kernels/test_attention_mosaic.py runs one variant).
+    Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_forward_variants", "--row_length", "1024"), (), 75,
+           own_file=False),
     # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
     # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
     # all lowered before the first was timed, since fixed in train_step_run.run_arms). The first arm compiles
@@ -102,8 +108,9 @@ FIGURES = (
                        "--padded_batch", "32", "--rows_per_batch", "8"),
            ("benchmarks/packing.py", "--samples", "8", "--padded_batch", "4", "--rounds", "1", "--width", "32",
             "--depth", "1"), 50, json_flag=False),
+    # sim.py --gpu runs MJX's GPU batches first: on 2026-11-30 the host's native rows took the 40 s limit.
     Figure("sim", ("benchmarks/sim.py", "--gpu"), ("benchmarks/sim.py", "--quick", "--tasks", "2", "--camera-envs", "2",
-                                                   "--camera-steps", "1", "--camera-rounds", "1"), 40, json_flag=False,
+                                                   "--camera-steps", "1", "--camera-rounds", "1"), 60, json_flag=False,
            smoke_limit=240),
     Figure("serve", ("benchmarks/serve.py", "--seconds", "3", "--rounds", "1"),
            ("benchmarks/serve.py", "--clients", "1", "2", "--seconds", "0.5", "--rounds", "1"), 35, json_flag=False,

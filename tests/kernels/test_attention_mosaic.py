@@ -319,3 +319,22 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
   spilled = [r for r in reports if r[2] or r[3]]
   allowed = [r for r in spilled if kernel in r[1] and settings in r[0] and head_dim == size]
   assert spilled == allowed, spilled  # every form but that one compiles without a spill
+
+
+@MOSAIC
+def test_the_forward_variant_check_gives_each_variant_and_case_an_error():
+  """benchmarks/attention.py --check_forward_variants, run on a GPU to find which of the forward's code
+  paths was wrong at head size 64 there: here, in interpret mode, each case of a variant within
+  tolerance of impl xla, and its module settings put back after the call."""
+  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+  try:
+    import attention as bench
+  finally:
+    sys.path.pop(0)
+  rings = bench.FORWARD_VARIANTS[2]
+  assert rings[0] == "rings of 2 slots"
+  errors = bench.check_forward_variants(1024, jnp.bfloat16, variants=(rings,))
+  assert list(errors) == ["rings of 2 slots"]
+  assert set(errors["rings of 2 slots"]) == {"segments@64", "segments@128", "block-causal@64"}
+  assert all(isinstance(e, float) and e < 1e-2 for e in errors["rings of 2 slots"].values()), errors
+  assert mosaic_forward.STAGES is None

@@ -55,10 +55,12 @@ IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd"
          "cudnn_packed")
 # What "auto" runs on a Hopper GPU (compute capability 9.x): the first of these that applies (else
 # "pallas"), ordered by benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128
-# (BENCHMARKS.md): on an H200 forward / forward+backward mosaic_own 179 / 178 and mosaic 163 / 163
-# (2026-11-29), tokamax_fwd 152 / 91, tokamax 135 / 68, pallas 64 / 73 (2026-11-28). mosaic_own and
-# mosaic take head sizes 64 and 128; pi0.5's 256 goes on to tokamax_fwd.
-HOPPER_AUTO = ("mosaic_own", "mosaic", "tokamax_fwd")
+# (BENCHMARKS.md): on an H200 forward / forward+backward mosaic 163 / 163 (2026-11-29), tokamax_fwd
+# 152 / 91, tokamax 135 / 68, pallas 64 / 73 (2026-11-28). mosaic takes head sizes 64 and 128; pi0.5's
+# 256 goes on to tokamax_fwd. mosaic_own (216 / 177 at head size 128) is not in it: on the H200 of
+# 2026-11-30 its values were wrong at head size 64 (gpu.py's route check: errors 0.84 and 0.75 against
+# 2e-2), which GR00T's padded DiT and vision heads take.
+HOPPER_AUTO = ("mosaic", "tokamax_fwd")
 # EJAX_HOPPER_AUTO="tokamax_fwd,pallas" (say) replaces HOPPER_AUTO in this process: a route that fails
 # on some machine (benchmarks/gpu.py checks each before its figures) is left out without an edit.
 HOPPER_AUTO_ENV = "EJAX_HOPPER_AUTO"
