@@ -166,8 +166,8 @@ def _cameras(policy, features: dict) -> list[tuple[str, tuple[int, int]]]:
   if data.get("cameras"):
     names = [name[len(IMAGE_PREFIX):] if name.startswith(IMAGE_PREFIX) else name for name in data.cameras]
   elif data.get("name") == "sim_demos":
-    from ejax.sim.demos import CAMERAS
-    names = list(CAMERAS)
+    from ejax.sim.env import CAMERA_NAMES  # not sim.demos: the dataset writer there needs PyAV
+    names = list(CAMERA_NAMES)
   else:
     names = sorted(recorded)
   if len(names) != int(model.get("num_cameras", len(names))):

@@ -26,14 +26,14 @@ import numpy as np
 from absl import logging
 from ml_collections import ConfigDict
 
-from ejax.data.lerobot import LeRobotV3Writer
 from ejax.errors import UserError
 from ejax.sim import registry
 from ejax.sim.batched import BACKENDS, make_batched
+from ejax.sim.env import CAMERA_NAMES
 
 STATE_NAMES = [*(f"joint{i + 1}" for i in range(7)), "gripper_opening", "tcp_x", "tcp_y", "tcp_z"]
 ACTION_NAMES = ["dx", "dy", "dz", "gripper"]
-CAMERAS = ("agentview", "wrist")
+CAMERAS = CAMERA_NAMES  # the scene's cameras, in the order the dataset records them
 ROBOT_TYPE = "ejax_franka_like"
 ENVIRONMENT_STATE_NAMES = ["target_x", "target_y", "target_z", "goal_x", "goal_y", "goal_z", "holding"]
 ENVIRONMENT_PIXEL_NAMES = [f"{camera}_{point}_{axis}" for camera in CAMERAS for point in ("target", "goal")
@@ -174,6 +174,7 @@ def record(cfg, root: str) -> dict:
   envs_per_task = max(1, min(int(cfg.num_envs) // len(task_names), int(cfg.episodes_per_task)))
   env = make_batched(task_names, envs_per_task * len(task_names), backend=cfg.backend, cameras=True,
                      image_size=image_size)
+  from ejax.data.lerobot import LeRobotV3Writer  # here: its video encoder needs PyAV, which serving lacks
   writer = LeRobotV3Writer(root, fps=env.control_hz, features=dataset_features(image_size), robot_type=ROBOT_TYPE,
                            video_codec=cfg.video_codec, video_lossless=bool(cfg.get("video_lossless", False)))
   rounds = -(-int(cfg.episodes_per_task) // envs_per_task)
