@@ -8,6 +8,8 @@ step is done) with jax.profiler, then reads the Perfetto trace back and returns 
   by_kind          ms a step per kind of op (matmul, attention, collective, fusion, copy, other)
   top              the 25 ops (innermost spans only: a loop counts as the ops it runs) with the most time a step: name, the HLO op when the trace names it,
                    kind, calls and ms a step
+  host             the host's 12 busiest spans by name (inclusive ms and calls a step): where the time
+                   goes when the device waits on the host
 On a GPU the kernels and their HLO ops come from the device's streams, so the table is what a
 profile viewer would show; on a CPU the same code reads XLA:CPU's op events (tests run it there).
 
@@ -92,6 +94,26 @@ def device_events(events: list[dict]) -> list[dict]:
           and not e["name"].startswith("$")]
 
 
+PROFILER_SPANS = re.compile(r"profiler\.py|contextlib\.py")  # the trace's own start and stop, not a step's
+
+
+def host_spans(events: list[dict], ops: list[dict], steps: int, count: int = 12) -> list[dict]:
+  """The host's busiest spans, by name, inclusive of what they call (the device's op events left out):
+  where a step's host time goes when the device waits on it (dispatch, the runtime's execute, Python)."""
+  op_ids = {id(e) for e in ops}
+  device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                 and "/device:" in e["args"]["name"] and "CPU" not in e["args"]["name"]}
+  totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for e in events:
+    if (e.get("ph") != "X" or "dur" not in e or id(e) in op_ids or e["pid"] in device_pids
+        or PROFILER_SPANS.search(e["name"])):
+      continue
+    totals[e["name"]][0] += e["dur"] / 1e3
+    totals[e["name"]][1] += 1
+  top = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
+  return [dict(name=name[:160], calls=calls / steps, ms_per_step=ms / steps) for name, (ms, calls) in top]
+
+
 def summarize(events: list[dict], steps: int, step_seconds: list[float]) -> dict:
   ops = device_events(events)
   totals: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
@@ -111,7 +133,8 @@ def summarize(events: list[dict], steps: int, step_seconds: list[float]) -> dict
       distinct_ops=len(totals),
       by_kind=dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
       top=[dict(name=name[:160], hlo_op=hlo[:120], kind=kind_of(name, hlo), calls=calls / steps,
-                ms_per_step=ms / steps) for (name, hlo), (ms, calls) in top])
+                ms_per_step=ms / steps) for (name, hlo), (ms, calls) in top],
+      host=host_spans(events, ops, steps))
 
 
 def profile_steps(run_one, steps: int, out_dir: str) -> dict:
@@ -135,4 +158,7 @@ def describe(summary: dict) -> str:
   for op in summary["top"][:10]:
     lines.append(f"    {op['ms_per_step']:8.2f} ms  x{op['calls']:<5.0f} {op['kind']:<10} {op['name'][:70]}"
                  + (f"  [{op['hlo_op'][:40]}]" if op["hlo_op"] else ""))
+  if summary.get("host"):
+    lines.append("    host, inclusive ms a step: " + "; ".join(f"{span['name'][:60]} {span['ms_per_step']:.1f}"
+                                                             for span in summary["host"][:6]))
   return "\n".join(lines)

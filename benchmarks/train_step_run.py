@@ -136,10 +136,14 @@ def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: di
     # the first loss read (the next step already queued) to the last, `steps` steps apart. A mean from
     # the first dispatch on also holds the one dispatch the device waits for (2026-11-29: 107.7 ms
     # over 5 steps that ran 96.5 ms each waited for).
+    # `dispatch`: how long the call itself holds the host (what a host-bound cadence is made of; on the
+    # H200 of 2026-11-30 GR00T's device was busy 49 ms of a 79 ms cadence).
     state, metrics = compiled(state, batch)
-    cadence = []
+    cadence, dispatch = [], []
     for _ in range(steps + 1):
+      start = time.perf_counter()
       previous, (state, metrics) = metrics, compiled(state, batch)
+      dispatch.append(time.perf_counter() - start)
       float(previous["loss"])
       cadence.append(time.perf_counter())
     jax.block_until_ready(metrics["loss"])
@@ -180,7 +184,7 @@ def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: di
       state_seconds=state_seconds, state_shared=reused, compile_seconds=compile_seconds,
       lower_seconds=prepared.lower_seconds, step_ms=1e3 * trainer_seconds,
       blocked_step_ms=1e3 * median, step_ms_all=[1e3 * t for t in times],
-      cadence_step_ms_all=[1e3 * t for t in cadence], samples=samples, samples_per_second=samples_per_second,
+      cadence_step_ms_all=[1e3 * t for t in cadence], dispatch_ms=1e3 * statistics.median(dispatch), samples=samples, samples_per_second=samples_per_second,
       model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
       model_flops_per_sample=per_sample_model, row_tokens=row_tokens, loss=loss,
       packing=dict(config.model.get("packing", {})), step_peak_gib=step_bytes / 2**30,
@@ -233,7 +237,8 @@ def describe(name: str, result: dict) -> str:
   state = "shared  " if result.get("state_shared") else f"{result['state_seconds']:6.1f} s"
   beside = f"  (timed beside {result['compiles_running']} compiles)" if result.get("compiles_running") else ""
   return (f"  {name:<16} state {state}  compile {result['compile_seconds']:6.1f} s  "
-          f"step {result['step_ms']:8.1f} ms ({result.get('blocked_step_ms', result['step_ms']):.1f} each waited for)  "
+          f"step {result['step_ms']:8.1f} ms ({result.get('blocked_step_ms', result['step_ms']):.1f} each waited for"
+          + (f", {result['dispatch_ms']:.1f} dispatching" if "dispatch_ms" in result else "") + ")  "
           f"{result['samples_per_second']:8.1f} samples/s  "
           f"{result['model_tflops']:7.1f} TFLOP/s  MFU {mfu:>7}  {row}({result['row_tokens']:.0f} tokens/sample)  "
           f"step peak {result['step_peak_gib']:.1f} GiB{beside}" + _describe_kernels(result.get("kernels", {})))

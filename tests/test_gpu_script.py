@@ -79,6 +79,8 @@ def test_profile_summary_counts_innermost_device_ops_once():
   assert summary["by_kind"] == {"matmul": 0.6, "fusion": 0.2, "collective": 0.1}
   assert summary["top"][0] == dict(name="sm90_xmma_gemm_bf16", hlo_op="dot.1", kind="matmul", calls=1.0,
                                    ms_per_step=0.6)
+  # The host's spans, inclusive, per step: where the time goes when the device waits on the host.
+  assert summary["host"] == [dict(name="PjitFunction(step)", calls=0.5, ms_per_step=4.5)]
 
 
 def test_profile_summary_reads_kernel_names_inside_cuda_graphs():
