@@ -31,7 +31,9 @@ by side (one thread per two cores) and are timed once their compiles have ended 
 Per arm: state-ready seconds (built and on the device; "shared" where the arm before it has the same
 state, which it then trains on), compile seconds (beside the other arms' compiles: --startup times one
 alone), step ms at the trainer's cadence (each step dispatched before the last one's loss is read;
-beside it the median of steps each waited for on its own), samples/s,
+the median interval, as a long run sees it: the other arms' lowering in this process stalls the host
+once in a while; beside it the median of steps each waited for on its own and the call's own
+dispatch time), samples/s,
 model TFLOP/s and MFU (ejax.train.flops: forward + backward, no recomputation; the device's dense
 bf16 peak), peak memory (XLA's buffer assignment of the step). Beside the packing arms it prints the
 FLOP bound between them (the same samples' model FLOPs padded vs packed). On a CPU it runs the

@@ -137,7 +137,10 @@ def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: di
     # the first dispatch on also holds the one dispatch the device waits for (2026-11-29: 107.7 ms
     # over 5 steps that ran 96.5 ms each waited for).
     # `dispatch`: how long the call itself holds the host (what a host-bound cadence is made of; on the
-    # H200 of 2026-11-30 GR00T's device was busy 49 ms of a 79 ms cadence).
+    # H200 of 2026-11-30 GR00T's device was busy 49 ms of a 79 ms cadence). The step is the median
+    # interval: a one-off stall of the host (~0.4-0.6 s once an arm on 2026-11-30, while the other
+    # arms lowered in this process's threads and held the GIL) is not the trainer's steady state, and
+    # the mean of 8 intervals carried it (fp8_all's 115.8 ms mean of intervals of 59-73 ms).
     state, metrics = compiled(state, batch)
     cadence, dispatch = [], []
     for _ in range(steps + 1):
@@ -148,7 +151,7 @@ def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: di
       cadence.append(time.perf_counter())
     jax.block_until_ready(metrics["loss"])
     cadence = [later - earlier for earlier, later in zip(cadence, cadence[1:])]
-    trainer_seconds = sum(cadence) / steps
+    trainer_seconds = statistics.median(cadence)
     loss = float(metrics["loss"])
     profile = None
     if profile_dir:
@@ -184,7 +187,7 @@ def run_arm(prepared: PreparedArm, steps: int, profile_dir: str = "", shared: di
       state_seconds=state_seconds, state_shared=reused, compile_seconds=compile_seconds,
       lower_seconds=prepared.lower_seconds, step_ms=1e3 * trainer_seconds,
       blocked_step_ms=1e3 * median, step_ms_all=[1e3 * t for t in times],
-      cadence_step_ms_all=[1e3 * t for t in cadence], dispatch_ms=1e3 * statistics.median(dispatch), samples=samples, samples_per_second=samples_per_second,
+      cadence_step_ms_all=[1e3 * t for t in cadence], cadence_mean_ms=1e3 * sum(cadence) / len(cadence), dispatch_ms=1e3 * statistics.median(dispatch), samples=samples, samples_per_second=samples_per_second,
       model_tflops=model_flops / 1e12, mfu_percent=(100 * model_flops / (peak * mesh.size)) if peak else None,
       model_flops_per_sample=per_sample_model, row_tokens=row_tokens, loss=loss,
       packing=dict(config.model.get("packing", {})), step_peak_gib=step_bytes / 2**30,
