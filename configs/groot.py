@@ -111,8 +111,9 @@ def get_config(arg: str | None = None):
     # ~1.7 ms of an H200 step priced on the compile-only H100, BENCHMARKS.md).
     config.train.compute_copy = True
     # train.frozen_fp8 (off): the frozen towers' projections as FP8 GEMMs from e4m3 copies made with the
-    # state; priced 1.03-1.11x the bf16 step at the GEMM rates measured so far, unmeasured on a GPU (the
-    # fp8_frozen arm of benchmarks/train_step.py), and it costs the towers' features precision.
+    # state; priced 1.03-1.11x the bf16 step alone (the fp8_frozen arm of benchmarks/train_step.py,
+    # unmeasured). With model.fp8 too (the fp8_all arm) an H200 ran 1.18x the bf16 step at the trainer's
+    # cadence and 0.99x waited for (2026-11-30, one window). It costs the towers' features precision.
   if args.dataset == "synthetic":
     # ejax/data/synthetic.py: no cameras, no simulator, the shapes model_config("runlocal") sets.
     if not args.runlocal:
