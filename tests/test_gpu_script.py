@@ -134,7 +134,7 @@ def test_the_layout_checked_arm_is_the_configured_step_with_the_attention_layout
   (configured, _), (checked, _) = arms["configured"], arms["layout_checked"]
   assert checked.train.check_attention_layout and not configured.train.check_attention_layout
   assert checked.model == configured.model
-  groot = next(f for f in FIGURES if f.name == "train_step").args
+  groot = next(f for f in FIGURES if f.name == "train_step_more").args  # measured in the first figure once
   assert "layout_checked" in groot[groot.index("--arms") + 1].split(",")
 
 
@@ -148,6 +148,9 @@ def test_the_fp8_frozen_arm_is_the_configured_step_with_frozen_fp8_copies():
   assert not arms["fp8_xla"][0].train.frozen_fp8 and not frozen.model.fp8
   both = arms["fp8_all"][0]
   assert both.train.frozen_fp8 and both.model.fp8 and both.model.fp8_impl == "xla_delayed"
+  from benchmarks.gpu import FIGURES  # the first figure times both halves' whole and the frozen half
+  groot = next(f for f in FIGURES if f.name == "train_step").args
+  assert {"fp8_all", "fp8_frozen"} <= set(groot[groot.index("--arms") + 1].split(","))
 
 
 def test_arms_share_a_state_only_where_its_shapes_agree():
