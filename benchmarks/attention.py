@@ -29,7 +29,6 @@ speedup on CPU, on GPU the fastest forward+backward TFLOP/s.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 import traceback
@@ -227,6 +226,20 @@ def route_cases(row_length: int, seed: int = 0):
                                                kv_segment_ids=segment_ids)))
 
 
+def attention_outputs(impl: str, mask: dict, d_out=None):
+  """(q, k, v) -> (attention through `impl` under `mask`,), or given d_out the gradients of q, k, v of
+  its sum against d_out; unjitted: the checks below compare these between impls and module settings."""
+  attend = lambda q, k, v: flash_attention(q, k, v, impl=impl, **mask)
+  if d_out is None:
+    return lambda q, k, v: (attend(q, k, v),)
+  return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out), argnums=(0, 1, 2))
+
+
+def largest_error(got, want) -> float:
+  """The largest relative_error over paired outputs (attention_outputs')."""
+  return max(float(relative_error(g, w)) for g, w in zip(got, want, strict=True))
+
+
 def check_route(route: str, row_length: int, dtype) -> dict:
   """Values and gradients of attention `route` against impl "xla" in fp32 over route_cases, each case
   compiled and run on its own. Raises on an error; returns {case: (out error, grad error)}."""
@@ -238,20 +251,15 @@ def check_route(route: str, row_length: int, dtype) -> dict:
     k, v = (jax.random.normal(key, (2, row_length, heads, head_dim), dtype) for key in keys[1:3])
     d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
     device_mask = {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
-
-    def run(impl, q, k, v):
-      loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, impl=impl, **device_mask).astype(jnp.float32) * d_out)
-      return jax.jit(lambda q, k, v: (flash_attention(q, k, v, impl=impl, **device_mask),
-                                      jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
-
-    out, grads = run(route, q, k, v)
-    want_out, want_grads = run("xla", *(x.astype(jnp.float32) for x in (q, k, v)))
-    errors[name] = (float(relative_error(out, want_out)),
-                    max(float(relative_error(g, w)) for g, w in zip(grads, want_grads)))
+    both = lambda impl: jax.jit(lambda q, k, v: (attention_outputs(impl, device_mask)(q, k, v),
+                                                 attention_outputs(impl, device_mask, d_out)(q, k, v)))
+    out, grads = both(route)(q, k, v)
+    want_out, want_grads = both("xla")(*(x.astype(jnp.float32) for x in (q, k, v)))
+    errors[name] = (largest_error(out, want_out), largest_error(grads, want_grads))
   return errors
 
 
-# check_forward_variants: mosaic_own's forward under each setting that changes its GPU code path, on
+# check_variants' forward part: mosaic_own's forward under each setting that changes its GPU code path, on
 # bidirectional packed segments at head sizes 64 and 128 and block-causal rows at 64. On the H200 of
 # 2026-11-30 its values were right at 128 (block-causal, causal) and wrong at 64 (segments, cross),
 # where Mosaic GPU interpret mode (tests) agrees with the reference: a setting that mends 64 names the
@@ -263,7 +271,7 @@ FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forwa
                     ("persistent", ((mosaic_forward, "PERSISTENT", True),)))
 
 
-# check_backward_variants: the backward's settings that 2026-11-30's timings favour (persistent: 2.20 ms
+# check_variants' backward part: the backward's settings that 2026-11-30's timings favour (persistent: 2.20 ms
 # against 2.62 with deep rings, 2.38 with rings of 2) but no GPU has checked at head size 64, through
 # the mosaic route (tokamax's forward, ejax's backward): auto's first Hopper route shares this backward.
 BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "PERSISTENT", True),)),
@@ -283,45 +291,21 @@ def _variant_cases(row_length: int, dtype):
     yield name, q, k, v, {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
 
 
-def check_forward_variants(row_length: int, dtype, variants=FORWARD_VARIANTS) -> dict:
-  """{variant: {case: error of mosaic_own's forward values against impl "xla" in fp32}} (no backward)."""
+def check_variants(row_length: int, dtype, impl: str, variants, gradients: bool) -> dict:
+  """{variant: {case: error against impl "xla" in fp32}} of `impl` under each variant's module settings:
+  of its values, or with `gradients` of its gradients of q, k, v (the largest of the three). A variant
+  that does not build here gets its error's first line instead."""
   inputs = {}
   for name, q, k, v, mask in _variant_cases(row_length, dtype):
-    want = jax.jit(lambda q, k, v, mask=mask: flash_attention(q, k, v, impl="xla", **mask))(
-        *(x.astype(jnp.float32) for x in (q, k, v)))
-    inputs[name] = (q, k, v, mask, want)
-  errors = {}
-  for label, settings in variants:
-    errors[label] = {}
-    for name, (q, k, v, mask, want) in inputs.items():
-      forward = with_settings(jax.jit(lambda q, k, v, mask=mask: flash_attention(q, k, v, impl="mosaic_own", **mask)),
-                              settings)
-      try:
-        errors[label][name] = float(relative_error(forward(q, k, v), want))
-      except Exception as error:  # noqa: BLE001  (a variant that does not build here: say so, go on)
-        errors[label][name] = f"{type(error).__name__}: {str(error)[:120]}"
-  return errors
-
-
-def check_backward_variants(row_length: int, dtype, impl: str = "mosaic", variants=BACKWARD_VARIANTS) -> dict:
-  """{variant: {case: error of impl's gradients of q, k, v (the largest) against impl "xla" in fp32}}."""
-  inputs = {}
-  for name, q, k, v, mask in _variant_cases(row_length, dtype):
-    d_out = jax.random.normal(jax.random.key(2), q.shape, jnp.float32)
-
-    def grads(impl, q, k, v, mask=mask, d_out=d_out):
-      loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, impl=impl, **mask).astype(jnp.float32) * d_out)
-      return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    want = jax.jit(functools.partial(grads, "xla"))(*(x.astype(jnp.float32) for x in (q, k, v)))
-    inputs[name] = (q, k, v, functools.partial(grads, impl), want)
+    d_out = jax.random.normal(jax.random.key(2), q.shape, jnp.float32) if gradients else None
+    want = jax.jit(attention_outputs("xla", mask, d_out))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    inputs[name] = (q, k, v, attention_outputs(impl, mask, d_out), want)
   errors = {}
   for label, settings in variants:
     errors[label] = {}
     for name, (q, k, v, run, want) in inputs.items():
       try:
-        got = with_settings(jax.jit(run), settings)(q, k, v)
-        errors[label][name] = max(float(relative_error(g, w)) for g, w in zip(got, want))
+        errors[label][name] = largest_error(with_settings(jax.jit(run), settings)(q, k, v), want)
       except Exception as error:  # noqa: BLE001  (a variant that does not build here: say so, go on)
         errors[label][name] = f"{type(error).__name__}: {str(error)[:120]}"
   return errors
@@ -354,7 +338,7 @@ def main():
   parser.add_argument("--json", default=None, help="write every number to this path")
   parser.add_argument("--dtype", default=None, help="q, k, v dtype (default bfloat16 on GPU, float32 elsewhere; "
                                                     "the mosaic arm takes 16-bit floats only)")
-  parser.add_argument("--check_forward_variants", action="store_true",
+  parser.add_argument("--check_variants", action="store_true",
                       help="only check mosaic_own's forward values under each of FORWARD_VARIANTS at head sizes 64 "
                            "and 128 (which code path is wrong on a GPU), then the backward's gradients under "
                            "each of BACKWARD_VARIANTS")
@@ -366,27 +350,27 @@ def main():
 
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.dtype(args.dtype) if args.dtype else (jnp.bfloat16 if on_gpu else jnp.float32)
-  if args.check_forward_variants:
+  if args.check_variants:
     tolerance = CHECK_TOLERANCE[jnp.dtype(dtype)]
-    describe = lambda by_case: ", ".join(f"{name} {e:.1e}" if isinstance(e, float) else f"{name} {e}"
-                                         for name, e in by_case.items())
-    right = lambda errors: [label for label, by_case in errors.items()
-                            if all(isinstance(e, float) and e <= tolerance for e in by_case.values())]
-    errors = {"forward": check_forward_variants(args.row_length, dtype)}
-    for label, by_case in errors["forward"].items():
-      print(f"mosaic_own forward, {label}: {describe(by_case)}", flush=True)
     # The backward's variants through the mosaic route where tokamax's forward runs (a GPU), else
     # through mosaic_own (interpret mode here).
     backward_impl = "mosaic" if on_gpu and tokamax_gpu.available() else "mosaic_own"
-    errors["backward"] = check_backward_variants(args.row_length, dtype, backward_impl)
-    for label, by_case in errors["backward"].items():
-      print(f"{backward_impl} gradients, backward {label}: {describe(by_case)}", flush=True)
+    errors = {}
+    for part, impl, variants, gradients in (("forward", "mosaic_own", FORWARD_VARIANTS, False),
+                                            ("backward", backward_impl, BACKWARD_VARIANTS, True)):
+      errors[part] = check_variants(args.row_length, dtype, impl, variants, gradients)
+      for label, by_case in errors[part].items():
+        cells = ", ".join(f"{name} {e:.1e}" if isinstance(e, float) else f"{name} {e}" for name, e in by_case.items())
+        print(f"{impl} {'gradients' if gradients else 'values'}, {part} {label}: {cells}", flush=True)
     if args.json:
       with open(args.json, "w") as file:
         json.dump(dict(dtype=jnp.dtype(dtype).name, errors=errors, tolerance=tolerance), file)
-    print(f"mosaic_own forward variants right at every case: {len(right(errors['forward']))} of "
-          f"{len(errors['forward'])} ({', '.join(right(errors['forward'])) or 'none'}); backward variants "
-          f"{len(right(errors['backward']))} of {len(errors['backward'])} (goal all)")
+    right = {part: [label for label, by_case in by_variant.items()
+                    if all(isinstance(e, float) and e <= tolerance for e in by_case.values())]
+             for part, by_variant in errors.items()}
+    print(f"mosaic_own forward variants right at every case: {len(right['forward'])} of {len(errors['forward'])} "
+          f"({', '.join(right['forward']) or 'none'}); backward variants {len(right['backward'])} of "
+          f"{len(errors['backward'])} (goal all)")
     return
   if args.check:
     try:

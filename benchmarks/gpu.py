@@ -9,7 +9,7 @@ First it checks auto's Hopper attention routes (check_routes) and leaves out of 
 fails. The figures:
 
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
-  mosaic_own_check  attention.py --check_forward_variants: which of mosaic_own's forward code paths is
+  mosaic_own_check  attention.py --check_variants: which of mosaic_own's forward code paths is
               wrong at head size 64 on a GPU, and whether the backward's faster settings are right
   train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
               step per kind of op, the top kernels, the host's spans), all-FP8, seed-padded and
@@ -82,7 +82,7 @@ FIGURES = (
     # 2026-11-30 (persistent) but never checked at head size 64. Not in --smoke: interpret mode takes
     # ~13 s a forward case and ~40 s a backward one (tests/kernels/test_attention_mosaic.py runs one
     # forward variant).
-    Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_forward_variants", "--row_length", "1024"), (), 120,
+    Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_variants", "--row_length", "1024"), (), 120,
            own_file=False),
     # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
     # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms

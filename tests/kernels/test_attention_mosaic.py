@@ -323,7 +323,7 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
 
 @MOSAIC
 def test_the_variant_checks_give_each_variant_and_case_an_error():
-  """benchmarks/attention.py --check_forward_variants, run on a GPU to find which of the forward's code
+  """benchmarks/attention.py --check_variants, run on a GPU to find which of the forward's code
   paths was wrong at head size 64 there, and whether the backward's faster settings are right there:
   here, in interpret mode, each case of a variant within tolerance of impl xla, and its module
   settings put back after the call."""
@@ -334,7 +334,7 @@ def test_the_variant_checks_give_each_variant_and_case_an_error():
     sys.path.pop(0)
   rings = bench.FORWARD_VARIANTS[2]
   assert rings[0] == "rings of 2 slots"
-  errors = bench.check_forward_variants(1024, jnp.bfloat16, variants=(rings,))
+  errors = bench.check_variants(1024, jnp.bfloat16, "mosaic_own", (rings,), gradients=False)
   assert list(errors) == ["rings of 2 slots"]
   assert set(errors["rings of 2 slots"]) == {"segments@64", "segments@128", "block-causal@64"}
   assert all(isinstance(e, float) and e < 1e-2 for e in errors["rings of 2 slots"].values()), errors
@@ -343,7 +343,7 @@ def test_the_variant_checks_give_each_variant_and_case_an_error():
   # fp32: the backward kernels' interpret-mode gradients are this file's other tests), settings put back.
   persistent = bench.BACKWARD_VARIANTS[1]
   assert persistent[0] == "persistent"
-  errors = bench.check_backward_variants(1024, jnp.bfloat16, impl="xla", variants=(persistent,))
+  errors = bench.check_variants(1024, jnp.bfloat16, "xla", (persistent,), gradients=True)
   assert set(errors["persistent"]) == {"segments@64", "segments@128", "block-causal@64"}
   assert all(isinstance(e, float) and e < 2e-2 for e in errors["persistent"].values()), errors
   assert mosaic_backward.PERSISTENT is False
