@@ -21,15 +21,23 @@ ejax's kernel and tokamax configs. An arm that fails prints its error and the ot
 `--json PATH` writes every number (rewritten after each arm). The last line is the figure: the
 speedup on CPU, on GPU the fastest forward+backward TFLOP/s.
 
+`--profile_kernel DIR` (a GPU) instead runs mosaic_own's three Mosaic GPU kernels (forward, dQ,
+dK/dV) under Mosaic GPU's on-device profiler and prints, per kernel, the cycles of each named scope
+(barrier waits, wgmmas, softmax) per warpgroup beside a ring step's bound (benchmarks/kernel_profile.py).
+
   python benchmarks/attention.py          # headline: 4 rows x 2048 tokens, 4 heads x 32, CPU fp32
   python benchmarks/attention.py --rows 8 --row_length 4096 --heads 16 --head_dim 128 --sweep \
       --json attention.json               # Hopper: goal 300 TFLOP/s forward, 200 forward+backward
+  python benchmarks/attention.py --rows 2 --row_length 4096 --heads 16 --head_dim 128 \
+      --profile_kernel /tmp/ejax-kernel-profile   # Hopper: where the kernels' cycles go
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 import traceback
 
@@ -39,10 +47,15 @@ import numpy as np
 
 from ejax.data.packing import pack_sequences
 from ejax.kernels.attention import (BlockSizes, attention_mask, flash_attention, intervals, mosaic_backward,
-                                    mosaic_forward, ops, tokamax_gpu)
+                                    mosaic_common, mosaic_forward, ops, tokamax_gpu)
 from ejax.kernels.attention.ops import choose_impl
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           MaskInputs, active_fraction, normalise_mask)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # benchmarks/ imports as a package from the repository root
+  sys.path.insert(0, REPO)
+from benchmarks import kernel_profile  # noqa: E402
 
 # Goals of issue 31 point 6 at 8 x 4,096 tokens, 16 heads x 128 on one H100/H200 (TFLOP/s).
 GOAL_FORWARD, GOAL_TRAIN = 300.0, 200.0
@@ -69,12 +82,17 @@ RING_OF_2 = ((mosaic_forward, "STAGES", 2), (mosaic_backward, "STAGES", 2))
 PERSISTENT = ((mosaic_forward, "PERSISTENT", True), (mosaic_backward, "PERSISTENT", True))
 DKV_2 = ((mosaic_backward, "DKV_WGS", 2),)
 BACKWARD_RS = ((mosaic_backward, "OPERANDS_IN_REGISTERS", True),)  # the score wgmmas' own operands
-MOSAIC_OWN_VARIANTS = (("rings of 2 slots", RING_OF_2), ("K waited for during PV", ((mosaic_forward, "K_WAIT_DURING_PV", True),)),
-                       ("persistent", PERSISTENT), ("persistent, backward operands in registers", PERSISTENT + BACKWARD_RS),
-                       ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
-                       ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
+# In timing order: first those no window has timed (the 2026-11-30 limit fell before them), then the
+# persistent backward under the deep-ring forward (the two faster halves of 2026-11-30: ~184 TFLOP/s
+# forward+backward priced), then the rest measured that day, again.
+MOSAIC_OWN_VARIANTS = (("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
                        ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
-                       ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)))
+                       ("persistent backward", PERSISTENT[1:]),
+                       ("persistent", PERSISTENT), ("rings of 2 slots", RING_OF_2),
+                       ("K waited for during PV", ((mosaic_forward, "K_WAIT_DURING_PV", True),)),
+                       ("persistent, backward operands in registers", PERSISTENT + BACKWARD_RS),
+                       ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
+                       ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)))
 # An arm kwarg make() takes off before flash_attention: ((module, name, value), ...) set while it traces.
 SETTINGS = "_module_settings"
 # Arms also timed on the causal rows (the rest, baselines and the sweep, on the VLA rows only).
@@ -291,6 +309,40 @@ def _variant_cases(row_length: int, dtype):
     yield name, q, k, v, {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
 
 
+# profile_kernels: each Mosaic GPU kernel of mosaic_own, its trace's file prefix, its warpgroups (the
+# compute ones, then the copying one), its named scopes in the order it runs them and the wgmma FLOPs of
+# one ring step per head_dim (the bound: an H100's / H200's 4,096 dense flops a clock an SM).
+PROFILED_KERNELS = (
+    ("forward", "forward_kernel", lambda: mosaic_forward.FWD_WGS,
+     ("start", "pass_by", "step", "wait_k", "qk", "turn", "mask", "softmax", "wait_v", "pv", "end"), 2),
+    ("dQ", "dq_kernel", lambda: mosaic_backward.DQ_WGS,
+     ("start", "pass_by", "step", "wait_kv", "scores", "ds", "dq_mma", "end"), 3),
+    ("dK/dV", "dkv_kernel", lambda: mosaic_backward.DKV_WGS,
+     ("start", "step", "wait_q", "scores", "wait_rows", "p", "mask", "wait_do", "dv_mma", "dp", "dk_mma", "end"), 4))
+COPYING_SCOPES = ("own", "wait_free")
+
+
+def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, repeats: int) -> dict:
+  """mosaic_own's forward and backward on these rows: timed as built, then run once more with Mosaic GPU's
+  on-device profiler on (mosaic_common.PROFILE_DIR; a trace a kernel written into `folder`), each
+  trace summed up by kernel_profile.summarize, beside its ring step's bound in cycles."""
+  forward, train = (jax.jit(attention_outputs("mosaic_own", mask, grads)) for grads in (None, d_out))
+  timings = dict(forward_ms=1e3 * timed(forward, q, k, v, repeats=repeats),
+                 train_ms=1e3 * timed(train, q, k, v, repeats=repeats))
+  os.makedirs(folder, exist_ok=True)
+  profiled = with_settings(jax.jit(attention_outputs("mosaic_own", mask, d_out)), ((mosaic_common, "PROFILE_DIR", folder),))
+  jax.block_until_ready(profiled(q, k, v))
+  jax.effects_barrier()  # the traces are written by host callbacks
+  kernels = {}
+  for name, prefix, compute_wgs, _, gemms in PROFILED_KERNELS:
+    wgs = compute_wgs()
+    roles = {**{w: "compute" for w in range(wgs)}, wgs: "copying"}
+    events = kernel_profile.load(kernel_profile.newest_trace(folder, prefix))
+    kernels[name] = dict(kernel_profile.summarize(events, wgs + 1, roles, clock_mhz),
+                         step_bound_cycles=gemms * wgs * 2 * 64 * 64 * q.shape[-1] / 4096)
+  return dict(timings, kernels=kernels)
+
+
 def check_variants(row_length: int, dtype, impl: str, variants, gradients: bool) -> dict:
   """{variant: {case: error against impl "xla" in fp32}} of `impl` under each variant's module settings:
   of its values, or with `gradients` of its gradients of q, k, v (the largest of the three). A variant
@@ -346,6 +398,11 @@ def main():
                       help="only check one route's values and gradients against impl xla on small rows "
                            "(benchmarks/gpu.py does, for each of auto's Hopper routes, before its figures); "
                            "exit status 1 when it is off or fails")
+  parser.add_argument("--profile_kernel", default=None, metavar="DIR",
+                      help="only run mosaic_own's forward and backward on the block-causal rows under Mosaic GPU's "
+                           "on-device profiler (a GPU): a trace a kernel into DIR, then the cycles of each scope")
+  parser.add_argument("--sm_clock_mhz", type=float, default=1980.0,
+                      help="the SM clock the profile's cycles are converted at (an H100 / H200 SXM's boost)")
   args = parser.parse_args()
 
   on_gpu = jax.default_backend() == "gpu"
@@ -386,6 +443,9 @@ def main():
     print(f"attention route {args.check}: {verdict} on {jax.devices()[0].device_kind}, {jnp.dtype(dtype).name} "
           f"(error of values/gradients against xla in fp32: {cases}; tolerance {CHECK_TOLERANCE[jnp.dtype(dtype)]:.0e})")
     raise SystemExit(0 if verdict == "ok" else 1)
+  if args.profile_kernel and not on_gpu:
+    raise SystemExit(f"attention.py --profile_kernel: Mosaic GPU's on-device profiler needs a GPU (the backend here "
+                     f"is {jax.default_backend()}); run it where benchmarks/gpu.py runs")
   segment_ids, block_ids, positions, segment_lengths = packed_rows(args.rows, args.row_length, args.seed)
   shape = (args.rows, args.row_length, args.heads, args.head_dim)
   keys = jax.random.split(jax.random.key(args.seed), 4)
@@ -399,6 +459,23 @@ def main():
   as_device = lambda mask: {name: jnp.asarray(value) if isinstance(value, np.ndarray) else value
                             for name, value in mask.items()}
   mask = as_device(host_masks["block_causal"])
+  if args.profile_kernel:
+    profile = profile_kernels(q, k, v, d_out, mask, args.profile_kernel, args.sm_clock_mhz, args.repeats)
+    steps = []
+    for name, _, _, scopes, _ in PROFILED_KERNELS:
+      print(f"{name}:")
+      for line in kernel_profile.describe(profile["kernels"][name], {"compute": scopes, "copying": COPYING_SCOPES}):
+        print(f"  {line}")
+      step = profile["kernels"][name]["roles"]["compute"]["scopes"].get("step", {}).get("cycles_per_call", 0.0)
+      steps.append(f"{name} {step:,.0f} ({profile['kernels'][name]['step_bound_cycles']:,.0f})")
+    if args.json:
+      with open(args.json, "w") as file:
+        json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args), profile=profile),
+                  file, indent=1)
+    print(f"mosaic_own on {jax.devices()[0].device_kind}: forward {profile['forward_ms']:.2f} ms, forward+backward "
+          f"{profile['train_ms']:.2f} ms; cycles a ring step (bound: its wgmmas at the tensor cores' rate): "
+          + ", ".join(steps))
+    return
   varlen_impl = choose_impl(q, k, "auto", "block_causal") if on_gpu else "xla"
   # The tiles the op picks for this impl and backend (ops.flash_attention).
   blocks = (XLA_GPU_BLOCK_SIZES if varlen_impl == "xla" and on_gpu else

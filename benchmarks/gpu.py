@@ -9,6 +9,8 @@ First it checks auto's Hopper attention routes (check_routes) and leaves out of 
 fails. The figures:
 
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
+  attention_profile  attention.py --profile_kernel: mosaic_own's kernels under Mosaic GPU's on-device
+              profiler, the cycles of each of their scopes (waits, wgmmas, softmax) per warpgroup
   mosaic_own_check  attention.py --check_variants: which of mosaic_own's forward code paths is
               wrong at head size 64 on a GPU, and whether the backward's faster settings are right
   train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
@@ -54,6 +56,7 @@ WHEELS = os.path.join(REPO, ".whl")
 SITE = "/tmp/ejax-site"
 # Modules ejax imports that the GPU image lacks (its jax, optax, orbax, numpy, safetensors stay).
 PROFILE = "/tmp/ejax-profile"  # traces stay on the machine; their summary goes into the figure's JSON
+KERNEL_PROFILE = "/tmp/ejax-kernel-profile"  # the same for attention_profile's Mosaic GPU trace
 NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client")
 
 
@@ -76,6 +79,13 @@ FIGURES = (
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--skip_dense"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
+    # Where mosaic_own's kernels spend their cycles (2026-11-30: ~2 us a 64-key forward step whose wgmmas
+    # take ~0.5): the forward and backward once under Mosaic GPU's on-device profiler, each kernel's
+    # scopes' cycles per warpgroup. Two of the figure's eight rows (1,024 forward CTAs, 8 waves on 132
+    # SMs) keep the three traces near a million events. Not in --smoke: the profiler runs on a GPU only
+    # (tests/kernels/test_kernel_profile.py reads a trace written by jax's own dumper).
+    Figure("attention_profile", ("benchmarks/attention.py", "--rows", "2", "--row_length", "4096", "--heads", "16",
+                                 "--head_dim", "128", "--profile_kernel", KERNEL_PROFILE), (), 75, own_file=False),
     # mosaic_own's forward under each setting that changes its GPU code path, values only: on 2026-11-30
     # it was wrong at head size 64 on the GPU and right in interpret mode (BENCHMARKS.md). Then the
     # gradients of the mosaic route (auto's) under the backward's settings that were faster on

@@ -37,7 +37,11 @@ from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
     LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
     inner_ranges, item_part, kernel_params, kv_ring, kv_spans, load, mma, own_buffers, persistent_ctas, ring_stages,
-    store_item, work_items)
+    scope, store_item, work_items)
+
+# The kernels' named scopes (mosaic_common.scope), per compute warpgroup: an item's "start", its "step"s
+# (dQ: "wait_kv", "scores", "ds", "dq_mma"; dK/dV: "wait_q", "scores", "wait_rows", "p", "mask",
+# "wait_do", "dv_mma", "dp", "dk_mma"), dQ's tiles "pass_by", the item's "end".
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
 # score tiles fit the 168 registers a thread of a 384-thread CTA). dK/dV: one, so a thread may use
@@ -194,28 +198,31 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
       @functools.partial(work_items, dq_items, lo_ref, hi_ref)
       def _item(h, qi, b, j, g):
-        lo, steps, block, rows_q, buf = item_part(lo_ref, hi_ref, b, qi, j, wg, DQ_WGS, block_q)
-        q_s, do_s = q_smem.at[buf], do_smem.at[buf]
-        lse2, delta_, start, end = (load(rows_ref.at[b, h, i, rows_q], row_layout, optimized=False)
-                                    for i in range(4))
-        inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
-        # This warpgroup computes only the kv tiles its own queries' ranges touch, steps [first, last) of
-        # the item's; it waits for and frees the others (each barrier phase is waited for once).
-        first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
-        last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
-        plgpu.barrier_wait(q_bar.at[buf])
-        plgpu.barrier_wait(do_bar.at[buf])
-        # Q and dO in registers for the two score wgmmas (RS), as the forward's Q (mosaic_forward.py).
-        held = OPERANDS_IN_REGISTERS and not interpret
-        q_op = load(q_s, wgmma_layout) if held else q_s
-        do_op = load(do_s, wgmma_layout) if held else do_s
+        with scope("start"):
+          lo, steps, block, rows_q, buf = item_part(lo_ref, hi_ref, b, qi, j, wg, DQ_WGS, block_q)
+          q_s, do_s = q_smem.at[buf], do_smem.at[buf]
+          lse2, delta_, start, end = (load(rows_ref.at[b, h, i, rows_q], row_layout, optimized=False)
+                                      for i in range(4))
+          inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
+          # This warpgroup computes only the kv tiles its own queries' ranges touch, steps [first, last)
+          # of the item's; it waits for and frees the others (each barrier phase is waited for once).
+          first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
+          last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
+          plgpu.barrier_wait(q_bar.at[buf])
+          plgpu.barrier_wait(do_bar.at[buf])
+          # Q and dO in registers for the two score wgmmas (RS), as the forward's Q (mosaic_forward.py).
+          held = OPERANDS_IN_REGISTERS and not interpret
+          q_op = load(q_s, wgmma_layout) if held else q_s
+          do_op = load(do_s, wgmma_layout) if held else do_s
         shape = (block_q, block_kv)
         row = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
+        @scope("step")
         def step(i, dq_acc):
           slot = lax.rem(g + i, dq_stages)
-          plgpu.barrier_wait(k_bar.at[slot])
-          plgpu.barrier_wait(v_bar.at[slot])
+          with scope("wait_kv"):
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
 
           def scores(s_ref, dp_ref):
             plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
@@ -224,21 +231,23 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
             return s_ref[...], dp_ref[...]
 
           acc = plgpu.ACC(shape, jnp.float32)
-          s, dp = pl.run_scoped(scores, acc, acc)
+          s, dp = scope("scores")(pl.run_scoped)(scores, acc, acc)
           plgpu.barrier_arrive(v_free.at[slot])
-          p = jnp.exp2(s * c - row(lse2))
           kv_base = (lo + i) * block_kv
 
           def mask(p):
             key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
             return jnp.where((key >= row(start)) & (key < row(end)), p, 0.0)
 
-          p = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
-          ds = p * (dp - row(delta_))
-          dq_acc = mma_(dq_acc, ds.astype(dtype), k_smem.at[slot])
+          with scope("ds"):
+            p = jnp.exp2(s * c - row(lse2))
+            p = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
+            ds = p * (dp - row(delta_))
+          dq_acc = scope("dq_mma")(mma_)(dq_acc, ds.astype(dtype), k_smem.at[slot])
           plgpu.barrier_arrive(k_free.at[slot])
           return dq_acc
 
+        @scope("pass_by")
         def pass_by(i):
           slot = lax.rem(g + i, dq_stages)
           plgpu.barrier_wait(k_bar.at[slot])
@@ -250,8 +259,9 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         pl.loop(0, first)(pass_by)
         dq = lax.fori_loop(first, last, step, dq)
         pl.loop(last, steps)(pass_by)
-        q_s[...] = (dq * scale).astype(dtype)
-        store_item([(q_s, dq_ref.at[b, rows_q, h])], q_free, j)
+        with scope("end"):
+          q_s[...] = (dq * scale).astype(dtype)
+          store_item([(q_s, dq_ref.at[b, rows_q, h])], q_free, j)
 
     @pl.when(wg == DQ_WGS)
     def _memory():
@@ -288,35 +298,38 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
       @functools.partial(work_items, dkv_items, lo_ref, hi_ref)
       def _item(h, ki, b, j, g):
-        lo, steps, own, keys, buf = item_part(lo_ref, hi_ref, b, ki, j, wg, DKV_WGS, block_kv)
-        base = own * block_kv  # the warpgroup's first key
-        k_s, v_s = k_smem.at[buf], v_smem.at[buf]
-        plgpu.barrier_wait(k_bar.at[buf])
-        plgpu.barrier_wait(v_bar.at[buf])
-        # K alone, and with one compute warpgroup: with V too it spilled 144 bytes a thread at head size
-        # 128, with two warpgroups 16 (ptxas, compile-only H100).
-        held = OPERANDS_IN_REGISTERS and not interpret and DKV_WGS == 1
-        k_op = load(k_s, wgmma_layout) if held else k_s
+        with scope("start"):
+          lo, steps, own, keys, buf = item_part(lo_ref, hi_ref, b, ki, j, wg, DKV_WGS, block_kv)
+          base = own * block_kv  # the warpgroup's first key
+          k_s, v_s = k_smem.at[buf], v_smem.at[buf]
+          plgpu.barrier_wait(k_bar.at[buf])
+          plgpu.barrier_wait(v_bar.at[buf])
+          # K alone, and with one compute warpgroup: with V too it spilled 144 bytes a thread at head
+          # size 128, with two warpgroups 16 (ptxas, compile-only H100).
+          held = OPERANDS_IN_REGISTERS and not interpret and DKV_WGS == 1
+          k_op = load(k_s, wgmma_layout) if held else k_s
         v_op = v_s
         shape = (block_kv, block_q)
         col = lambda x: lax.broadcast_in_dim(x, shape, [1])
 
+        @scope("step")
         def step(i, carry):
           dk_acc, dv_acc = carry
           slot = lax.rem(g + i, dkv_stages)
-          plgpu.barrier_wait(q_bar.at[slot])
+          scope("wait_q")(plgpu.barrier_wait)(q_bar.at[slot])
 
           def scores_t(s_ref):
             plgpu.wgmma(s_ref, k_op, q_smem.at[slot].T)
             plgpu.wgmma_wait(0)
             return s_ref[...]
 
-          s_t = pl.run_scoped(scores_t, plgpu.ACC(shape, jnp.float32))
+          s_t = scope("scores")(pl.run_scoped)(scores_t, plgpu.ACC(shape, jnp.float32))
           # The per-query rows are read from shared memory where they are used, not held in registers
           # across the step: the dK/dV warpgroup is the one that runs short of them.
           row = lambda r: col(load(rows_smem.at[slot, r], col_layout))
-          plgpu.barrier_wait(rows_bar.at[slot])
-          p_t = jnp.exp2(s_t * c - row(0))
+          scope("wait_rows")(plgpu.barrier_wait)(rows_bar.at[slot])
+          with scope("p"):
+            p_t = jnp.exp2(s_t * c - row(0))
 
           def mask(p_t):
             key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
@@ -324,28 +337,29 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
           block = lo + i
           inside = (base >= inner_lo_ref[b, block]) & (base + block_kv <= inner_hi_ref[b, block])
-          p_t = lax.cond(inside, lambda p_t: p_t, mask, p_t)
-          plgpu.barrier_wait(do_bar.at[slot])
+          p_t = scope("mask")(lax.cond)(inside, lambda p_t: p_t, mask, p_t)
+          scope("wait_do")(plgpu.barrier_wait)(do_bar.at[slot])
 
-          dv_acc = mma_(dv_acc, p_t.astype(dtype), do_smem.at[slot])
+          dv_acc = scope("dv_mma")(mma_)(dv_acc, p_t.astype(dtype), do_smem.at[slot])
 
           def dp_t(dp_ref):
             plgpu.wgmma(dp_ref, v_op, do_smem.at[slot].T)
             plgpu.wgmma_wait(0)
             return dp_ref[...]
 
-          ds_t = p_t * (pl.run_scoped(dp_t, plgpu.ACC(shape, jnp.float32)) - row(1))
+          ds_t = p_t * (scope("dp")(pl.run_scoped)(dp_t, plgpu.ACC(shape, jnp.float32)) - row(1))
           plgpu.barrier_arrive(rows_free.at[slot])
           plgpu.barrier_arrive(do_free.at[slot])
-          dk_acc = mma_(dk_acc, ds_t.astype(dtype), q_smem.at[slot])
+          dk_acc = scope("dk_mma")(mma_)(dk_acc, ds_t.astype(dtype), q_smem.at[slot])
           plgpu.barrier_arrive(q_free.at[slot])
           return dk_acc, dv_acc
 
         zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), wgmma_layout)
         dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
-        k_s[...] = (dk * scale).astype(dtype)
-        v_s[...] = dv.astype(dtype)
-        store_item([(k_s, dk_ref.at[b, keys, h]), (v_s, dv_ref.at[b, keys, h])], kv_free, j)
+        with scope("end"):
+          k_s[...] = (dk * scale).astype(dtype)
+          v_s[...] = dv.astype(dtype)
+          store_item([(k_s, dk_ref.at[b, keys, h]), (v_s, dv_ref.at[b, keys, h])], kv_free, j)
 
     @pl.when(wg == DKV_WGS)
     def _memory():

@@ -36,6 +36,13 @@ MAX_STAGES = 6
 # Registers bound the head size first: a dK/dV warpgroup holds two f32 [64, head_dim] accumulators and
 # two f32 [64, 64] score tiles: 192 of its 256 registers a thread at 128, all 256 at 192.
 MAX_HEAD_DIM = 128
+# Mosaic GPU's on-device profiler (`benchmarks/attention.py --profile_kernel`). Where PROFILE_DIR is set,
+# the kernels built on a GPU record the clock at the start and end of each of their named scopes
+# (jax.named_scope), a warpgroup's first PROFILE_SCOPES of them (later ones dropped), and each call
+# dumps them to that folder as a Perfetto trace. Their buffer takes shared memory from the rings.
+PROFILE_DIR: str | None = None
+PROFILE_SCOPES = 256  # the benchmark's VLA rows: up to 27 steps of 8 scopes a CTA
+MAX_WARPGROUPS = 3  # the most a kernel here has (two compute and the copying one)
 
 
 def compute_registers(compute_wgs: int) -> int:
@@ -93,7 +100,19 @@ def ring_stages(fixed_bytes: int, stage_bytes: int, stages: int | None = None) -
   most MAX_STAGES (0 where not even one slot fits)."""
   if stages is not None:
     return stages
-  return int(max(0, min(MAX_STAGES, (SMEM_BYTES - SMEM_SLACK - fixed_bytes) // stage_bytes)))
+  free = SMEM_BYTES - SMEM_SLACK - profile_bytes() - fixed_bytes
+  return int(max(0, min(MAX_STAGES, free // stage_bytes)))
+
+
+# A phase of a kernel, named (jax.named_scope): Mosaic GPU's on-device profiler times each where it is
+# on (PROFILE_DIR); otherwise the names only label the code (the SASS is the same).
+scope = jax.named_scope
+
+
+def profile_bytes() -> int:
+  """Shared memory the on-device profiler's buffer takes (0 unless PROFILE_DIR is set): a scope's start
+  and end, each a tag and a clock of 4 bytes, for each warpgroup."""
+  return 0 if PROFILE_DIR is None else MAX_WARPGROUPS * PROFILE_SCOPES * 2 * 2 * 4
 
 
 def kernel_params(interpret: bool) -> tuple[dict, str, str]:
@@ -102,7 +121,13 @@ def kernel_params(interpret: bool) -> tuple[dict, str, str]:
   plugin the kernels build into a program for a compile-only H100 here)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True), thread_name="wg")
+  options = dict(approx_math=True)
+  if PROFILE_DIR is not None and not interpret:
+    if "profile_bounds_check" not in inspect.signature(plgpu.CompilerParams).parameters:
+      raise ValueError("mosaic_common.PROFILE_DIR: the kernel profile needs jax >= 0.11 (profile_bounds_check); "
+                       "unset PROFILE_DIR or upgrade jax")
+    options.update(profile_space=PROFILE_SCOPES, profile_dir=PROFILE_DIR, profile_bounds_check=True)
+  params = dict(compiler_params=plgpu.CompilerParams(**options), thread_name="wg")
   if interpret:
     params["interpret"] = plgpu.InterpretGPUParams()
   new_names = "out_type" in inspect.signature(plgpu.kernel).parameters
@@ -179,7 +204,8 @@ def work_items(items: tuple, lo_ref, hi_ref, body):
 
 
 def copying_warpgroup(items: tuple, lo_ref, hi_ref, own, ring, buffer_free, ring_frees, stages: int):
-  """A kernel's copying warpgroup over this CTA's work items (work_items). For item j (h, t, b):
+  """A kernel's copying warpgroup over this CTA's work items (work_items). For item j (h, t, b) (in
+  named scopes for the on-device profiler: "own", each ring copy's "wait_free"):
   - its own tiles into buffer j % 2 once the item two before has freed it (an arrive on `buffer_free`
     there): the (source, destination, barrier) TMA copies of own(h, t, b, half);
   - its ring steps, step i in slot (g + i) % stages: the copies of ring(h, t, b, lo_ref[b, t] + i, slot),
@@ -194,8 +220,9 @@ def copying_warpgroup(items: tuple, lo_ref, hi_ref, own, ring, buffer_free, ring
       plgpu.copy_gmem_to_smem(source, destination, barrier)
 
   def item(h, t, b, j, g):
-    pl.when(j >= 2)(lambda: plgpu.barrier_wait(buffer_free.at[lax.rem(j, 2)]))
-    copy(own(h, t, b, lax.rem(j, 2)))
+    with scope("own"):
+      pl.when(j >= 2)(lambda: plgpu.barrier_wait(buffer_free.at[lax.rem(j, 2)]))
+      copy(own(h, t, b, lax.rem(j, 2)))
     lo = lo_ref[b, t]
 
     @pl.loop(0, hi_ref[b, t] - lo)
@@ -204,7 +231,8 @@ def copying_warpgroup(items: tuple, lo_ref, hi_ref, own, ring, buffer_free, ring
 
       # Each copy waits only for its own free: K's slot is refilled once K is read, not after V too.
       for free, one in zip(ring_frees, ring(h, t, b, lo + i, slot), strict=True):
-        pl.when(g + i >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+        with scope("wait_free"):
+          pl.when(g + i >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
         copy([one])
 
   plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")

@@ -34,7 +34,7 @@ from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
                                                   compute_registers, copying_warpgroup, inner_ranges, item_part,
                                                   kernel_params, kv_ring, kv_spans, load, mma, own_buffers, persistent_ctas,
-                                                  ring_stages, store_item, work_items)
+                                                  ring_stages, scope, store_item, work_items)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -57,6 +57,8 @@ Q_IN_REGISTERS = True
 # Off until a GPU times it beside the form measured on 2026-11-29.
 K_WAIT_DURING_PV = False
 LN2 = math.log(2.0)
+# The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
+# ("wait_k", "qk" with its "turn", "mask", "softmax", "wait_v", "pv"), the tiles it is "pass_by", its "end".
 
 
 def _fixed_bytes(head_dim: int, block_q: int, compute_wgs: int, persistent: bool) -> int:
@@ -162,21 +164,23 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
 
       @functools.partial(work_items, items, cta_lo_ref, cta_hi_ref)
       def _item(h, qi, b, j, g):
-        lo, steps, block, rows_q, buf = item_part(cta_lo_ref, cta_hi_ref, b, qi, j, wg, wgs, block_q)
-        q_s = q_smem.at[buf]
-        start, end = (load(ranges_ref.at[b, i, rows_q], row_layout, optimized=False)
-                      for i in range(2))
-        first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
-        last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
-        inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
-        row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
-        plgpu.barrier_wait(q_bar.at[buf])
-        # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS).
-        q_regs = load(q_s, wgmma_layout) if q_in_registers and not interpret else None
+        with scope("start"):
+          lo, steps, block, rows_q, buf = item_part(cta_lo_ref, cta_hi_ref, b, qi, j, wg, wgs, block_q)
+          q_s = q_smem.at[buf]
+          start, end = (load(ranges_ref.at[b, i, rows_q], row_layout, optimized=False)
+                        for i in range(2))
+          first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
+          last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
+          inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
+          row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
+          plgpu.barrier_wait(q_bar.at[buf])
+          # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS).
+          q_regs = load(q_s, wgmma_layout) if q_in_registers and not interpret else None
 
         def wait_k(i):
           plgpu.barrier_wait(k_bar.at[lax.rem(g + i, stages)])
 
+        @scope("pass_by")
         def pass_by(i):  # a tile of the ring outside this warpgroup's span
           slot = lax.rem(g + i, stages)
           wait_k(i)
@@ -186,18 +190,19 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
 
+        @scope("step")
         def step(i, carry):
           acc, m, l = carry
           slot = lax.rem(g + i, stages)
           if not early_k:
-            wait_k(i)
+            scope("wait_k")(wait_k)(i)
 
           def scores(s_ref):
             plgpu.wgmma(s_ref, q_s if q_regs is None else q_regs, k_smem.at[slot].T)
-            take_turn()  # the other warpgroup's PV wgmma may start
+            scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
             return s_ref[...]
 
-          s = pl.run_scoped(scores, plgpu.ACC(shape, jnp.float32))
+          s = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
           kv_base = (lo + i) * block_kv
 
@@ -205,27 +210,32 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
             key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
             return jnp.where((key >= row(start)) & (key < row(end)), s, -jnp.inf)
 
-          s = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
-          m_new = jnp.maximum(m, s.max(axis=1) * c)
-          # Masked scores are -inf, and a row may have seen nothing else yet: it subtracts 0 then, so
-          # its weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
-          # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
-          shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          alpha = jnp.exp2(m - shift)
-          p = jnp.exp2(s * c - row(shift))
-          acc *= row(alpha, head_dim)
-          l = l * alpha + p.sum(axis=1)
-          p16 = p.astype(dtype)
-          # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
-          acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-          if pingpong:
-            plgpu.barrier_arrive(schedule)
-          plgpu.barrier_wait(v_bar.at[slot])
-          if pingpong:
-            plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
+          s = scope("mask")(lax.cond)((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
+
+          @scope("softmax")
+          def softmax(acc, m, l, s):
+            m_new = jnp.maximum(m, s.max(axis=1) * c)
+            # Masked scores are -inf, and a row may have seen nothing else yet: it subtracts 0 then, so
+            # its weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
+            # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
+            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - shift)
+            p = jnp.exp2(s * c - row(shift))
+            acc *= row(alpha, head_dim)
+            l = l * alpha + p.sum(axis=1)
+            # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
+            return lax.optimization_barrier((acc, l, m_new, p.astype(dtype)))
+
+          acc, l, m_new, p16 = softmax(acc, m, l, s)
+          with scope("wait_v"):  # V's copy and, with the turns, the tensor cores
+            if pingpong:
+              plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_bar.at[slot])
+            if pingpong:
+              plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
           # early_k: step i + 1's K (waited for here, not at its start) while the PV wgmma runs.
           meanwhile = (lambda: pl.when(i + 1 < last)(lambda: wait_k(i + 1))) if early_k else None
-          acc = mma(acc, p16, v_smem.at[slot], interpret, meanwhile)
+          acc = scope("pv")(mma)(acc, p16, v_smem.at[slot], interpret, meanwhile)
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l
 
@@ -240,11 +250,12 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         pl.loop(last, steps)(pass_by)
         pl.when(wg == 0)(take_turn)
 
-        seen = end > start  # l > 0 then: the span holds a key of each of its queries
-        total = jnp.where(seen, l, 1.0)
-        q_s[...] = (acc * row(jnp.where(seen, 1.0 / total, 0.0), head_dim)).astype(dtype)
-        lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(total), 0.0)
-        store_item([(q_s, out_ref.at[b, rows_q, h]), (lse_smem.at[wg], lse_ref.at[b, h, rows_q])], q_free, j)
+        with scope("end"):
+          seen = end > start  # l > 0 then: the span holds a key of each of its queries
+          total = jnp.where(seen, l, 1.0)
+          q_s[...] = (acc * row(jnp.where(seen, 1.0 / total, 0.0), head_dim)).astype(dtype)
+          lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(total), 0.0)
+          store_item([(q_s, out_ref.at[b, rows_q, h]), (lse_smem.at[wg], lse_ref.at[b, h, rows_q])], q_free, j)
 
     @pl.when(wg == wgs)
     def _memory():
