@@ -20,6 +20,8 @@ feeds it the model's own example batch, in arms timed back to back in one proces
                (model.scan_layers=True, model.remat="full": GR00T's default until 2026-11-28)
   graphs       the configured step compiled with train.command_buffers: XLA:GPU puts loops (the
                scanned blocks) and their bodies in CUDA graphs too (ejax.train.step.compiler_options)
+  no_graphs    the configured step without CUDA graphs (train.cuda_graphs False): every kernel launched
+               from the host on its own
   layout_checked  the configured step with train.check_attention_layout: Hopper's attention routes
                in a lax.cond beside ejax's exact kernel (XLA:GPU waits for the device at each), as
                before 2026-11-29's unchecked default

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 
 UNPACKED = ("dreamzero",)   # models whose batch has no packed rows (no layout arms)
-ALL_ARMS = ("configured", "graphs", "layout_checked", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned",
+ALL_ARMS = ("configured", "graphs", "no_graphs", "layout_checked", "padded", "seed_padded", "best_fit", "fp8", "attn", "unscanned",
             "scanned")
 
 
@@ -36,9 +36,9 @@ def arm_configs(config, arms: list[str], samples: int) -> dict:
     elif arm in ("unscanned", "scanned") and other_layout(config.model)[0] == arm:
       out[arm] = with_layout("configured")
       out[arm][0].model = other_layout(config.model)[1]
-    elif arm == "graphs":
+    elif arm in ("graphs", "no_graphs"):
       out[arm] = with_layout("configured")
-      out[arm][0].train.command_buffers = True
+      _set_graphs(out[arm][0], arm)
     elif arm == "layout_checked":
       out[arm] = with_layout("configured")
       out[arm][0].train.check_attention_layout = True
@@ -83,14 +83,22 @@ def unpacked_arm_configs(config, arms: list[str], samples: int) -> dict:
     elif arm in ("unscanned", "scanned") and other_layout(config.model)[0] == arm:
       out[arm] = (config.copy_and_resolve_references(), example)
       out[arm][0].model = other_layout(config.model)[1]
-    elif arm == "graphs":
+    elif arm in ("graphs", "no_graphs"):
       out[arm] = (config.copy_and_resolve_references(), example)
-      out[arm][0].train.command_buffers = True
+      _set_graphs(out[arm][0], arm)
     elif arm.split("_")[0] == "attn":
       for impl in attention_impls(config.model) if arm == "attn" else [arm[len("attn_"):]]:
         out[f"attn_{impl}"] = (config.copy_and_resolve_references(), example)
         out[f"attn_{impl}"][0].model.attention_impl = impl
   return out
+
+
+def _set_graphs(config, arm: str) -> None:
+  """graphs: loops in CUDA graphs too (train.command_buffers); no_graphs: no CUDA graphs (train.cuda_graphs)."""
+  if arm == "graphs":
+    config.train.command_buffers = True
+  else:
+    config.train.cuda_graphs = False
 
 
 def _same_layout(a, b) -> bool:

@@ -66,6 +66,8 @@ def base_config() -> ConfigDict:
       frozen_fp8=False,          # frozen projections (GR00T's SigLIP and LLM) run as FP8 GEMMs from e4m3
                                  # copies made once with the state (+1 byte a frozen weight; ejax/train/frozen_fp8.py)
       command_buffers=False,     # GPU: loops (scanned blocks) in CUDA graphs too (ejax/train/step.py)
+      cuda_graphs=True,          # GPU: runs of kernels as CUDA graphs, XLA:GPU's default (False: each kernel
+                                 # launched from the host, the no_graphs arm; ejax/train/step.py)
       triton_gemm=False,         # GPU: XLA's Triton GEMM fusions (False: every matmul a cuBLAS call, as the
                                  # benchmarks measure; ejax/train/step.py)
       check_attention_layout=False,  # Hopper attention routes in a lax.cond beside ejax's exact kernel, for

@@ -117,13 +117,16 @@ def test_the_layout_arms_flip_blocks_between_scanned_and_unrolled():
   assert name == "unscanned" and other.scan_layers is False
 
 
-def test_the_graphs_arm_is_the_configured_step_with_its_loops_in_cuda_graphs():
+def test_the_graphs_arms_are_the_configured_step_with_loops_in_cuda_graphs_or_no_graph_at_all():
   from benchmarks.train_step import load_config
   from benchmarks.train_step_arms import arm_configs
-  arms = arm_configs(load_config("configs/pi05.py", "runlocal"), ["configured", "graphs"], 2)
+  arms = arm_configs(load_config("configs/pi05.py", "runlocal"), ["configured", "graphs", "no_graphs"], 2)
   (configured, batch), (graphs, graphs_batch) = arms["configured"], arms["graphs"]
   assert graphs.train.command_buffers and not configured.train.command_buffers
   assert graphs.model == configured.model and batch.keys() == graphs_batch.keys()
+  no_graphs = arms["no_graphs"][0]  # the same step with no CUDA graph at all
+  assert configured.train.cuda_graphs and not no_graphs.train.cuda_graphs and not no_graphs.train.command_buffers
+  assert no_graphs.model == configured.model
 
 
 def test_the_layout_checked_arm_is_the_configured_step_with_the_attention_layout_checked():

@@ -115,11 +115,16 @@ def compiler_options(train: ConfigDict) -> dict[str, Any]:
   stalled a compile on the first H200 window (2026-11-27); without it a compile-only GPU also stops
   on Triton tilings it cannot autotune (ejax/parallel/aot_target.py).
   train.command_buffers: loops in CUDA graphs too, those of known trip count unrolled in them
-  (jaxlib's defaults leave loops out)."""
+  (jaxlib's defaults leave loops out).
+  train.cuda_graphs False: no CUDA graphs at all, every kernel launched from the host on its own (the
+  train_step benchmark's no_graphs arm: what the graphs gain or cost a step); it overrides
+  command_buffers."""
   options: dict[str, Any] = {}
   if not train.get("triton_gemm", False):
     options["xla_gpu_enable_triton_gemm"] = False
-  if train.get("command_buffers", False):
+  if not train.get("cuda_graphs", True):
+    options["xla_gpu_enable_command_buffer"] = ""
+  elif train.get("command_buffers", False):
     options.update(xla_gpu_enable_command_buffer=COMMAND_BUFFER_TYPES, xla_gpu_command_buffer_unroll_loops=True)
   return options
 

@@ -189,17 +189,21 @@ mesh = make_mesh({"data": 1}, aot_target.compile_only_devices("h100", 1))
 with platform.lowering_for("gpu"):
   step = compile_report.compile_train_step(config, mesh, 2)
 print("while" in step.compiled.as_text())
+config.train.cuda_graphs = False  # no CUDA graphs: an empty list of types
+with platform.lowering_for("gpu"):
+  compile_report.compile_train_step(config, mesh, 2)
+print("no graphs compiled")
 """
 
 
 @needs_plugin
 def test_the_step_compiles_for_a_gpu_with_loops_in_cuda_graphs():
-  """train.command_buffers' options are ones this jaxlib's XLA:GPU takes (an unknown type is an error
-  when the step compiles), on a scanned step."""
+  """train.command_buffers' options, and train.cuda_graphs False's empty list, are ones this jaxlib's
+  XLA:GPU takes (an unknown type is an error when the step compiles), on a scanned step."""
   done = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_PROBE], cwd=REPO, capture_output=True, text=True,
                         env={**os.environ, "XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
-  assert done.stdout.strip().splitlines()[-1] == "True"
+  assert done.stdout.strip().splitlines()[-2:] == ["True", "no graphs compiled"]
 
 
 TRITON_GEMM_PROBE = """

@@ -24,6 +24,18 @@ def test_command_buffers_put_loops_in_cuda_graphs_and_change_nothing_on_a_cpu(tm
   assert losses(with_graphs) == losses(without) and len(losses(without)) == 2
 
 
+def test_no_cuda_graphs_empties_the_graph_types_whatever_else_is_set():
+  """train.cuda_graphs False: XLA:GPU records no CUDA graph (an empty list of command-buffer types, which
+  this jaxlib's XLA takes: tests/train/test_compile_report_gpu.py), over train.command_buffers too."""
+  config = tiny_config(steps=1)
+  config.train.cuda_graphs = False
+  assert step_lib.compiler_options(config.train) == {"xla_gpu_enable_triton_gemm": False,
+                                                      "xla_gpu_enable_command_buffer": ""}
+  config.train.command_buffers = True
+  assert step_lib.compiler_options(config.train)["xla_gpu_enable_command_buffer"] == ""
+  assert "xla_gpu_command_buffer_unroll_loops" not in step_lib.compiler_options(config.train)
+
+
 def _pi05_delayed_fp8_steps(steps: int, accum: int = 1, mesh_shape=(1, 1, 1)):
   """configs/pi05.py:runlocal with model.fp8 "xla_delayed", trained `steps` steps on its example batch
   of 4 samples. Returns the (bf16-cast) feed-forward weights before, the histories after, the losses."""
