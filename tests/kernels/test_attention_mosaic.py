@@ -146,21 +146,25 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
 
 
 @MOSAIC
-@pytest.mark.parametrize("head_dim,heads,kv_heads,compute_wgs,pingpong,block_kv,ctas,stages,early_k",
-                         [(64, 2, 1, 2, True, 64, None, None, False), (128, 2, 2, 2, True, 64, None, None, False),
-                          (64, 2, 1, 2, False, 128, None, None, False), (64, 2, 2, 1, False, 64, None, None, False),
-                          (64, 2, 1, 2, True, 64, 3, None, False), (64, 2, 2, 1, False, 128, 1, None, False),
-                          (64, 2, 1, 2, True, 64, None, 2, False), (64, 2, 1, 2, True, 64, 3, 3, False),
-                          (64, 2, 1, 2, True, 64, None, 2, True), (64, 2, 2, 1, False, 64, 3, 3, True)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads,compute_wgs,pingpong,block_kv,ctas,stages,schedule",
+                         [(64, 2, 1, 2, True, 64, None, None, ""), (128, 2, 2, 2, True, 64, None, None, ""),
+                          (64, 2, 1, 2, False, 128, None, None, ""), (64, 2, 2, 1, False, 64, None, None, ""),
+                          (64, 2, 1, 2, True, 64, 3, None, ""), (64, 2, 2, 1, False, 128, 1, None, ""),
+                          (64, 2, 1, 2, True, 64, None, 2, ""), (64, 2, 1, 2, True, 64, 3, 3, ""),
+                          (64, 2, 1, 2, True, 64, None, 2, "early_k"), (64, 2, 2, 1, False, 64, 3, 3, "early_k"),
+                          (64, 2, 1, 2, True, 64, None, None, "overlap"), (128, 2, 2, 2, True, 64, None, 2, "overlap"),
+                          (64, 2, 1, 2, True, 64, 3, 3, "overlap"), (64, 2, 2, 1, False, 128, 1, None, "overlap")])
 def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv,
-                                              ctas, stages, early_k):
+                                              ctas, stages, schedule):
   """Out and lse over packed and shuffled ranges, with queries whose first tiles are all masked and
   padding queries that see no key (0 out and lse, the backward's convention). `ctas`: a persistent
   kernel of that many CTAs, each looping over several of the 8 work items (its ring and Q buffers
   carried from one to the next; interpret mode checks every barrier phase is observed). `stages`: the
-  ring's slots (None: the deepest that fits, more than an item's steps here). `early_k`:
-  K_WAIT_DURING_PV, each step's K waited for during the step before's PV wgmma."""
-  monkeypatch.setattr(mosaic_forward, "K_WAIT_DURING_PV", early_k)
+  ring's slots (None: the deepest that fits, more than an item's steps here). `schedule`: "early_k"
+  (K_WAIT_DURING_PV, each step's K waited for during the step before's PV wgmma) or "overlap"
+  (OVERLAP_SOFTMAX, each step's softmax beside the step before's PV, no turns)."""
+  monkeypatch.setattr(mosaic_forward, "K_WAIT_DURING_PV", schedule == "early_k")
+  monkeypatch.setattr(mosaic_forward, "OVERLAP_SOFTMAX", schedule == "overlap")
   rng = np.random.default_rng(3)
   length = 256
   rows = [_ranges(layout, length, rng, longest=200) for layout in ("packed", "shuffled")]
@@ -280,6 +284,12 @@ for persistent in (False, True):
     forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 # The forward under Mosaic GPU's on-device profiler (attention.py --profile_kernel): its buffer in shared
 # memory beside the ring. The trace's host callback lowers only where a GPU is, so it is left out here.
+# The forward with each step's softmax beside its own last PV (OVERLAP_SOFTMAX): two wgmma groups in flight.
+mosaic_forward.OVERLAP_SOFTMAX = True
+mark("forward overlap_softmax=True")
+forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
+forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+mosaic_forward.OVERLAP_SOFTMAX = False
 mosaic_common.PROFILE_DIR = "/nonexistent"
 jax.debug.callback = lambda *args, **kwargs: None
 mark("forward profiled")
@@ -321,8 +331,8 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
   kernels = {kernel for _, kernel, _, _ in reports}
   assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel", "forward_kernel_mosaic_gpu_kernel"} <= kernels, \
       report[-2000:]
-  # per persistence: two backwards of two kernels, three forwards; then the profiled forward
-  assert len(reports) == 15, reports
+  # per persistence: two backwards of two kernels, three forwards; then the overlapped and the profiled forward
+  assert len(reports) == 16, reports
   kernel, settings, size = _KNOWN_SPILL
   spilled = [r for r in reports if r[2] or r[3]]
   allowed = [r for r in spilled if kernel in r[1] and settings in r[0] and head_dim == size]

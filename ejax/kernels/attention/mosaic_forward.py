@@ -56,6 +56,11 @@ Q_IN_REGISTERS = True
 # example does so): the wait, and a copy still landing, leave the warpgroup's tensor-core phase.
 # Off until a GPU times it beside the form measured on 2026-11-29.
 K_WAIT_DURING_PV = False
+# Each warpgroup runs a step's softmax while its own previous PV wgmma is on the tensor cores
+# (FlashAttention-3's intra-warpgroup overlap), with no turns between the warpgroups (the ping-pong and
+# K_WAIT_DURING_PV off): their phases drift apart by themselves. Off until a GPU times it and checks it
+# (benchmarks/attention.py's variant "softmax beside its own PV").
+OVERLAP_SOFTMAX = False
 LN2 = math.log(2.0)
 # The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
 # ("wait_k", "qk" with its "turn", "mask", "softmax", "wait_v", "pv"), the tiles it is "pass_by", its "end".
@@ -115,8 +120,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   block_kv = BLOCK_KV if block_kv is None else block_kv
   persistent = PERSISTENT if persistent is None else persistent
   q_in_registers = Q_IN_REGISTERS
-  early_k = K_WAIT_DURING_PV
-  pingpong = (PINGPONG if pingpong is None else pingpong) and wgs == 2
+  overlap = OVERLAP_SOFTMAX
+  early_k = K_WAIT_DURING_PV and not overlap
+  pingpong = (PINGPONG if pingpong is None else pingpong) and wgs == 2 and not overlap
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
   if not supports(q, k, block_q, block_kv, stages, wgs, persistent):
@@ -175,7 +181,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
           plgpu.barrier_wait(q_bar.at[buf])
           # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS).
-          q_regs = load(q_s, wgmma_layout) if q_in_registers and not interpret else None
+          q_op = load(q_s, wgmma_layout) if q_in_registers and not interpret else q_s
 
         def wait_k(i):
           plgpu.barrier_wait(k_bar.at[lax.rem(g + i, stages)])
@@ -190,39 +196,48 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
 
-        @scope("step")
-        def step(i, carry):
-          acc, m, l = carry
-          slot = lax.rem(g + i, stages)
-          if not early_k:
-            scope("wait_k")(wait_k)(i)
-
-          def scores(s_ref):
-            plgpu.wgmma(s_ref, q_s if q_regs is None else q_regs, k_smem.at[slot].T)
-            scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
-            return s_ref[...]
-
-          s = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
-          plgpu.barrier_arrive(k_free.at[slot])
+        def masked(s, i):  # step i's scores, -inf outside each query's range where the tile crosses an edge
           kv_base = (lo + i) * block_kv
 
           def mask(s):
             key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
             return jnp.where((key >= row(start)) & (key < row(end)), s, -jnp.inf)
 
-          s = scope("mask")(lax.cond)((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
+          return scope("mask")(lax.cond)((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
+
+        def online_softmax(s, m, l):
+          """(the rows' new maxima, the factor their accumulators scale by, the weights, the new sums)."""
+          m_new = jnp.maximum(m, s.max(axis=1) * c)
+          # Masked scores are -inf, and a row may have seen nothing else yet: it subtracts 0 then, so its
+          # weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
+          # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
+          shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m - shift)
+          p = jnp.exp2(s * c - row(shift))
+          return m_new, alpha, p, l * alpha + p.sum(axis=1)
+
+        def scores_of(i, slot):  # step i's scores (QK), waited for
+          def scores(s_ref):
+            plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
+            scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
+            return s_ref[...]
+
+          s = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
+          plgpu.barrier_arrive(k_free.at[slot])
+          return masked(s, i)
+
+        @scope("step")
+        def step(i, carry):
+          acc, m, l = carry
+          slot = lax.rem(g + i, stages)
+          if not early_k:
+            scope("wait_k")(wait_k)(i)
+          s = scores_of(i, slot)
 
           @scope("softmax")
           def softmax(acc, m, l, s):
-            m_new = jnp.maximum(m, s.max(axis=1) * c)
-            # Masked scores are -inf, and a row may have seen nothing else yet: it subtracts 0 then, so
-            # its weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
-            # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
-            shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            alpha = jnp.exp2(m - shift)
-            p = jnp.exp2(s * c - row(shift))
+            m_new, alpha, p, l = online_softmax(s, m, l)
             acc *= row(alpha, head_dim)
-            l = l * alpha + p.sum(axis=1)
             # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
             return lax.optimization_barrier((acc, l, m_new, p.astype(dtype)))
 
@@ -239,14 +254,72 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l
 
+        # OVERLAP_SOFTMAX: step i issues its QK and step i - 1's PV together, waits for the QK alone and
+        # runs its softmax while the PV is on the tensor cores; the accumulator is rescaled once the PV
+        # is done (FlashAttention-3's intra-warpgroup overlap). The span's first QK and its last PV
+        # stand alone.
+        def pv_of(acc, p16, i):  # step i's PV on the accumulator, waited for; V's slot freed
+          slot = lax.rem(g + i, stages)
+          scope("wait_v")(plgpu.barrier_wait)(v_bar.at[slot])
+          acc = scope("pv")(mma)(acc, p16, v_smem.at[slot], interpret)
+          plgpu.barrier_arrive(v_free.at[slot])
+          return acc
+
+        @scope("step")
+        def overlapped_step(i, carry):
+          acc, m, l, p16 = carry  # p16: step i - 1's weights, not yet multiplied into acc
+          slot, prev = lax.rem(g + i, stages), lax.rem(g + i - 1, stages)
+          scope("wait_k")(wait_k)(i)
+          scope("wait_v")(plgpu.barrier_wait)(v_bar.at[prev])
+          if interpret:  # no register operand or accumulator-initialised wgmma: the same sums as dots
+            s = jnp.dot(q_s[...], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
+            acc = acc + jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+            plgpu.barrier_arrive(k_free.at[slot])
+            m, alpha, p, l = online_softmax(masked(s, i), m, l)
+            p16 = p.astype(dtype)
+          else:
+            def both(refs):
+              acc_ref, m_ref, alpha_ref, p_ref, l_ref = refs
+
+              def scores(s_ref):
+                plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
+                plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
+                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the QK; the PV runs on
+
+              s = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
+              plgpu.barrier_arrive(k_free.at[slot])
+              m_new, alpha, p, l_new = scope("softmax")(online_softmax)(masked(s, i), m, l)
+              # Computed before the PV is waited for, in program order. (ptxas still moves the wait up to
+              # before the row maxima's first shuffle, so only the mask overlaps the PV: BENCHMARKS.md.)
+              outs = lax.optimization_barrier((m_new, alpha, p.astype(dtype), l_new))
+              m_ref[...], alpha_ref[...], p_ref[...], l_ref[...] = outs
+
+            acc, m, alpha, p16_new, l = scope("pv")(pl.run_state(both))((plgpu.ACC.init(acc), m, m, p16, l))
+            # The PV reads step i - 1's weights from registers until it is waited for: held alive past
+            # the wait, so that nothing in between is given their registers (ptxas would serialize the
+            # wgmmas, C7513).
+            acc, m, alpha, p16, l, _ = lax.optimization_barrier((acc, m, alpha, p16_new, l, p16))
+          plgpu.barrier_arrive(v_free.at[prev])
+          return acc * row(alpha, head_dim), m, l, p16
+
+        def overlapped_span(acc, m, l):
+          scope("wait_k")(wait_k)(first)
+          m, alpha, p, l = scope("softmax")(online_softmax)(scores_of(first, lax.rem(g + first, stages)), m, l)
+          acc, m, l, p16 = lax.fori_loop(first + 1, last, overlapped_step, (acc * row(alpha, head_dim), m, l,
+                                                                           p.astype(dtype)))
+          return pv_of(acc, p16, last - 1), m, l
+
         m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
         pl.when(wg == 1)(take_turn)  # offsets the two warpgroups by one turn
         pl.loop(0, first)(pass_by)
-        if early_k:
-          pl.when(first < last)(lambda: wait_k(first))
-        acc, m, l = lax.fori_loop(first, last, step, (acc, m, l))
+        if overlap:
+          acc, m, l = lax.cond(first < last, overlapped_span, lambda *carry: carry, acc, m, l)
+        else:
+          if early_k:
+            pl.when(first < last)(lambda: wait_k(first))
+          acc, m, l = lax.fori_loop(first, last, step, (acc, m, l))
         pl.loop(last, steps)(pass_by)
         pl.when(wg == 0)(take_turn)
 
