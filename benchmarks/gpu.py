@@ -28,8 +28,9 @@ fails. The figures:
               depths one GPU holds, extrapolated to its 30 blocks (issue 32; 10.3 samples/s on an
               H200, 2026-11-29)
 
-A window fits the first three or four (~9 minutes); a later one runs the rest with `--only`, e.g.
-`--only fp8,packing,sim,serve,startup,train_step_more`.
+A window fits the first four (~9 minutes: the default --budget leaves train_step ~220 s of its 300
+after the route check and the attention figures); a later call runs the rest with `--only`, e.g.
+`--only train_step_pi05,train_step_more,sim,serve,dreamzero` (--skip_route_check, --budget ~225).
 
   python benchmarks/download_wheels.py        # here, once: the wheels into .whl/ (git-ignored)
   python benchmarks/gpu.py --out $OUT/gpu     # there: ~9 minutes, then record BENCHMARKS.md
