@@ -82,10 +82,11 @@ FIGURES = (
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
     # Where mosaic_own's kernels spend their cycles (2026-11-30: ~2 us a 64-key forward step whose wgmmas
     # take ~0.5): the forward and backward once under Mosaic GPU's on-device profiler, each kernel's
-    # scopes' cycles per warpgroup. Two of the figure's eight rows (1,024 forward CTAs, 8 waves on 132
-    # SMs) keep the three traces near a million events. Not in --smoke: the profiler runs on a GPU only
-    # (tests/kernels/test_kernel_profile.py reads a trace written by jax's own dumper).
-    Figure("attention_profile", ("benchmarks/attention.py", "--rows", "2", "--row_length", "4096", "--heads", "16",
+    # scopes' cycles per warpgroup. One of the figure's eight rows (512 forward CTAs, ~4 waves on 132
+    # SMs) keeps the three traces near half a million events, which Python writes and reads in
+    # seconds. Not in --smoke: the profiler runs on a GPU only (tests/kernels/test_kernel_profile.py
+    # reads a trace written by jax's own dumper).
+    Figure("attention_profile", ("benchmarks/attention.py", "--rows", "1", "--row_length", "4096", "--heads", "16",
                                  "--head_dim", "128", "--profile_kernel", KERNEL_PROFILE), (), 75, own_file=False),
     # mosaic_own's forward under each setting that changes its GPU code path, values only: on 2026-11-30
     # it was wrong at head size 64 on the GPU and right in interpret mode (BENCHMARKS.md). Then the

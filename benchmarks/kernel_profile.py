@@ -27,8 +27,9 @@ def newest_trace(folder: str, prefix: str = "") -> str:
   files are <kernel name>-<ns>-trace.json)."""
   paths = glob.glob(os.path.join(folder, f"{prefix}*-trace.json"))
   if not paths:
-    raise FileNotFoundError(f"no Mosaic GPU profile ({prefix}*-trace.json) in {folder}: did the kernel run on a "
-                            "GPU with mosaic_common.PROFILE_DIR set?")
+    held = sorted(os.listdir(folder))[:8] if os.path.isdir(folder) else []
+    raise FileNotFoundError(f"no Mosaic GPU profile ({prefix}*-trace.json) in {folder} (it holds {held or 'nothing'}): "
+                            "did the kernel run on a GPU with mosaic_common.PROFILE_DIR set?")
   return max(paths, key=os.path.getmtime)
 
 
