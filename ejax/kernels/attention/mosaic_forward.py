@@ -294,7 +294,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
               outs = lax.optimization_barrier((m_new, alpha, p.astype(dtype), l_new))
               m_ref[...], alpha_ref[...], p_ref[...], l_ref[...] = outs
 
-            acc, m, alpha, p16_new, l = scope("pv")(pl.run_state(both))((plgpu.ACC.init(acc), m, m, p16, l))
+            acc, m, alpha, p16_new, l = scope("qk_pv")(pl.run_state(both))((plgpu.ACC.init(acc), m, m, p16, l))
             # The PV reads step i - 1's weights from registers until it is waited for: held alive past
             # the wait, so that nothing in between is given their registers (ptxas would serialize the
             # wgmmas, C7513).
