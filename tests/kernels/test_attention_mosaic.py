@@ -153,7 +153,8 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
                           (64, 2, 1, 2, True, 64, None, 2, ""), (64, 2, 1, 2, True, 64, 3, 3, ""),
                           (64, 2, 1, 2, True, 64, None, 2, "early_k"), (64, 2, 2, 1, False, 64, 3, 3, "early_k"),
                           (64, 2, 1, 2, True, 64, None, None, "overlap"), (128, 2, 2, 2, True, 64, None, 2, "overlap"),
-                          (64, 2, 1, 2, True, 64, 3, 3, "overlap"), (64, 2, 2, 1, False, 128, 1, None, "overlap")])
+                          (64, 2, 1, 2, True, 64, 3, 3, "overlap"), (64, 2, 2, 1, False, 128, 1, None, "overlap"),
+                          (64, 2, 1, 2, False, 64, 3, 2, "overlap")])
 def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv,
                                               ctas, stages, schedule):
   """Out and lse over packed and shuffled ranges, with queries whose first tiles are all masked and
@@ -162,7 +163,8 @@ def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_h
   carried from one to the next; interpret mode checks every barrier phase is observed). `stages`: the
   ring's slots (None: the deepest that fits, more than an item's steps here). `schedule`: "early_k"
   (K_WAIT_DURING_PV, each step's K waited for during the step before's PV wgmma) or "overlap"
-  (OVERLAP_SOFTMAX, each step's softmax beside the step before's PV, no turns)."""
+  (OVERLAP_SOFTMAX, each step's softmax beside the step before's PV; with the ping-pong, a token
+  passed between the two warpgroups once a ring step)."""
   monkeypatch.setattr(mosaic_forward, "K_WAIT_DURING_PV", schedule == "early_k")
   monkeypatch.setattr(mosaic_forward, "OVERLAP_SOFTMAX", schedule == "overlap")
   rng = np.random.default_rng(3)

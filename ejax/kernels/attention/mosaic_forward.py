@@ -57,9 +57,9 @@ Q_IN_REGISTERS = True
 # Off until a GPU times it beside the form measured on 2026-11-29.
 K_WAIT_DURING_PV = False
 # Each warpgroup runs a step's softmax while its own previous PV wgmma is on the tensor cores
-# (FlashAttention-3's intra-warpgroup overlap), with no turns between the warpgroups (the ping-pong and
-# K_WAIT_DURING_PV off): their phases drift apart by themselves. Off until a GPU times it and checks it
-# (benchmarks/attention.py's variant "softmax beside its own PV").
+# (FlashAttention-3's intra-warpgroup overlap; K_WAIT_DURING_PV off). With PINGPONG the warpgroups pass
+# a token, once a step, to issue their wgmmas in turn; without, their phases drift apart by themselves.
+# Off until a GPU times it and checks it (benchmarks/attention.py's variants "softmax beside its own PV").
 OVERLAP_SOFTMAX = False
 LN2 = math.log(2.0)
 # The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
@@ -122,7 +122,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   q_in_registers = Q_IN_REGISTERS
   overlap = OVERLAP_SOFTMAX
   early_k = K_WAIT_DURING_PV and not overlap
-  pingpong = (PINGPONG if pingpong is None else pingpong) and wgs == 2 and not overlap
+  turns = (PINGPONG if pingpong is None else pingpong) and wgs == 2
+  pingpong = turns and not overlap  # the schedule barrier as a rendezvous, two a step
+  token = turns and overlap  # its two barriers as a token passed between the warpgroups, once a step
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
   if not supports(q, k, block_q, block_kv, stages, wgs, persistent):
@@ -164,9 +166,22 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
+    # With OVERLAP_SOFTMAX the turns are a token (FlashAttention-3's warp scheduler barrier): a warpgroup
+    # waits for it before it issues a ring step's wgmmas (or passes the step by) and hands it on right
+    # after, so the two issue in alternation, one step each.
+    def await_token():
+      if token:
+        plgpu.barrier_wait(schedule.at[wg])
+
+    def pass_token():
+      if token:
+        plgpu.barrier_arrive(schedule.at[1 - wg])
+
     @pl.when(wg < wgs)
     def _compute():
       plgpu.set_max_registers(compute_registers(wgs), action="increase")
+      if token:  # warpgroup 0 holds the token first
+        pl.when(wg == 1)(lambda: plgpu.barrier_arrive(schedule.at[0]))
 
       @functools.partial(work_items, items, cta_lo_ref, cta_hi_ref)
       def _item(h, qi, b, j, g):
@@ -193,6 +208,8 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           plgpu.barrier_arrive(k_free.at[slot])
           take_turn()
           take_turn()
+          await_token()
+          pass_token()
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
 
@@ -218,7 +235,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
 
         def scores_of(i, slot):  # step i's scores (QK), waited for
           def scores(s_ref):
+            await_token()
             plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
+            pass_token()
             scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
             return s_ref[...]
 
@@ -272,8 +291,10 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           scope("wait_k")(wait_k)(i)
           scope("wait_v")(plgpu.barrier_wait)(v_bar.at[prev])
           if interpret:  # no register operand or accumulator-initialised wgmma: the same sums as dots
+            await_token()
             s = jnp.dot(q_s[...], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
             acc = acc + jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+            pass_token()
             plgpu.barrier_arrive(k_free.at[slot])
             m, alpha, p, l = online_softmax(masked(s, i), m, l)
             p16 = p.astype(dtype)
@@ -282,8 +303,10 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
               acc_ref, m_ref, alpha_ref, p_ref, l_ref = refs
 
               def scores(s_ref):
+                await_token()
                 plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
                 plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
+                pass_token()
                 return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the QK; the PV runs on
 
               s = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
@@ -330,6 +353,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           lse_smem.at[wg][...] = jnp.where(seen, m * LN2 + jnp.log(total), 0.0)
           store_item([(q_s, out_ref.at[b, rows_q, h]), (lse_smem.at[wg], lse_ref.at[b, h, rows_q])], q_free, j)
 
+      if token:  # the token's last hand-over to warpgroup 0, observed
+        pl.when(wg == 0)(lambda: plgpu.barrier_wait(schedule.at[0]))
+
     @pl.when(wg == wgs)
     def _memory():
       def own(h, qi, b, half):  # this item's queries, for each compute warpgroup
@@ -348,7 +374,8 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
                         plgpu.SMEM((wgs, block_q), jnp.float32),
                         plgpu.Barrier(num_barriers=2 * wgs), plgpu.Barrier(num_arrivals=wgs, num_barriers=2)]
       + [plgpu.Barrier(num_barriers=stages)] * 2
-      + [plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] * 2 + [plgpu.Barrier(num_arrivals=wgs)]},
+      + [plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] * 2
+      + [plgpu.Barrier(num_arrivals=1, num_barriers=2) if token else plgpu.Barrier(num_arrivals=wgs)]},
       grid=(persistent_ctas(math.prod(items), persistent, ctas),), grid_names=("ctas",), num_threads=wgs + 1, **params)(
           q, k, v, ranges, cta_lo, cta_hi, wg_lo, wg_hi, inner_lo, inner_hi)
   return out, lse
