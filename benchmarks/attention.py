@@ -315,17 +315,12 @@ def _variant_cases(row_length: int, dtype):
     yield name, q, k, v, {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
 
 
-# profile_kernels: each Mosaic GPU kernel of mosaic_own, its trace's file prefix, its warpgroups (the
-# compute ones, then the copying one), its named scopes in the order it runs them and the wgmma FLOPs of
-# one ring step per head_dim (the bound: an H100's / H200's 4,096 dense flops a clock an SM).
-PROFILED_KERNELS = (
-    ("forward", "forward_kernel", lambda: mosaic_forward.FWD_WGS,
-     ("start", "pass_by", "step", "wait_k", "qk", "turn", "mask", "softmax", "wait_v", "pv", "end"), 2),
-    ("dQ", "dq_kernel", lambda: mosaic_backward.DQ_WGS,
-     ("start", "pass_by", "step", "wait_kv", "scores", "ds", "dq_mma", "end"), 3),
-    ("dK/dV", "dkv_kernel", lambda: mosaic_backward.DKV_WGS,
-     ("start", "step", "wait_q", "scores", "wait_rows", "p", "mask", "wait_do", "dv_mma", "dp", "dk_mma", "end"), 4))
-COPYING_SCOPES = ("own", "wait_free")
+# profile_kernels: each Mosaic GPU kernel of mosaic_own, its trace's file prefix, its compute warpgroups
+# (the copying one after them) and its GEMMs a ring step per warpgroup, each 64 x 64 x head_dim (the
+# bound: an H100's / H200's 4,096 dense flops a clock an SM).
+PROFILED_KERNELS = (("forward", "forward_kernel", lambda: mosaic_forward.FWD_WGS, 2),
+                    ("dQ", "dq_kernel", lambda: mosaic_backward.DQ_WGS, 3),
+                    ("dK/dV", "dkv_kernel", lambda: mosaic_backward.DKV_WGS, 4))
 
 
 def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, repeats: int) -> dict:
@@ -341,7 +336,7 @@ def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, r
   jax.effects_barrier()  # the traces are written by host callbacks
   timings = dict(forward_ms=forward_ms, profiled_s=time.perf_counter() - start)
   kernels = {}
-  for name, prefix, compute_wgs, _, gemms in PROFILED_KERNELS:
+  for name, prefix, compute_wgs, gemms in PROFILED_KERNELS:
     wgs = compute_wgs()
     roles = {**{w: "compute" for w in range(wgs)}, wgs: "copying"}
     try:  # a kernel whose trace is missing is said so, and the others summed up
@@ -473,12 +468,12 @@ def main():
   if args.profile_kernel:
     profile = profile_kernels(q, k, v, d_out, mask, args.profile_kernel, args.sm_clock_mhz, args.repeats)
     steps = []
-    for name, _, _, scopes, _ in PROFILED_KERNELS:
+    for name, *_ in PROFILED_KERNELS:
       print(f"{name}:")
       if "error" in profile["kernels"][name]:
         print(f"  {profile['kernels'][name]['error']}")
         continue
-      for line in kernel_profile.describe(profile["kernels"][name], {"compute": scopes, "copying": COPYING_SCOPES}):
+      for line in kernel_profile.describe(profile["kernels"][name]):
         print(f"  {line}")
       compute = profile["kernels"][name]["roles"].get("compute", {})
       step = compute.get("scopes", {}).get("step", {}).get("cycles_per_call", 0.0)

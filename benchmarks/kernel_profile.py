@@ -35,11 +35,13 @@ def newest_trace(folder: str, prefix: str = "") -> str:
 
 def _trace_scopes(events: list[dict]):
   """(span in cycles, cycles inside its outermost scopes, first timestamp in us, {name: [inclusive cycles
-  of each call]}, {name: own cycles outside the scopes inside it, summed}) of one trace's events, in order."""
-  calls, own = collections.defaultdict(list), collections.defaultdict(float)
+  of each call]} in the order the scopes first begin, {name: own cycles outside the scopes inside it,
+  summed}) of one trace's events, in order."""
+  calls, own = {}, collections.defaultdict(float)
   stack, scoped = [], 0.0  # stack: [name, start ts, cycles of the scopes directly inside]
   for event in events:
     if event["ph"] == "B":
+      calls.setdefault(event["name"], [])
       stack.append([event["name"], event["ts"], 0.0])
     elif stack and stack[-1][0] == event["name"]:
       name, start, inner = stack.pop()
@@ -74,6 +76,8 @@ def summarize(events: list[dict], warpgroups: int, roles: dict[int, str], clock_
     total["span"] += span
     total["scoped"] += scoped
     for name, cycles in calls.items():
+      if not cycles:  # begun, never ended (a trace cut short)
+        continue
       total["calls"][name] += len(cycles)
       total["cycles"][name] += sum(cycles)
       total["own"][name] += own[name]
@@ -101,20 +105,17 @@ def summarize(events: list[dict], warpgroups: int, roles: dict[int, str], clock_
   return summary
 
 
-def describe(summary: dict, order: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+def describe(summary: dict) -> list[str]:
   """Lines of `summary`: per role its cycles a trace and each scope's calls x cycles a call (own
-  cycles in brackets where scopes sit inside it), in `order` (role -> scope names) first."""
+  cycles in brackets where scopes sit inside it), in the order the kernel first ran them."""
   lines = []
   mhz = summary["clock_mhz"]
   if "ctas" in summary:
     lines.append(f"{summary['ctas']:,} CTAs on {summary['sms']} SMs over {summary['kernel_us']:.1f} us: SMs busy with a "
                  f"CTA {100 * summary['sm_busy']:.0f} % of it, {summary['gap_between_ctas_us']:.2f} us between CTAs on an SM")
   for role, stats in summary["roles"].items():
-    names = [n for n in (order or {}).get(role, ()) if n in stats["scopes"]]
-    names += sorted(n for n in stats["scopes"] if n not in names)
     cells = []
-    for name in names:
-      scope = stats["scopes"][name]
+    for name, scope in stats["scopes"].items():
       own = (f" [own {scope['own_per_call']:,.0f}]"
              if scope["own_per_call"] < scope["cycles_per_call"] - 0.5 else "")
       cells.append(f"{name} {scope['calls']:.1f} x {scope['cycles_per_call']:,.0f}{own}")

@@ -61,7 +61,8 @@ def test_the_summary_gives_each_scopes_calls_and_cycles_and_the_sms_busy_time():
   assert summary["sm_busy"] == pytest.approx(1400 / 1700)
   assert summary["gap_between_ctas_us"] == pytest.approx(0.3)
 
-  lines = kernel_profile.describe(summary, {"compute": ("start", "step", "qk")})
+  assert list(compute_stats["scopes"]) == ["start", "step", "qk", "softmax", "end"]  # as they first begin
+  lines = kernel_profile.describe(summary)
   assert lines[0].startswith("2 CTAs on 1 SMs over 1.7 us: SMs busy with a CTA 82 %")
   assert "step 1.0 x 500 [own 150]; qk 1.0 x 200" in lines[1]
 
