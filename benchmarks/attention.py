@@ -188,7 +188,9 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
 
 def with_settings(jitted, settings):
   """`jitted` traced (on its first call) with each (module, name, value) of `settings` set: the Mosaic
-  GPU kernels' module settings, read as they trace (mosaic_backward.DKV_WGS, mosaic_forward.PINGPONG...)."""
+  GPU kernels' module settings, read as they trace (mosaic_backward.DKV_WGS, mosaic_forward.PINGPONG...).
+  `jitted` must wrap a function no other setting has been traced with: jax.jit shares compiled programs
+  between all jax.jit wrappers of one Python function, and a second wrapper would not trace again."""
   def call(*args):
     saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
     try:
@@ -357,11 +359,16 @@ def check_variants(row_length: int, dtype, impl: str, variants, gradients: bool)
   for name, q, k, v, mask in _variant_cases(row_length, dtype):
     d_out = jax.random.normal(jax.random.key(2), q.shape, jnp.float32) if gradients else None
     want = jax.jit(attention_outputs("xla", mask, d_out))(*(x.astype(jnp.float32) for x in (q, k, v)))
-    inputs[name] = (q, k, v, attention_outputs(impl, mask, d_out), want)
+    inputs[name] = (q, k, v, mask, d_out, want)
   errors = {}
   for label, settings in variants:
     errors[label] = {}
-    for name, (q, k, v, run, want) in inputs.items():
+    for name, (q, k, v, mask, d_out, want) in inputs.items():
+      # A new function for each variant: jax.jit keys its compiled programs by the Python function, one
+      # cache for all its jax.jit wrappers, so a function reused here ran the first variant's program
+      # under every later variant's settings (on the H200 of 2026-11-30 the seven forward variants gave
+      # one set of errors: 128-key tiles' forward, wrong in the figure's gradients, never ran here).
+      run = attention_outputs(impl, mask, d_out)
       try:
         errors[label][name] = largest_error(with_settings(jax.jit(run), settings)(q, k, v), want)
       except Exception as error:  # noqa: BLE001  (a variant that does not build here: say so, go on)

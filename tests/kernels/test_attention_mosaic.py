@@ -230,6 +230,31 @@ def test_impl_mosaic_values_and_gradients_through_the_op(impl, mask_kind):
 
 
 @MOSAIC
+def test_mosaic_own_with_128_key_tiles_values_and_gradients(monkeypatch):
+  """mosaic_forward.BLOCK_KV = 128 (the attention figure's variant "128-key tiles") at head size 128 on
+  block-causal packed rows, with the ping-pong: the forward's out and lse and the backward's gradients
+  from them are the reference's. (On the H200 of 2026-11-30 this variant's gradients were 1.9 off the
+  Pallas kernel's at 8 x 4,096 tokens; interpret mode agrees with the reference here and at 1 x 4,096.)"""
+  monkeypatch.setattr(mosaic_forward, "BLOCK_KV", 128)
+  rng = np.random.default_rng(5)
+  length, heads, head_dim = 384, 2, 128
+  segment_ids, block_ids = np.zeros((1, length), np.int32), np.zeros((1, length), np.int32)
+  offset = 0
+  for segment, n in enumerate((150, 170, 50), start=1):  # segments crossing 128-key tiles; padding at the end
+    segment_ids[0, offset:offset + n] = segment
+    block_ids[0, offset + n - 17], block_ids[0, offset + n - 16:offset + n] = 1, 2  # state, then action tokens
+    offset += n
+  kwargs = dict(mask_kind="block_causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                q_block_ids=block_ids, kv_block_ids=block_ids)
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q, k, v, d_out = (normal(1, length, heads, head_dim) for _ in range(4))
+  out = jax.jit(lambda q, k, v: flash_attention(q, k, v, impl="mosaic_own", **kwargs))(q, k, v)
+  want_out = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=2e-2)
+  _assert_loss_and_gradients_match_the_reference("mosaic_own", q, k, v, d_out, kwargs)
+
+
+@MOSAIC
 @pytest.mark.parametrize("persistent", [False, True])
 def test_mosaic_own_cross_attention_with_an_empty_row(monkeypatch, persistent):
   """Queries and keys of different lengths (as GR00T's DiT reading the VL tokens), and a batch row with
@@ -367,3 +392,27 @@ def test_the_variant_checks_give_each_variant_and_case_an_error():
   assert set(errors["persistent"]) == {"segments@64", "segments@128", "block-causal@64"}
   assert all(isinstance(e, float) and e < 2e-2 for e in errors["persistent"].values()), errors
   assert mosaic_backward.PERSISTENT is False
+
+
+def test_the_variant_checks_trace_each_variant_under_its_own_settings(monkeypatch):
+  """check_variants runs each variant's own program: jax.jit keys its compiled programs by the Python
+  function (one cache for every jax.jit of it), so a function reused across variants runs the first
+  variant's program under every later variant's settings, read as it traces (on the H200 of 2026-11-30
+  the seven forward variants all gave the errors of the forward as configured). Here a stand-in for
+  attention_outputs that reads a module setting as it traces: the variant that doubles it is off by 1."""
+  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+  try:
+    import attention as bench
+  finally:
+    sys.path.pop(0)
+  settings = type(sys)("settings")
+  settings.SCALE = 1.0
+  q = jnp.arange(1.0, 9.0).reshape(1, 2, 2, 2)
+  monkeypatch.setattr(bench, "_variant_cases", lambda row_length, dtype: [("case", q, q, q, {})])
+  monkeypatch.setattr(bench, "attention_outputs",
+                      lambda impl, mask, d_out=None: lambda q, k, v: (q * settings.SCALE,))
+  for gradients in (False, True):
+    errors = bench.check_variants(2, jnp.float32, "mosaic_own", (("as configured", ()),
+                                                                 ("doubled", ((settings, "SCALE", 2.0),))), gradients)
+    assert errors == {"as configured": {"case": 0.0}, "doubled": {"case": 1.0}}, errors
+  assert settings.SCALE == 1.0
