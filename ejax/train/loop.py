@@ -35,7 +35,7 @@ from ejax.train.guard import FiniteGuard
 from ejax.train.inputs import make_input, with_packing_plan
 from ejax.train.optim import make_optimizer
 from ejax.train.state import count_params, materialize, model_parts, plan_train_state, read_weights
-from ejax.train.step import compiler_options, jit_train_step, make_train_step
+from ejax.train.step import compiler_options, jit_train_step, make_train_step, train_state
 from ejax.train.signals import GRACE_S, StartupInterrupted, StopSignal, signal_name
 from ejax.train.workdir import WorkdirLock, prepare_workdir, refuse_or_move_old_run, saved_steps
 
@@ -272,7 +272,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
       if step % config.checkpoint.every_steps == 0 or stopping:
         guard.check_now()
         with watchdog.watch("checkpoint save", step):
-          checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=stopping)
+          checkpointer.save(step, train_state(state), data_state=data_iter.get_state(), meta=meta, force=stopping)
       if stopping:
         stopped_by = signal_name(stop.requested)
         logging.warning("stopped at step %d after %s; checkpoint saved", step, stopped_by)
@@ -280,7 +280,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
     guard.check_now()
     with watchdog.watch("checkpoint save", step):
       if step == end_step and checkpointer.latest_step() != step:
-        checkpointer.save(step, state, data_state=data_iter.get_state(), meta=meta, force=True)
+        checkpointer.save(step, train_state(state), data_state=data_iter.get_state(), meta=meta, force=True)
       checkpointer.wait()  # a save that fails in the background fails the run here, not silently
   except (jax.errors.JaxRuntimeError, CheckpointError) as error:  # a collective or save whose peer is gone:
     watchdog.wait_for_verdict(error)  # name it, in one line
@@ -288,7 +288,7 @@ def _train(config: ConfigDict, workdir: str, devices: list | None, stop: StopSig
   watchdog.close()
   if stopped_by is None and step < train_cfg.steps:
     stopped_by = "train.stop_at"
-  return {"history": history, "final_step": step, "workdir": workdir, "state": state,
+  return {"history": history, "final_step": step, "workdir": workdir, "state": train_state(state),
           "stopped_early": step < train_cfg.steps, "stopped_by": stopped_by}
 
 

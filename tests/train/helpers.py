@@ -23,7 +23,7 @@ def train_on_example(config, steps: int, *, read_before=None, mesh_shape=(1, 1, 
   from ejax.parallel import global_batch, make_mesh
   from ejax.train.optim import make_optimizer
   from ejax.train.state import create_train_state, model_parts
-  from ejax.train.step import jit_train_step, make_train_step
+  from ejax.train.step import jit_train_step, make_train_step, train_state
   data, fsdp, tensor = mesh_shape
   mesh = make_mesh(dict(data=data, fsdp=fsdp, tensor=tensor), devices=jax.devices()[:data * fsdp * tensor])
   rules = [tuple(r) for r in config.sharding_rules]
@@ -41,7 +41,7 @@ def train_on_example(config, steps: int, *, read_before=None, mesh_shape=(1, 1, 
   for _ in range(steps):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
-  return kept, state, shardings, losses
+  return kept, train_state(state), shardings, losses
 
 
 def tiny_config(steps: int = 4, batch: int = 16, mesh=(-1, 1, 1)):
@@ -97,7 +97,7 @@ def groot_steps(steps: int = 2, **train):
   from ejax.parallel import global_batch, make_mesh
   from ejax.train.optim import make_optimizer
   from ejax.train.state import create_train_state, model_parts
-  from ejax.train.step import jit_train_step, make_train_step
+  from ejax.train.step import jit_train_step, make_train_step, train_state
   config = load_config("configs/groot.py", "runlocal,dataset=synthetic")
   config.train.update(learning_rate=1e-2, warmup_fraction=0.0)
   config.train.update(train)
@@ -117,7 +117,7 @@ def groot_steps(steps: int = 2, **train):
                         jax.tree.map(lambda x: x.sharding, batch), mesh)
   for _ in range(steps):
     state, metrics = step(state, batch)
-  return before, state, metrics
+  return before, train_state(state), metrics
 
 
 # The session's shared small GR00T checkpoint (tests/conftest.py: groot_sft_checkpoint): scripted

@@ -158,3 +158,57 @@ def test_the_train_step_runs_attention_unchecked_unless_configured(monkeypatch):
   config.train.check_attention_layout = True
   train_on_example(config, 1)
   assert seen == [True, False]
+
+
+def test_the_step_runs_on_the_states_leaves_and_matches_a_step_on_the_train_state():
+  """jit_train_step calls its program on the state's leaves (a call on a tree of nnx Variables rebuilds
+  them in Python every step): it returns a FlatState, takes it back, and trains bit for bit as
+  jax.jit of the same step on the TrainState does; the TrainState reads back whole (train_state) and
+  field by field, and a state of another structure is one error."""
+  import jax
+  import numpy as np
+  import pytest
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from ejax.models.registry import get_model_spec
+  from ejax.parallel import global_batch, make_mesh
+  from ejax.train.optim import make_optimizer
+  from ejax.train.state import TrainState, create_train_state, model_parts
+
+  config = tiny_config(steps=2)
+  mesh = make_mesh(dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+  rules = [tuple(r) for r in config.sharding_rules]
+  tx, schedule = make_optimizer(config.train)
+  example = get_model_spec(config.model.name).example_batch(config.model, 4, 0)
+  batch = global_batch({k: v for k, v in example.items() if isinstance(v, np.ndarray) and v.dtype != object},
+                       mesh, rules)
+  batch_shardings = jax.tree.map(lambda x: x.sharding, batch)
+  train_step = step_lib.make_train_step(model_parts(config.model), tx, schedule, config.train)
+
+  def fresh():
+    return create_train_state(config.model, config.train, tx, mesh, rules, seed=0)
+
+  state, shardings = fresh()
+  flat_fn = step_lib.jit_train_step(train_step, shardings, batch_shardings, mesh)
+  compiled = flat_fn.lower(state, batch).compile()
+  assert compiled.memory_analysis() is not None  # the jax stage's own reads pass through
+  flat, metrics = compiled(state, batch)
+  assert isinstance(flat, step_lib.FlatState) and len(flat.leaves) == len(jax.tree.leaves(shardings))
+  flat, metrics = flat_fn(flat, batch)            # its own result goes straight back in
+  assert int(flat.step) == 2                      # a field read builds the TrainState
+
+  reference, _ = fresh()
+  plain = jax.jit(train_step, in_shardings=(shardings, batch_shardings),
+                  out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=(0,))
+  for _ in range(2):
+    reference, expected = plain(reference, batch)
+  assert float(metrics["loss"]) == float(expected["loss"])
+  whole = step_lib.train_state(flat)
+  assert isinstance(whole, TrainState)
+  assert jax.tree.structure(whole) == jax.tree.structure(reference)
+  data = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+  for got, want in zip(jax.tree.leaves(whole), jax.tree.leaves(reference)):
+    np.testing.assert_array_equal(np.asarray(data(got)), np.asarray(data(want)))
+
+  with pytest.raises(ValueError, match="built for a state of structure"):
+    flat_fn(whole.replace(ema_params=whole.params), batch)
