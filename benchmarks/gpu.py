@@ -8,29 +8,31 @@ skipping what no longer fits the total budget, and writes all.json and most figu
 First it checks auto's Hopper attention routes (check_routes) and leaves out of the figures one that
 fails. The figures:
 
+  dispatch    benchmarks/dispatch.py: how long a train-step call holds the host, on the TrainState
+              against on its leaves (GR00T's full state structure, no device work)
+  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
+              step per kind of op, the top kernels, the host's spans), without CUDA graphs, all-FP8
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
+  train_step_pi05  the same for pi0.5: configured, its scanned decoders in CUDA graphs (graphs), FP8
+                   (fp8_xla_delayed)
   attention_profile  attention.py --profile_kernel: mosaic_own's kernels under Mosaic GPU's on-device
               profiler, the cycles of each of their scopes (waits, wgmmas, softmax) per warpgroup
   mosaic_own_check  attention.py --check_variants: which of mosaic_own's forward code paths is
               wrong at head size 64 on a GPU, and whether the backward's faster settings are right
-  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
-              step per kind of op, the top kernels, the host's spans), all-FP8, seed-padded and
-              frozen-FP8 arms
-  train_step_pi05  the same for pi0.5: configured, FP8 (fp8_xla_delayed), its scanned blocks in CUDA
-                   graphs (graphs)
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
   serve       benchmarks/serve.py: served vs in-process chunks per second
   startup     benchmarks/train_step.py --startup: full GR00T state and step compiled from shapes
-  train_step_more, train_step_pi05_more  the two models' other arms (FP8 routes, scanned, padded)
+  train_step_more, train_step_pi05_more  the two models' other arms (FP8 routes, seed-padded, scanned,
+              padded)
   dreamzero   benchmarks/train_step.py --models dreamzero --dit_layers 2,6: the 5B's step at two DiT
               depths one GPU holds, extrapolated to its 30 blocks (issue 32; 10.3 samples/s on an
               H200, 2026-11-29)
 
-A window fits the first four (~9 minutes: the default --budget leaves train_step ~220 s of its 300
-after the route check and the attention figures); a later call runs the rest with `--only`, e.g.
-`--only train_step_pi05,train_step_more,sim,serve,dreamzero` (--skip_route_check, --budget ~225).
+A window's first call fits the route check, dispatch, train_step, attention and train_step_pi05 (~9
+minutes; on 2026-11-30 train_step's four arms took 225 s); a second call runs the rest with `--only`,
+e.g. `--only serve,startup,train_step_more,packing --skip_route_check --budget 225`.
 
   python benchmarks/download_wheels.py        # here, once: the wheels into .whl/ (git-ignored)
   python benchmarks/gpu.py --out $OUT/gpu     # there: ~9 minutes, then record BENCHMARKS.md
@@ -73,13 +75,41 @@ class Figure:
 
 
 FIGURES = (
-    # Attention first, ~100 s for the block-causal rows' first arms: pallas, the mosaic route (auto's
-    # first Hopper route), mosaic_own and its variants; the causal rows after them are cut off at the
-    # limit (the sweep never fitted). The dense baseline (4.4-4.8x, measured in both windows) is skipped
-    # for their time. On 2026-11-30 the limit fell inside mosaic_own's variants, before the mosaic route.
+    # How long a train-step call holds the host, on the TrainState against on its leaves (what the step
+    # is jitted over since 2026-11-30: on that evening's H200 GR00T's call held the host 58.2 of its
+    # 78.2 ms and pi0.5's 207.4 of 208.7). Seconds: the full state's structure from shapes, 4-element leaves.
+    Figure("dispatch", ("benchmarks/dispatch.py",),
+           ("benchmarks/dispatch.py", "--config", "configs/tiny.py:runlocal", "--calls", "3"), 40, json_flag=False,
+           own_file=False),
+    # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
+    # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
+    # all lowered before the first was timed, since fixed in train_step_run.run_arms). The first arm compiles
+    # alone while the next ones lower and is timed (profiled) at once; the rest then compile side by
+    # side on the host's cores and run, each on the last arm's state where it has the same one. Three
+    # arms: configured (profiled, with each call's dispatch: the step on its leaves, first timed), then
+    # no_graphs (every kernel launched from the host: what the CUDA graphs gain or cost while the host
+    # holds the step; cut twice on 2026-11-30) and fp8_all (1.18x in both 2026-11-30 windows). Each
+    # arm's figures are saved as it ends. seed_padded (1.33x twice), fp8_frozen (1.12x) and the others
+    # are `train_step_more`'s.
+    Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
+                          "configured,no_graphs,fp8_all", "--steps", "8", "--profile", PROFILE),
+           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
+            "--profile", PROFILE), 300),
+    # Attention, ~100 s for the block-causal rows' first arms: pallas, the mosaic route (auto's first
+    # Hopper route), mosaic_own and its variants; the causal rows after them are cut off at the limit
+    # (the sweep never fitted). The dense baseline (4.4-4.8x, measured in both windows) is skipped for
+    # their time. First until 2026-11-30, when the kernels' profile and the head-size-64 check ran too.
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--skip_dense"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
+    # pi0.5 (2026-11-30: 38.3-38.7 samples/s; its call held the host 207.4 of its 208.7 ms). Its two
+    # Gemma decoders are each one lax.scan, a while loop whose body XLA:GPU launches kernel by kernel
+    # from the host outside CUDA graphs (5,838 launches a step): its `graphs` arm (train.command_buffers:
+    # the loops in CUDA graphs, unrolled there) goes first, then the FP8 arm (model.fp8 with delayed
+    # scaling, priced 1.09-1.15x). fp8_xla_delayed_fastacc and fp8_xla are train_step_pi05_more's.
+    Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
+                               "configured,graphs,fp8_xla_delayed", "--steps", "5"),
+           (), 150),  # --smoke: the same script as train_step's
     # Where mosaic_own's kernels spend their cycles (2026-11-30: ~2 us a 64-key forward step whose wgmmas
     # take ~0.5): the forward and backward once under Mosaic GPU's on-device profiler, each kernel's
     # scopes' cycles per warpgroup. One of the figure's eight rows (512 forward CTAs, ~4 waves on 132
@@ -96,28 +126,6 @@ FIGURES = (
     # forward variant).
     Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_variants", "--row_length", "1024"), (), 120,
            own_file=False),
-    # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
-    # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
-    # all lowered before the first was timed, since fixed in train_step_run.run_arms). The first arm compiles
-    # alone while the next ones lower and is timed (profiled) at once; the rest then compile side by
-    # side on the host's cores and run, each on the last arm's state where it has the same one. So a
-    # window fits four: configured (profiled, with each call's dispatch), then two goals met once, on
-    # 2026-11-30: seed_padded (packed >= 1.3x padded: 1.33x; on configured's state) and fp8_all (FP8
-    # >= 1.1x bf16: 1.18x at the cadence), and fp8_all's half never measured, fp8_frozen (the frozen
-    # towers' FP8 GEMMs alone). Each arm's figures are saved as it ends. layout_checked (0.97x on
-    # 2026-11-30) and the other arms are `train_step_more`, for a later window.
-    Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
-                          "configured,seed_padded,fp8_all,fp8_frozen", "--steps", "8", "--profile", PROFILE),
-           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
-            "--profile", PROFILE), 300),
-    # pi0.5's state and compile did not finish in 100 s on 2026-11-28: never measured, so it goes second.
-    # Then its FP8 arm (model.fp8: the PaliGemma feed-forward's GEMMs; delayed scaling priced 1.09-1.15x
-    # at the GEMM rates the H200 windows imply, 1.22x at the datasheet's; BENCHMARKS.md, FP8) and, its
-    # blocks being scanned, its `graphs` arm where they fit. fp8_xla_delayed_fastacc and fp8_xla are
-    # train_step_pi05_more's.
-    Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
-                               "configured,fp8_xla_delayed,graphs", "--steps", "5"),
-           (), 150),  # --smoke: the same script as train_step's
     # fp8.py stops starting arms after --budget_s, so its last line comes inside the limit.
     Figure("fp8", ("benchmarks/fp8.py", "--budget_s", "40"), ("benchmarks/fp8.py", "--tokens", "128"), 60),
     Figure("packing", ("benchmarks/packing.py", "--width", "1024", "--depth", "8", "--heads", "8", "--samples", "192",
@@ -137,13 +145,13 @@ FIGURES = (
     Figure("startup", ("benchmarks/train_step.py", "--startup", "--config=configs/groot.py"),
            ("benchmarks/train_step.py", "--startup", "--config=configs/tiny.py:runlocal", "--per_device_batch", "4"),
            100, own_file=False),  # the full step's compile alone took 73 s on an H200
-    # GR00T's other arms: the step without CUDA graphs (2026-11-30: the device busy 49 of 79 ms a step,
-    # the graphs' and the host's share of the gaps unknown), the trained feed-forwards' FP8 (model.fp8
-    # with delayed scaling, priced 1.05x), the scanned blocks (the default until 2026-11-28), one
-    # sample a row of 384 (the 2026-11-28 baseline: 1.18x) and the attention layout checked on device
-    # (0.97x on 2026-11-30).
+    # GR00T's other arms: the trained feed-forwards' FP8 (model.fp8 with delayed scaling, priced 1.05x),
+    # the seed's padded rows and the frozen towers' FP8 again (1.33x and 1.12x on 2026-11-30), the
+    # scanned blocks (the default until 2026-11-28), one sample a row of 384 (the 2026-11-28 baseline:
+    # 1.18x) and the attention layout checked on device (0.97x on 2026-11-30).
     Figure("train_step_more", ("benchmarks/train_step.py", "--models", "groot", "--arms",
-                               "configured,no_graphs,fp8_xla_delayed,scanned,padded,layout_checked", "--steps", "8"),
+                               "configured,fp8_xla_delayed,seed_padded,fp8_frozen,scanned,padded,layout_checked",
+                               "--steps", "8"),
            (), 300),  # --smoke: the same script as train_step's
     Figure("train_step_pi05_more", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
                                     "configured,fp8_xla_delayed_fastacc,fp8_xla", "--steps", "5"), (), 200),

@@ -21,7 +21,8 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(out), "--budget", "840"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=880)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  names = ("train_step", "attention", "fp8", "startup", "packing", "sim", "serve", "dreamzero")  # pi0.5's: train_step's script
+  names = ("dispatch", "train_step", "attention", "fp8", "startup", "packing", "sim", "serve",
+           "dreamzero")  # pi0.5's: train_step's script
   summary = json.loads((out / "all.json").read_text())
   for name in names:
     own = out / f"{name}.json"
@@ -55,6 +56,10 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   assert extrapolated["samples_per_second"] > 0 and "ms_per_block" in extrapolated, extrapolated
   assert re.fullmatch(r"DreamZero train step on cpu: [0-9.]+ samples/s a device at \d+ DiT blocks, from 1, 2 "
                       r"\(goal 8; RLinf 4\.44\)", dreamzero["line"])
+
+  dispatch = summary["figures"]["dispatch"]["line"]  # the step's call on the TrainState and on its leaves
+  assert re.fullmatch(r"train-step call on cpu, configs/tiny\.py:runlocal's state \(\d+ leaves\): [0-9.]+ ms on its "
+                      r"leaves against [0-9.]+ ms on the TrainState: [0-9.]+x less \(goal 3x\)", dispatch), dispatch
 
   startup = summary["figures"]["startup"]
   assert re.fullmatch(r"startup configs/tiny\.py:runlocal: state [0-9.]+ s, train step compile [0-9.]+ s \(cpu\)",
@@ -151,9 +156,13 @@ def test_the_fp8_frozen_arm_is_the_configured_step_with_frozen_fp8_copies():
   assert not arms["fp8_xla"][0].train.frozen_fp8 and not frozen.model.fp8
   both = arms["fp8_all"][0]
   assert both.train.frozen_fp8 and both.model.fp8 and both.model.fp8_impl == "xla_delayed"
-  from benchmarks.gpu import FIGURES  # the first figure times both halves' whole and the frozen half
-  groot = next(f for f in FIGURES if f.name == "train_step").args
-  assert {"fp8_all", "fp8_frozen"} <= set(groot[groot.index("--arms") + 1].split(","))
+  from benchmarks.gpu import FIGURES  # the first figure times both halves' whole, the later one the frozen half
+  arms_of = lambda name: next(f for f in FIGURES if f.name == name).args
+  groot, more = arms_of("train_step"), arms_of("train_step_more")
+  assert "fp8_all" in groot[groot.index("--arms") + 1].split(",")
+  assert "fp8_frozen" in more[more.index("--arms") + 1].split(",")
+  # and the first figure times the step without CUDA graphs (cut in both windows of 2026-11-30)
+  assert "no_graphs" in groot[groot.index("--arms") + 1].split(",")
 
 
 def test_arms_share_a_state_only_where_its_shapes_agree():
