@@ -85,14 +85,17 @@ BACKWARD_RS = ((mosaic_backward, "OPERANDS_IN_REGISTERS", True),)  # the score w
 # Each step's QK and the last PV issued together, the softmax between their waits; the warpgroups pass a
 # token once a step (with PINGPONG False, no turns).
 OVERLAP = ((mosaic_forward, "OVERLAP_SOFTMAX", True),)
-# In timing order: first those no window has timed (the 2026-11-30 limit fell before them; the
-# persistent backward under the deep-ring forward, second, joins that day's two faster halves: ~184
-# TFLOP/s forward+backward priced), then the rest measured that day, again.
-MOSAIC_OWN_VARIANTS = (("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
+ROW_SUM = ((mosaic_forward, "ROW_SUM_DEFERRED", True),)  # each step's row sums during the next step's QK
+# In timing order: first those no window has timed (the row sums off the path to the PV: the 2026-11-30
+# profile's softmax took 719 of a step's 2,069 cycles; two dK/dV warpgroups), then the best measured on
+# 2026-11-30 evening (the persistent backward: 176.5 TFLOP/s forward+backward), then the rest.
+MOSAIC_OWN_VARIANTS = (("row sums during the next QK", ROW_SUM),
+                       ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
                        ("persistent backward", PERSISTENT[1:]),
+                       ("row sums during the next QK, persistent backward", ROW_SUM + PERSISTENT[1:]),
                        ("softmax beside its own PV", OVERLAP),
                        ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
-                       ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
+                       ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
                        ("persistent", PERSISTENT), ("rings of 2 slots", RING_OF_2),
                        ("K waited for during PV", ((mosaic_forward, "K_WAIT_DURING_PV", True),)),
                        ("persistent, backward operands in registers", PERSISTENT + BACKWARD_RS),
@@ -285,16 +288,16 @@ def check_route(route: str, row_length: int, dtype) -> dict:
 
 
 # check_variants' forward part: mosaic_own's forward under each setting that changes its GPU code path, on
-# bidirectional packed segments at head sizes 64 and 128 and block-causal rows at 64. On the H200 of
+# bidirectional packed segments and block-causal rows at head sizes 64 and 128. On the H200 of
 # 2026-11-30 its values were right at 128 (block-causal, causal) and wrong at 64 (segments, cross),
 # where Mosaic GPU interpret mode (tests) agrees with the reference: a setting that mends 64 names the
-# code path at fault.
+# code path at fault. (That evening's run of this check ran one program for every variant: fixed.)
 FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
                     ("rings of 2 slots", ((mosaic_forward, "STAGES", 2),)),
                     ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
                     ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
                     ("persistent", ((mosaic_forward, "PERSISTENT", True),)),
-                    ("softmax beside its own PV", OVERLAP))
+                    ("softmax beside its own PV", OVERLAP), ("row sums during the next QK", ROW_SUM))
 
 
 # check_variants' backward part: the backward's settings that 2026-11-30's timings favour (persistent: 2.20 ms
@@ -302,16 +305,21 @@ FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forwa
 # the mosaic route (tokamax's forward, ejax's backward): auto's first Hopper route shares this backward.
 BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "PERSISTENT", True),)),
                      ("rings of 2 slots", ((mosaic_backward, "STAGES", 2),)))
+# And mosaic_own's gradients under the forward's 128-key tiles (its out and lse feed the backward): on the
+# H200 of 2026-11-30 the attention figure's "128-key tiles" arm had gradients 1.9 off, the other arms'
+# 4.6e-3; interpret mode agrees with the reference (tests).
+FORWARD_GRADIENT_VARIANTS = (("as configured", ()), ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)))
 
 
 def _variant_cases(row_length: int, dtype):
-  """(name, q, k, v, mask) of the variant checks: bidirectional packed segments at head sizes 64 and
-  128, block-causal rows at 64."""
+  """(name, q, k, v, mask) of the variant checks: bidirectional packed segments and block-causal rows,
+  each at head sizes 64 and 128."""
   segment_ids, block_ids, _, _ = packed_rows(2, row_length, 0)
   segments = dict(mask_kind="bidirectional", q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
   block_causal = dict(mask_kind="block_causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
                       q_block_ids=block_ids, kv_block_ids=block_ids)
-  cases = (("segments@64", 64, segments), ("segments@128", 128, segments), ("block-causal@64", 64, block_causal))
+  cases = (("segments@64", 64, segments), ("segments@128", 128, segments), ("block-causal@64", 64, block_causal),
+           ("block-causal@128", 128, block_causal))
   for name, head_dim, mask in cases:
     q, k, v = (jax.random.normal(key, (2, row_length, 2, head_dim), dtype) for key in jax.random.split(jax.random.key(1), 3))
     yield name, q, k, v, {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
@@ -427,7 +435,8 @@ def main():
     backward_impl = "mosaic" if on_gpu and tokamax_gpu.available() else "mosaic_own"
     errors = {}
     for part, impl, variants, gradients in (("forward", "mosaic_own", FORWARD_VARIANTS, False),
-                                            ("backward", backward_impl, BACKWARD_VARIANTS, True)):
+                                            ("backward", backward_impl, BACKWARD_VARIANTS, True),
+                                            ("forward_gradients", "mosaic_own", FORWARD_GRADIENT_VARIANTS, True)):
       errors[part] = check_variants(args.row_length, dtype, impl, variants, gradients)
       for label, by_case in errors[part].items():
         cells = ", ".join(f"{name} {e:.1e}" if isinstance(e, float) else f"{name} {e}" for name, e in by_case.items())
@@ -440,7 +449,8 @@ def main():
              for part, by_variant in errors.items()}
     print(f"mosaic_own forward variants right at every case: {len(right['forward'])} of {len(errors['forward'])} "
           f"({', '.join(right['forward']) or 'none'}); backward variants {len(right['backward'])} of "
-          f"{len(errors['backward'])} (goal all)")
+          f"{len(errors['backward'])}; mosaic_own's gradients under forward variants {len(right['forward_gradients'])} of "
+          f"{len(errors['forward_gradients'])} ({', '.join(right['forward_gradients']) or 'none'}) (goal all)")
     return
   if args.check:
     try:

@@ -154,7 +154,8 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
                           (64, 2, 1, 2, True, 64, None, 2, "early_k"), (64, 2, 2, 1, False, 64, 3, 3, "early_k"),
                           (64, 2, 1, 2, True, 64, None, None, "overlap"), (128, 2, 2, 2, True, 64, None, 2, "overlap"),
                           (64, 2, 1, 2, True, 64, 3, 3, "overlap"), (64, 2, 2, 1, False, 128, 1, None, "overlap"),
-                          (64, 2, 1, 2, False, 64, 3, 2, "overlap")])
+                          (64, 2, 1, 2, False, 64, 3, 2, "overlap"), (64, 2, 1, 2, True, 64, None, None, "row_sum"),
+                          (128, 2, 2, 2, True, 64, None, 2, "row_sum"), (64, 2, 2, 1, False, 128, 1, None, "row_sum")])
 def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv,
                                               ctas, stages, schedule):
   """Out and lse over packed and shuffled ranges, with queries whose first tiles are all masked and
@@ -164,9 +165,11 @@ def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_h
   ring's slots (None: the deepest that fits, more than an item's steps here). `schedule`: "early_k"
   (K_WAIT_DURING_PV, each step's K waited for during the step before's PV wgmma) or "overlap"
   (OVERLAP_SOFTMAX, each step's softmax beside the step before's PV; with the ping-pong, a token
-  passed between the two warpgroups once a ring step)."""
+  passed between the two warpgroups once a ring step) or "row_sum" (ROW_SUM_DEFERRED, each step's row
+  sums added during the next step's QK)."""
   monkeypatch.setattr(mosaic_forward, "K_WAIT_DURING_PV", schedule == "early_k")
   monkeypatch.setattr(mosaic_forward, "OVERLAP_SOFTMAX", schedule == "overlap")
+  monkeypatch.setattr(mosaic_forward, "ROW_SUM_DEFERRED", schedule == "row_sum")
   rng = np.random.default_rng(3)
   length = 256
   rows = [_ranges(layout, length, rng, longest=200) for layout in ("packed", "shuffled")]
@@ -317,6 +320,12 @@ mark("forward overlap_softmax=True")
 forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
 forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 mosaic_forward.OVERLAP_SOFTMAX = False
+# Each step's row sums during the next step's QK (ROW_SUM_DEFERRED): the weights live across the PV.
+mosaic_forward.ROW_SUM_DEFERRED = True
+mark("forward row_sum_deferred=True")
+forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
+forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+mosaic_forward.ROW_SUM_DEFERRED = False
 mosaic_common.PROFILE_DIR = "/nonexistent"
 jax.debug.callback = lambda *args, **kwargs: None
 mark("forward profiled")
@@ -358,8 +367,9 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
   kernels = {kernel for _, kernel, _, _ in reports}
   assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel", "forward_kernel_mosaic_gpu_kernel"} <= kernels, \
       report[-2000:]
-  # per persistence: two backwards of two kernels, three forwards; then the overlapped and the profiled forward
-  assert len(reports) == 16, reports
+  # per persistence: two backwards of two kernels, three forwards; then the overlapped, the deferred-sum and
+  # the profiled forward
+  assert len(reports) == 17, reports
   kernel, settings, size = _KNOWN_SPILL
   spilled = [r for r in reports if r[2] or r[3]]
   allowed = [r for r in spilled if kernel in r[1] and settings in r[0] and head_dim == size]
@@ -381,7 +391,7 @@ def test_the_variant_checks_give_each_variant_and_case_an_error():
   assert rings[0] == "rings of 2 slots"
   errors = bench.check_variants(1024, jnp.bfloat16, "mosaic_own", (rings,), gradients=False)
   assert list(errors) == ["rings of 2 slots"]
-  assert set(errors["rings of 2 slots"]) == {"segments@64", "segments@128", "block-causal@64"}
+  assert set(errors["rings of 2 slots"]) == {"segments@64", "segments@128", "block-causal@64", "block-causal@128"}
   assert all(isinstance(e, float) and e < 1e-2 for e in errors["rings of 2 slots"].values()), errors
   assert mosaic_forward.STAGES is None
   # The backward's variants: gradients against xla's in fp32 (here through impl xla itself, bf16 against
@@ -389,9 +399,10 @@ def test_the_variant_checks_give_each_variant_and_case_an_error():
   persistent = bench.BACKWARD_VARIANTS[1]
   assert persistent[0] == "persistent"
   errors = bench.check_variants(1024, jnp.bfloat16, "xla", (persistent,), gradients=True)
-  assert set(errors["persistent"]) == {"segments@64", "segments@128", "block-causal@64"}
+  assert set(errors["persistent"]) == {"segments@64", "segments@128", "block-causal@64", "block-causal@128"}
   assert all(isinstance(e, float) and e < 2e-2 for e in errors["persistent"].values()), errors
   assert mosaic_backward.PERSISTENT is False
+  assert [label for label, _ in bench.FORWARD_GRADIENT_VARIANTS] == ["as configured", "128-key tiles"]
 
 
 def test_the_variant_checks_trace_each_variant_under_its_own_settings(monkeypatch):

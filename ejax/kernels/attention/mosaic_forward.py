@@ -61,6 +61,13 @@ K_WAIT_DURING_PV = False
 # a token, once a step, to issue their wgmmas in turn; without, their phases drift apart by themselves.
 # Off until a GPU times it and checks it (benchmarks/attention.py's variants "softmax beside its own PV").
 OVERLAP_SOFTMAX = False
+# A step's row sums of its weights (l, a sum over 64 keys and two warp shuffles deep) added while the next
+# step's QK wgmma runs, not between the weights and the PV: the on-device profile of 2026-11-30 had the
+# softmax at 719 of a step's 2,069 cycles, the step at twice its wgmmas' 1,024, and the two warpgroups'
+# turns bound by one's softmax and wgmmas (FlashAttention-3 sums late too). The fp32 weights stay live
+# across the PV (32 registers a thread). Off until a GPU times it (the attention figure's variant "row
+# sums during the next QK"); OVERLAP_SOFTMAX has its own order and ignores it.
+ROW_SUM_DEFERRED = False
 LN2 = math.log(2.0)
 # The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
 # ("wait_k", "qk" with its "turn", "mask", "softmax", "wait_v", "pv"), the tiles it is "pass_by", its "end".
@@ -121,6 +128,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   persistent = PERSISTENT if persistent is None else persistent
   q_in_registers = Q_IN_REGISTERS
   overlap = OVERLAP_SOFTMAX
+  deferred_sum = ROW_SUM_DEFERRED and not overlap
   early_k = K_WAIT_DURING_PV and not overlap
   turns = (PINGPONG if pingpong is None else pingpong) and wgs == 2
   pingpong = turns and not overlap  # the schedule barrier as a rendezvous, two a step
@@ -222,45 +230,62 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
 
           return scope("mask")(lax.cond)((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
 
-        def online_softmax(s, m, l):
-          """(the rows' new maxima, the factor their accumulators scale by, the weights, the new sums)."""
+        def weights(s, m):
+          """(the rows' new maxima, the factor their accumulators scale by, the weights)."""
           m_new = jnp.maximum(m, s.max(axis=1) * c)
           # Masked scores are -inf, and a row may have seen nothing else yet: it subtracts 0 then, so its
           # weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
           # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
           shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          alpha = jnp.exp2(m - shift)
-          p = jnp.exp2(s * c - row(shift))
-          return m_new, alpha, p, l * alpha + p.sum(axis=1)
+          return m_new, jnp.exp2(m - shift), jnp.exp2(s * c - row(shift))
 
-        def scores_of(i, slot):  # step i's scores (QK), waited for
+        def row_sums(l, alpha, p):
+          return l * alpha + p.sum(axis=1)
+
+        def online_softmax(s, m, l):
+          """(the rows' new maxima, the factor their accumulators scale by, the weights, the new sums)."""
+          m_new, alpha, p = weights(s, m)
+          return m_new, alpha, p, row_sums(l, alpha, p)
+
+        def scores_of(i, slot, meanwhile=lambda: None):
+          """(step i's scores (QK), waited for; what `meanwhile()` gives, run while the QK wgmma runs)."""
           def scores(s_ref):
             await_token()
             plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
             pass_token()
             scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
-            return s_ref[...]
+            extra = meanwhile()
+            return s_ref[...], extra
 
-          s = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
+          s, extra = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
-          return masked(s, i)
+          return masked(s, i), extra
 
         @scope("step")
         def step(i, carry):
-          acc, m, l = carry
+          # With ROW_SUM_DEFERRED, `pending` holds the last step's (alpha, weights), not yet summed into l.
+          acc, m, l, pending = carry
           slot = lax.rem(g + i, stages)
           if not early_k:
             scope("wait_k")(wait_k)(i)
-          s = scores_of(i, slot)
+          s, summed = scores_of(i, slot, (lambda: scope("row_sum")(row_sums)(l, *pending)) if deferred_sum
+                                else (lambda: None))
+          if deferred_sum:
+            l = summed
 
           @scope("softmax")
           def softmax(acc, m, l, s):
-            m_new, alpha, p, l = online_softmax(s, m, l)
+            if deferred_sum:
+              m_new, alpha, p = weights(s, m)
+              pending = (alpha, p)
+            else:
+              m_new, alpha, p, l = online_softmax(s, m, l)
+              pending = ()
             acc *= row(alpha, head_dim)
             # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
-            return lax.optimization_barrier((acc, l, m_new, p.astype(dtype)))
+            return lax.optimization_barrier((acc, l, m_new, p.astype(dtype), pending))
 
-          acc, l, m_new, p16 = softmax(acc, m, l, s)
+          acc, l, m_new, p16, pending = softmax(acc, m, l, s)
           with scope("wait_v"):  # V's copy and, with the turns, the tensor cores
             if pingpong:
               plgpu.barrier_arrive(schedule)
@@ -271,7 +296,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           meanwhile = (lambda: pl.when(i + 1 < last)(lambda: wait_k(i + 1))) if early_k else None
           acc = scope("pv")(mma)(acc, p16, v_smem.at[slot], interpret, meanwhile)
           plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_new, l
+          return acc, m_new, l, pending
 
         # OVERLAP_SOFTMAX: step i issues its QK and step i - 1's PV together, waits for the QK alone and
         # runs its softmax while the PV is on the tensor cores; the accumulator is rescaled once the PV
@@ -327,7 +352,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
 
         def overlapped_span(acc, m, l):
           scope("wait_k")(wait_k)(first)
-          m, alpha, p, l = scope("softmax")(online_softmax)(scores_of(first, lax.rem(g + first, stages)), m, l)
+          m, alpha, p, l = scope("softmax")(online_softmax)(scores_of(first, lax.rem(g + first, stages))[0], m, l)
           acc, m, l, p16 = lax.fori_loop(first + 1, last, overlapped_step, (acc * row(alpha, head_dim), m, l,
                                                                            p.astype(dtype)))
           return pv_of(acc, p16, last - 1), m, l
@@ -342,7 +367,12 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         else:
           if early_k:
             pl.when(first < last)(lambda: wait_k(first))
-          acc, m, l = lax.fori_loop(first, last, step, (acc, m, l))
+          # The first step's pending sums are zeros (l is 0 then); the last step's are added after the loop.
+          none = ((plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), row_layout),
+                   plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)) if deferred_sum else ())
+          acc, m, l, pending = lax.fori_loop(first, last, step, (acc, m, l, none))
+          if deferred_sum:
+            l = row_sums(l, *pending)
         pl.loop(last, steps)(pass_by)
         pl.when(wg == 0)(take_turn)
 
