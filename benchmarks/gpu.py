@@ -32,7 +32,8 @@ fails. The figures:
 
 A window's first call fits the route check, dispatch, train_step, attention and train_step_pi05 (~9
 minutes; on 2026-11-30 train_step's four arms took 225 s); a second call runs the rest with `--only`,
-e.g. `--only serve,startup,train_step_more,packing --skip_route_check --budget 225`.
+e.g. `--only mosaic_own_check,serve,startup,train_step_more --skip_route_check --budget 225` (the
+variant check ran one program for every variant on 2026-11-30; fixed).
 
   python benchmarks/download_wheels.py        # here, once: the wheels into .whl/ (git-ignored)
   python benchmarks/gpu.py --out $OUT/gpu     # there: ~9 minutes, then record BENCHMARKS.md
