@@ -70,7 +70,8 @@ OVERLAP_SOFTMAX = False
 ROW_SUM_DEFERRED = False
 LN2 = math.log(2.0)
 # The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
-# ("wait_k", "qk" with its "turn", "mask", "softmax", "wait_v", "pv"), the tiles it is "pass_by", its "end".
+# ("wait_k", "qk" with its "turn" (and with ROW_SUM_DEFERRED the last step's "row_sum"), "mask", "softmax",
+# "wait_v", "pv"), the tiles it is "pass_by", its "end".
 
 
 def _fixed_bytes(head_dim: int, block_q: int, compute_wgs: int, persistent: bool) -> int:
@@ -268,10 +269,10 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           slot = lax.rem(g + i, stages)
           if not early_k:
             scope("wait_k")(wait_k)(i)
-          s, summed = scores_of(i, slot, (lambda: scope("row_sum")(row_sums)(l, *pending)) if deferred_sum
-                                else (lambda: None))
           if deferred_sum:
-            l = summed
+            s, l = scores_of(i, slot, lambda: scope("row_sum")(row_sums)(l, *pending))
+          else:
+            s, _ = scores_of(i, slot)
 
           @scope("softmax")
           def softmax(acc, m, l, s):
