@@ -86,10 +86,20 @@ BACKWARD_RS = ((mosaic_backward, "OPERANDS_IN_REGISTERS", True),)  # the score w
 # token once a step (with PINGPONG False, no turns).
 OVERLAP = ((mosaic_forward, "OVERLAP_SOFTMAX", True),)
 ROW_SUM = ((mosaic_forward, "ROW_SUM_DEFERRED", True),)  # each step's row sums during the next step's QK
-# In timing order: first those no window has timed (the row sums off the path to the PV: the 2026-11-30
-# profile's softmax took 719 of a step's 2,069 cycles; two dK/dV warpgroups), then the best measured on
-# 2026-11-30 evening (the persistent backward: 176.5 TFLOP/s forward+backward), then the rest.
-MOSAIC_OWN_VARIANTS = (("row sums during the next QK", ROW_SUM),
+# The PV into a fresh accumulator, the running one rescaled after it (its 64 FMULs out of the softmax).
+RESCALE = ((mosaic_forward, "RESCALE_AFTER_PV", True),)
+NAMED = ((mosaic_forward, "NAMED_TURNS", True),)  # the turns at a hardware named barrier (bar.sync)
+# In timing order: first those no window has timed (the accumulator's rescale and the row sums off the
+# path to the PV, and the turns at a named barrier: the 2026-11-30 profile's softmax took 719 of a step's
+# 2,069 cycles, and with the turns each warpgroup's softmax and turn are on the step's critical path; two
+# dK/dV warpgroups), then the best measured on 2026-11-30 evening (the persistent backward: 176.5
+# TFLOP/s forward+backward), then the rest.
+CANDIDATE = "rescaled after the PV, row sums during the next QK, turns at a named barrier"
+MOSAIC_OWN_VARIANTS = ((CANDIDATE, RESCALE + ROW_SUM + NAMED),
+                       ("rescaled after the PV, row sums during the next QK", RESCALE + ROW_SUM),
+                       ("turns at a named barrier", NAMED),
+                       ("rescaled after the PV", RESCALE),
+                       ("row sums during the next QK", ROW_SUM),
                        ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
                        ("persistent backward", PERSISTENT[1:]),
                        ("row sums during the next QK, persistent backward", ROW_SUM + PERSISTENT[1:]),
@@ -297,7 +307,9 @@ FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forwa
                     ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
                     ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
                     ("persistent", ((mosaic_forward, "PERSISTENT", True),)),
-                    ("softmax beside its own PV", OVERLAP), ("row sums during the next QK", ROW_SUM))
+                    ("softmax beside its own PV", OVERLAP), ("row sums during the next QK", ROW_SUM),
+                    ("rescaled after the PV", RESCALE), ("turns at a named barrier", NAMED),
+                    (CANDIDATE, RESCALE + ROW_SUM + NAMED))
 
 
 # check_variants' backward part: the backward's settings that 2026-11-30's timings favour (persistent: 2.20 ms
@@ -333,18 +345,23 @@ PROFILED_KERNELS = (("forward", "forward_kernel", lambda: mosaic_forward.FWD_WGS
                     ("dK/dV", "dkv_kernel", lambda: mosaic_backward.DKV_WGS, 4))
 
 
-def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, repeats: int) -> dict:
-  """mosaic_own's forward on these rows timed as built; then its forward and backward run once with
-  Mosaic GPU's on-device profiler on (mosaic_common.PROFILE_DIR; a trace a kernel written into
-  `folder`), each trace summed up by kernel_profile.summarize, beside its ring step's bound in cycles.
-  (The attention figure times the forward+backward; here a second compile of it would cost the window.)"""
+def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, repeats: int,
+                    settings=()) -> dict:
+  """mosaic_own's forward on these rows timed as built and under `settings` (a variant's module
+  settings, MOSAIC_OWN_VARIANTS); then its forward and backward under them run once with Mosaic GPU's
+  on-device profiler on (mosaic_common.PROFILE_DIR; a trace a kernel written into `folder`), each trace
+  summed up by kernel_profile.summarize, beside its ring step's bound in cycles. (The attention figure
+  times the forward+backward; here a second compile of it would cost the window.)"""
   forward_ms = 1e3 * timed(jax.jit(attention_outputs("mosaic_own", mask)), q, k, v, repeats=repeats)
+  variant_ms = (1e3 * timed(with_settings(jax.jit(attention_outputs("mosaic_own", mask)), settings), q, k, v,
+                            repeats=repeats) if settings else forward_ms)
   os.makedirs(folder, exist_ok=True)
-  profiled = with_settings(jax.jit(attention_outputs("mosaic_own", mask, d_out)), ((mosaic_common, "PROFILE_DIR", folder),))
+  profiled = with_settings(jax.jit(attention_outputs("mosaic_own", mask, d_out)),
+                           tuple(settings) + ((mosaic_common, "PROFILE_DIR", folder),))
   start = time.perf_counter()
   jax.block_until_ready(profiled(q, k, v))
   jax.effects_barrier()  # the traces are written by host callbacks
-  timings = dict(forward_ms=forward_ms, profiled_s=time.perf_counter() - start)
+  timings = dict(forward_ms=forward_ms, variant_forward_ms=variant_ms, profiled_s=time.perf_counter() - start)
   kernels = {}
   for name, prefix, compute_wgs, gemms in PROFILED_KERNELS:
     wgs = compute_wgs()
@@ -422,6 +439,9 @@ def main():
   parser.add_argument("--profile_kernel", default=None, metavar="DIR",
                       help="only run mosaic_own's forward and backward on the block-causal rows under Mosaic GPU's "
                            "on-device profiler (a GPU): a trace a kernel into DIR, then the cycles of each scope")
+  parser.add_argument("--profile_variant", default=None, metavar="LABEL",
+                      help="with --profile_kernel: profile mosaic_own under this variant of MOSAIC_OWN_VARIANTS "
+                           "(its forward also timed beside the configured one)")
   parser.add_argument("--sm_clock_mhz", type=float, default=1980.0,
                       help="the SM clock the profile's cycles are converted at (an H100 / H200 SXM's boost)")
   args = parser.parse_args()
@@ -466,6 +486,9 @@ def main():
     print(f"attention route {args.check}: {verdict} on {jax.devices()[0].device_kind}, {jnp.dtype(dtype).name} "
           f"(error of values/gradients against xla in fp32: {cases}; tolerance {CHECK_TOLERANCE[jnp.dtype(dtype)]:.0e})")
     raise SystemExit(0 if verdict == "ok" else 1)
+  if args.profile_variant is not None and args.profile_variant not in dict(MOSAIC_OWN_VARIANTS):
+    raise SystemExit(f"attention.py --profile_variant {args.profile_variant!r}: not a mosaic_own variant; pick one of: "
+                     + "; ".join(label for label, _ in MOSAIC_OWN_VARIANTS))
   if args.profile_kernel and not on_gpu:
     raise SystemExit(f"attention.py --profile_kernel: Mosaic GPU's on-device profiler needs a GPU (the backend here "
                      f"is {jax.default_backend()}); run it where benchmarks/gpu.py runs")
@@ -483,7 +506,8 @@ def main():
                             for name, value in mask.items()}
   mask = as_device(host_masks["block_causal"])
   if args.profile_kernel:
-    profile = profile_kernels(q, k, v, d_out, mask, args.profile_kernel, args.sm_clock_mhz, args.repeats)
+    profile = profile_kernels(q, k, v, d_out, mask, args.profile_kernel, args.sm_clock_mhz, args.repeats,
+                              dict(MOSAIC_OWN_VARIANTS).get(args.profile_variant, ()))
     steps = []
     for name, *_ in PROFILED_KERNELS:
       print(f"{name}:")
@@ -499,9 +523,11 @@ def main():
       with open(args.json, "w") as file:
         json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, args=vars(args), profile=profile),
                   file, indent=1)
-    print(f"mosaic_own on {jax.devices()[0].device_kind}: forward {profile['forward_ms']:.2f} ms (profiled forward and "
-          f"backward, compile and dumps included: {profile['profiled_s']:.0f} s); cycles a ring step (bound: its "
-          "wgmmas at the tensor cores' rate): " + ", ".join(steps))
+    variant = (f"; {args.profile_variant}: forward {profile['variant_forward_ms']:.2f} ms, profiled"
+               if args.profile_variant else "")
+    print(f"mosaic_own on {jax.devices()[0].device_kind}: forward {profile['forward_ms']:.2f} ms{variant} (profiled "
+          f"forward and backward, compile and dumps included: {profile['profiled_s']:.0f} s); cycles a ring step "
+          "(bound: its wgmmas at the tensor cores' rate): " + ", ".join(steps))
     return
   varlen_impl = choose_impl(q, k, "auto", "block_causal") if on_gpu else "xla"
   # The tiles the op picks for this impl and backend (ops.flash_attention).

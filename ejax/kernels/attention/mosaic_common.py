@@ -145,25 +145,49 @@ def load(ref, layout, optimized: bool = True):
 
 
 def mma(acc, lhs, rhs, interpret: bool, meanwhile=None):
-  """acc + lhs @ rhs (lhs in registers, rhs in shared memory) on the tensor cores, waited for.
-  `meanwhile()`, if given, runs after the wgmma is issued and before it is waited for (a barrier wait
-  for the next step's operand, as jax's Mosaic GPU attention example does). Interpret mode runs neither
-  a register operand nor an accumulator-initialised wgmma (run_state), so there the same sum is a dot
-  of the values."""
+  """acc + lhs @ rhs (lhs in registers, rhs in shared memory; acc None: the product alone, f32) on the
+  tensor cores, waited for. `meanwhile()`, if given, runs after the wgmma is issued and before it is
+  waited for (a barrier wait for the next step's operand, as jax's Mosaic GPU attention example does).
+  Interpret mode runs neither a register operand nor an accumulator-initialised wgmma (run_state), so
+  there the same sum is a dot of the values."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   if interpret:
     if meanwhile is not None:
       meanwhile()
-    return acc + jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
+    product = jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
+    return product if acc is None else acc + product
 
   def accumulate(ref):
     plgpu.wgmma(ref, lhs, rhs)
     if meanwhile is not None:
       meanwhile()
+    return ref[...] if acc is None else None
 
+  if acc is None:  # a fresh accumulator, zero-initialised by the wgmma itself; read waits for it
+    return pl.run_scoped(accumulate, plgpu.ACC((lhs.shape[0], rhs.shape[1]), jnp.float32))
   return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
+
+
+# The hardware named barrier (bar.sync) two compute warpgroups may take turns at: Mosaic GPU itself syncs
+# on barrier 0 (the CTA) and 1 + a warpgroup's index (its warpgroup), of the SM's 16.
+TURN_BARRIER = 15
+
+
+def named_barrier_sync(barrier: int, threads: int):
+  """bar.sync: wait until `threads` threads (this warpgroup's among them) have reached hardware barrier
+  `barrier`: a rendezvous of warpgroups with no shared-memory barrier to arrive on and poll (FlashAttention-3's
+  turns). A GPU only: Mosaic GPU's interpret mode runs no inline PTX."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  @plgpu.inline_mgpu()
+  def sync(ctx):
+    del ctx
+    mgpu_utils.inline_ptx(f"bar.sync {barrier}, {threads};", has_side_effects=True)
+
+  sync()
 
 
 def persistent_ctas(num_items: int, persistent: bool, ctas: int | None = None) -> int:

@@ -33,8 +33,9 @@ from jax import lax
 from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
                                                   compute_registers, copying_warpgroup, inner_ranges, item_part,
-                                                  kernel_params, kv_ring, kv_spans, load, mma, own_buffers, persistent_ctas,
-                                                  ring_stages, scope, store_item, work_items)
+                                                  kernel_params, kv_ring, kv_spans, load, mma, named_barrier_sync,
+                                                  own_buffers, persistent_ctas, ring_stages, scope, store_item,
+                                                  work_items, TURN_BARRIER)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -68,10 +69,23 @@ OVERLAP_SOFTMAX = False
 # across the PV (32 registers a thread). Off until a GPU times it (the attention figure's variant "row
 # sums during the next QK"); OVERLAP_SOFTMAX has its own order and ignores it.
 ROW_SUM_DEFERRED = False
+# A step's PV product into a fresh accumulator, and the running one rescaled and added to it once the PV
+# is waited for (64 FFMAs a thread at head size 128), not rescaled inside the softmax (64 FMULs after the
+# exp2s, in ptxas's order). With the ping-pong a warpgroup's softmax is the turn's critical path (the other
+# warpgroup's comes after it), while the rescale after the PV waits in the other warpgroup's softmax
+# anyway. 64 more registers live across the PV. Off until a GPU times it (the attention figure's variant
+# "rescaled after the PV"); OVERLAP_SOFTMAX has its own order and ignores it.
+RESCALE_AFTER_PV = False
+# The ping-pong's turns at a hardware named barrier (bar.sync over both compute warpgroups, as
+# FlashAttention-3), not a shared-memory mbarrier each warpgroup arrives on and then polls: each turn hands
+# the tensor cores from one warpgroup's softmax to the other's, twice a ring step on its critical path. The
+# turn before a PV then starts once V has landed. A GPU only (interpret mode keeps the mbarrier); off until
+# a GPU times it and checks it (the variants "turns at a named barrier").
+NAMED_TURNS = False
 LN2 = math.log(2.0)
 # The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
 # ("wait_k", "qk" with its "turn" (and with ROW_SUM_DEFERRED the last step's "row_sum"), "mask", "softmax",
-# "wait_v", "pv"), the tiles it is "pass_by", its "end".
+# "wait_v", "pv", with RESCALE_AFTER_PV "rescale"), the tiles it is "pass_by", its "end".
 
 
 def _fixed_bytes(head_dim: int, block_q: int, compute_wgs: int, persistent: bool) -> int:
@@ -130,6 +144,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   q_in_registers = Q_IN_REGISTERS
   overlap = OVERLAP_SOFTMAX
   deferred_sum = ROW_SUM_DEFERRED and not overlap
+  late_rescale = RESCALE_AFTER_PV and not overlap
   early_k = K_WAIT_DURING_PV and not overlap
   turns = (PINGPONG if pingpong is None else pingpong) and wgs == 2
   pingpong = turns and not overlap  # the schedule barrier as a rendezvous, two a step
@@ -144,6 +159,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   stages = stages_for(head_dim, block_q, block_kv, stages, wgs, persistent)
   if interpret is None:
     interpret = not platform.on_gpu()
+  named_turns = pingpong and NAMED_TURNS and not interpret
   groups = heads // kv_heads
   dtype = q.dtype
   k, v = k.astype(dtype), v.astype(dtype)
@@ -171,7 +187,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
     wg = lax.axis_index("wg")
 
     def take_turn():  # both compute warpgroups arrive, then wait: one turn of the schedule barrier
-      if pingpong:
+      if named_turns:
+        named_barrier_sync(TURN_BARRIER, wgs * 128)
+      elif pingpong:
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
@@ -282,19 +300,28 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
             else:
               m_new, alpha, p, l = online_softmax(s, m, l)
               pending = ()
-            acc *= row(alpha, head_dim)
+            if not late_rescale:  # else the accumulator's factor is applied after the PV
+              acc *= row(alpha, head_dim)
             # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
-            return lax.optimization_barrier((acc, l, m_new, p.astype(dtype), pending))
+            return lax.optimization_barrier((acc, l, m_new, p.astype(dtype), pending, alpha))
 
-          acc, l, m_new, p16, pending = softmax(acc, m, l, s)
+          acc, l, m_new, p16, pending, alpha = softmax(acc, m, l, s)
           with scope("wait_v"):  # V's copy and, with the turns, the tensor cores
-            if pingpong:
-              plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(v_bar.at[slot])
-            if pingpong:
-              plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
+            if named_turns:
+              plgpu.barrier_wait(v_bar.at[slot])
+              take_turn()  # the tensor cores are this warpgroup's
+            else:
+              if pingpong:
+                plgpu.barrier_arrive(schedule)
+              plgpu.barrier_wait(v_bar.at[slot])
+              if pingpong:
+                plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
           # early_k: step i + 1's K (waited for here, not at its start) while the PV wgmma runs.
           meanwhile = (lambda: pl.when(i + 1 < last)(lambda: wait_k(i + 1))) if early_k else None
+          if late_rescale:  # the product alone (a zero-initialised accumulator), then acc * alpha + it
+            pv = scope("pv")(mma)(None, p16, v_smem.at[slot], interpret, meanwhile)
+            plgpu.barrier_arrive(v_free.at[slot])
+            return scope("rescale")(lambda: acc * row(alpha, head_dim) + pv)(), m_new, l, pending
           acc = scope("pv")(mma)(acc, p16, v_smem.at[slot], interpret, meanwhile)
           plgpu.barrier_arrive(v_free.at[slot])
           return acc, m_new, l, pending
