@@ -67,9 +67,13 @@ def ended_within(proc, seconds: float) -> tuple[str, float]:
   return out, time.time() - started
 
 
+# Far above a step or a checkpoint save of this tiny model, even on a loaded machine.
+STEP_TIMEOUT_S = 15
+
+
 def test_a_peer_that_stops_stepping_ends_every_process_within_the_step_timeout(tmp_path):
   workdir = tmp_path / "run"
-  procs = launch(workdir, steps=100_000, extra=["--config.train.step_timeout=30"])
+  procs = launch(workdir, steps=100_000, extra=[f"--config.train.step_timeout={STEP_TIMEOUT_S}"])
   try:
     wait_for_step(procs, workdir, 8)
     os.kill(procs[1].pid, signal.SIGSTOP)  # process 1 stops stepping (and answering)
@@ -77,8 +81,9 @@ def test_a_peer_that_stops_stepping_ends_every_process_within_the_step_timeout(t
     assert procs[0].returncode == 3, out[-3000:]
     match = LINE.search(out)
     assert match, out[-3000:]
-    assert "waited" in match.group(2) and "train.step_timeout 30 s" in match.group(2)
-    assert 28 <= seconds <= 30 + 3 * 2 + 20  # the timeout, a few heartbeats, a loaded machine's slack
+    assert "waited" in match.group(2) and f"train.step_timeout {STEP_TIMEOUT_S} s" in match.group(2)
+    # the timeout, a few heartbeats, a loaded machine's slack
+    assert STEP_TIMEOUT_S - 2 <= seconds <= STEP_TIMEOUT_S + 3 * 2 + 20
     assert "Traceback" not in out and "Fatal" not in out
     assert out.rstrip().splitlines()[-1] == match.group(0)  # the last line
     # The checkpoint it names is the newest complete one, and intact.
