@@ -62,9 +62,9 @@ SITE = "/tmp/ejax-site"
 PROFILE = "/tmp/ejax-profile"  # traces stay on the machine; their summary goes into the figure's JSON
 KERNEL_PROFILE = "/tmp/ejax-kernel-profile"  # the same for attention_profile's Mosaic GPU trace
 # The mosaic_own variant attention_profile profiles (the configured one was profiled on 2026-11-30):
-# the accumulator's rescale and the row sums out of the softmax, the turns at a named barrier, whose
-# cycles the profile then shows (attention.py's CANDIDATE).
-PROFILED_VARIANT = "rescaled after the PV, row sums during the next QK, turns at a named barrier"
+# the turns at a named barrier and the row sums out of the softmax (attention.py's CANDIDATE), whose
+# softmax and turns the profile then shows.
+PROFILED_VARIANT = "turns at a named barrier, row sums during the next QK"
 NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client")
 
 

@@ -158,7 +158,9 @@ def test_backward_kernels_match_autodiff_of_the_reference(head_dim, heads, kv_he
                           (128, 2, 2, 2, True, 64, None, 2, "row_sum"), (64, 2, 2, 1, False, 128, 1, None, "row_sum"),
                           (64, 2, 1, 2, True, 64, None, None, "rescale"), (128, 2, 2, 2, True, 64, 3, 2, "rescale"),
                           (64, 2, 2, 1, False, 128, None, None, "rescale"),
-                          (64, 2, 1, 2, True, 64, None, 2, "rescale+row_sum")])
+                          (64, 2, 1, 2, True, 64, None, 2, "rescale+row_sum"), (128, 2, 2, 2, True, 64, None, None,
+                                                                               "rescale+row_sum"),
+                          (64, 2, 1, 2, True, 64, 3, None, "named+row_sum")])
 def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv,
                                               ctas, stages, schedule):
   """Out and lse over packed and shuffled ranges, with queries whose first tiles are all masked and
@@ -170,12 +172,14 @@ def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_h
   (OVERLAP_SOFTMAX, each step's softmax beside the step before's PV; with the ping-pong, a token
   passed between the two warpgroups once a ring step), "row_sum" (ROW_SUM_DEFERRED, each step's row
   sums added during the next step's QK) or "rescale" (RESCALE_AFTER_PV, the PV into a fresh accumulator
-  and the running one rescaled after it), or two joined by "+"."""
+  and the running one rescaled during the next QK) or "named" (NAMED_TURNS: on a GPU the turns at a
+  named barrier; interpret mode keeps the mbarrier), or two joined by "+"."""
   forms = schedule.split("+")
   monkeypatch.setattr(mosaic_forward, "K_WAIT_DURING_PV", "early_k" in forms)
   monkeypatch.setattr(mosaic_forward, "OVERLAP_SOFTMAX", "overlap" in forms)
   monkeypatch.setattr(mosaic_forward, "ROW_SUM_DEFERRED", "row_sum" in forms)
   monkeypatch.setattr(mosaic_forward, "RESCALE_AFTER_PV", "rescale" in forms)
+  monkeypatch.setattr(mosaic_forward, "NAMED_TURNS", "named" in forms)
   rng = np.random.default_rng(3)
   length = 256
   rows = [_ranges(layout, length, rng, longest=200) for layout in ("packed", "shuffled")]
@@ -331,19 +335,14 @@ mosaic_forward.ROW_SUM_DEFERRED = True
 mark("forward row_sum_deferred=True")
 forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
 forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
-# The PV into a fresh accumulator, the running one rescaled after it (RESCALE_AFTER_PV), alone and with
-# the deferred row sums: 64 more registers live across the PV, with them the weights' 32 too.
-for mosaic_forward.ROW_SUM_DEFERRED in (False, True):
-  mosaic_forward.RESCALE_AFTER_PV = True
-  mark(f"forward rescale_after_pv=True row_sum_deferred={mosaic_forward.ROW_SUM_DEFERRED}")
+# The PV into a fresh accumulator, the running one rescaled during the next QK (RESCALE_AFTER_PV); the
+# turns at a hardware named barrier (NAMED_TURNS, inline PTX: a GPU's code path only) with it and with
+# the deferred row sums (the attention figure's variants).
+for named, rescale, row_sum in ((False, True, False), (True, True, False), (True, False, True)):
+  mosaic_forward.NAMED_TURNS, mosaic_forward.RESCALE_AFTER_PV, mosaic_forward.ROW_SUM_DEFERRED = named, rescale, row_sum
+  mark(f"forward named_turns={named} rescale_after_pv={rescale} row_sum_deferred={row_sum}")
   forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
   forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
-mosaic_forward.ROW_SUM_DEFERRED = mosaic_forward.RESCALE_AFTER_PV = False
-# The turns at a hardware named barrier (NAMED_TURNS, inline PTX: a GPU's code path only), with the other two.
-mosaic_forward.NAMED_TURNS = mosaic_forward.RESCALE_AFTER_PV = mosaic_forward.ROW_SUM_DEFERRED = True
-mark("forward named_turns=True rescale_after_pv=True row_sum_deferred=True")
-forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
-forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 mosaic_forward.NAMED_TURNS = mosaic_forward.RESCALE_AFTER_PV = mosaic_forward.ROW_SUM_DEFERRED = False
 mosaic_common.PROFILE_DIR = "/nonexistent"
 jax.debug.callback = lambda *args, **kwargs: None
@@ -387,7 +386,7 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
   assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel", "forward_kernel_mosaic_gpu_kernel"} <= kernels, \
       report[-2000:]
   # per persistence: two backwards of two kernels, three forwards; then the overlapped, the deferred-sum,
-  # two late-rescale, the named-turn and the profiled forward
+  # the late-rescale, two named-turn and the profiled forward
   assert len(reports) == 20, reports
   kernel, settings, size = _KNOWN_SPILL
   spilled = [r for r in reports if r[2] or r[3]]

@@ -69,18 +69,24 @@ OVERLAP_SOFTMAX = False
 # across the PV (32 registers a thread). Off until a GPU times it (the attention figure's variant "row
 # sums during the next QK"); OVERLAP_SOFTMAX has its own order and ignores it.
 ROW_SUM_DEFERRED = False
-# A step's PV product into a fresh accumulator, and the running one rescaled and added to it once the PV
-# is waited for (64 FFMAs a thread at head size 128), not rescaled inside the softmax (64 FMULs after the
-# exp2s, in ptxas's order). With the ping-pong a warpgroup's softmax is the turn's critical path (the other
-# warpgroup's comes after it), while the rescale after the PV waits in the other warpgroup's softmax
-# anyway. 64 more registers live across the PV. Off until a GPU times it (the attention figure's variant
-# "rescaled after the PV"); OVERLAP_SOFTMAX has its own order and ignores it.
+# A step's PV product into a fresh accumulator, and the running one rescaled and added to it during the
+# next step's QK wgmma, before the turn (64 FFMAs a thread at head size 128), not rescaled inside the
+# softmax (64 FMULs after the exp2s, in ptxas's order). With the ping-pong a warpgroup's softmax is on the
+# step's critical path, while between its QK and its turn it waits for the other warpgroup's softmax. The
+# product's 64 registers live into the next step; ptxas zeroes them before each PV. With ROW_SUM_DEFERRED
+# too the weights' 32 also live there, and at head size 128 ptxas spills (7 local accesses): the two are
+# not timed together. Off until a GPU times it (the attention figure's variant "rescaled after the PV");
+# OVERLAP_SOFTMAX has its own order and ignores it.
 RESCALE_AFTER_PV = False
 # The ping-pong's turns at a hardware named barrier (bar.sync over both compute warpgroups, as
-# FlashAttention-3), not a shared-memory mbarrier each warpgroup arrives on and then polls: each turn hands
-# the tensor cores from one warpgroup's softmax to the other's, twice a ring step on its critical path. The
-# turn before a PV then starts once V has landed. A GPU only (interpret mode keeps the mbarrier); off until
-# a GPU times it and checks it (the variants "turns at a named barrier").
+# FlashAttention-3), not a shared-memory mbarrier each warpgroup arrives on and then waits for. The SASS
+# (compile-only H100) shows why: the mbarrier arrive that ends a warpgroup's softmax is a release that
+# orders only memory operations, and ptxas moves it up to the softmax's start, so the other warpgroup is
+# let into its own softmax at once: the two softmaxes run together and neither overlaps the other's
+# wgmmas (the 2026-11-30 profile's step: softmax 719 + both warpgroups' wgmmas 1,024 + waits ~330 =
+# 2,069 cycles). ptxas keeps a bar.sync where it is. The turn before a PV then starts once V has landed.
+# A GPU only (inline PTX; interpret mode keeps the mbarrier); off until a GPU times it and checks it (the
+# variants "turns at a named barrier").
 NAMED_TURNS = False
 LN2 = math.log(2.0)
 # The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
@@ -267,45 +273,50 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           return m_new, alpha, p, row_sums(l, alpha, p)
 
         def scores_of(i, slot, meanwhile=lambda: None):
-          """(step i's scores (QK), waited for; what `meanwhile()` gives, run while the QK wgmma runs)."""
+          """(step i's scores (QK), waited for; what `meanwhile()` gives, run while the QK wgmma runs and
+          before the turn: with the ping-pong, the wait for the other warpgroup's softmax)."""
           def scores(s_ref):
             await_token()
             plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
             pass_token()
-            scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
             extra = meanwhile()
+            scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
             return s_ref[...], extra
 
           s, extra = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
           return masked(s, i), extra
 
+        def catch_up(acc, l, pending):
+          """The last step's deferred work on (acc, l): `pending` is its (alpha, weights, PV product), the
+          weights there with ROW_SUM_DEFERRED (not yet summed into l), the product with RESCALE_AFTER_PV
+          (not yet added to acc, which is not yet rescaled)."""
+          alpha, p, pv = pending
+          if deferred_sum:
+            l = scope("row_sum")(row_sums)(l, alpha, p)
+          if late_rescale:
+            acc = scope("rescale")(lambda: acc * row(alpha, head_dim) + pv)()
+          return acc, l
+
         @scope("step")
         def step(i, carry):
-          # With ROW_SUM_DEFERRED, `pending` holds the last step's (alpha, weights), not yet summed into l.
           acc, m, l, pending = carry
           slot = lax.rem(g + i, stages)
           if not early_k:
             scope("wait_k")(wait_k)(i)
-          if deferred_sum:
-            s, l = scores_of(i, slot, lambda: scope("row_sum")(row_sums)(l, *pending))
-          else:
-            s, _ = scores_of(i, slot)
+          s, (acc, l) = scores_of(i, slot, lambda: catch_up(acc, l, pending))
 
           @scope("softmax")
           def softmax(acc, m, l, s):
-            if deferred_sum:
-              m_new, alpha, p = weights(s, m)
-              pending = (alpha, p)
-            else:
-              m_new, alpha, p, l = online_softmax(s, m, l)
-              pending = ()
-            if not late_rescale:  # else the accumulator's factor is applied after the PV
+            m_new, alpha, p = weights(s, m)
+            if not deferred_sum:
+              l = row_sums(l, alpha, p)
+            if not late_rescale:
               acc *= row(alpha, head_dim)
             # The order FlashAttention-3's example found fastest: the softmax done before the turn is handed on.
-            return lax.optimization_barrier((acc, l, m_new, p.astype(dtype), pending, alpha))
+            return lax.optimization_barrier((acc, l, m_new, p.astype(dtype), (alpha, p if deferred_sum else ())))
 
-          acc, l, m_new, p16, pending, alpha = softmax(acc, m, l, s)
+          acc, l, m_new, p16, (alpha, p) = softmax(acc, m, l, s)
           with scope("wait_v"):  # V's copy and, with the turns, the tensor cores
             if named_turns:
               plgpu.barrier_wait(v_bar.at[slot])
@@ -318,13 +329,12 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
                 plgpu.barrier_wait(schedule)  # the tensor cores are this warpgroup's
           # early_k: step i + 1's K (waited for here, not at its start) while the PV wgmma runs.
           meanwhile = (lambda: pl.when(i + 1 < last)(lambda: wait_k(i + 1))) if early_k else None
-          if late_rescale:  # the product alone (a zero-initialised accumulator), then acc * alpha + it
-            pv = scope("pv")(mma)(None, p16, v_smem.at[slot], interpret, meanwhile)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return scope("rescale")(lambda: acc * row(alpha, head_dim) + pv)(), m_new, l, pending
-          acc = scope("pv")(mma)(acc, p16, v_smem.at[slot], interpret, meanwhile)
+          # RESCALE_AFTER_PV: the product alone (a zero-initialised accumulator), added in the next QK.
+          acc_or_pv = scope("pv")(mma)(None if late_rescale else acc, p16, v_smem.at[slot], interpret, meanwhile)
           plgpu.barrier_arrive(v_free.at[slot])
-          return acc, m_new, l, pending
+          if late_rescale:
+            return acc, m_new, l, (alpha, p, acc_or_pv)
+          return acc_or_pv, m_new, l, (alpha, p, ())
 
         # OVERLAP_SOFTMAX: step i issues its QK and step i - 1's PV together, waits for the QK alone and
         # runs its softmax while the PV is on the tensor cores; the accumulator is rescaled once the PV
@@ -395,12 +405,13 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
         else:
           if early_k:
             pl.when(first < last)(lambda: wait_k(first))
-          # The first step's pending sums are zeros (l is 0 then); the last step's are added after the loop.
-          none = ((plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), row_layout),
-                   plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)) if deferred_sum else ())
+          # Before the first step nothing is pending (a factor of 1 on zeros); the last step's deferred
+          # work is done after the loop.
+          zeros = lambda cols: plgpu.layout_cast(jnp.zeros((block_q, cols), jnp.float32), wgmma_layout)
+          none = (plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), row_layout),
+                  zeros(block_kv) if deferred_sum else (), zeros(head_dim) if late_rescale else ())
           acc, m, l, pending = lax.fori_loop(first, last, step, (acc, m, l, none))
-          if deferred_sum:
-            l = row_sums(l, *pending)
+          acc, l = catch_up(acc, l, pending)
         pl.loop(last, steps)(pass_by)
         pl.when(wg == 0)(take_turn)
 
