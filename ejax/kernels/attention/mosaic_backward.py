@@ -41,7 +41,8 @@ from ejax.kernels.attention.mosaic_common import (  # noqa: F401
 
 # The kernels' named scopes (mosaic_common.scope), per compute warpgroup: an item's "start", its "step"s
 # (dQ: "wait_kv", "scores", "ds", "dq_mma"; dK/dV: "wait_q", "scores", "wait_rows", "p", "mask",
-# "wait_do", "dv_mma", "dp", "dk_mma"), dQ's tiles "pass_by", the item's "end".
+# "wait_do", "dv_mma", "dp", "dk_mma", with DKV_PAIRED "dkv_mma" for the last two), dQ's tiles
+# "pass_by", the item's "end".
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
 # score tiles fit the 168 registers a thread of a 384-thread CTA). dK/dV: one, so a thread may use
@@ -58,6 +59,13 @@ PERSISTENT = False
 # thread at head size 128), K in dK/dV. From shared memory (SS) a 64 x 64 x 16 wgmma reads all of an
 # SM's shared-memory bandwidth (mosaic_forward.Q_IN_REGISTERS). Off: the measured route's form.
 OPERANDS_IN_REGISTERS = False
+# dK/dV's step with its wgmmas two at a time: S^T and dP^T issued together and the exp2 and mask computed
+# while dP^T runs, then dV and dK issued together and waited for once. Else each of the four is waited
+# for as it is issued, nothing beside it: the 2026-11-30 profile's dK/dV step took 2,421 cycles against
+# the 1,024 of its wgmmas (scores 340, P 338, dP 311, dK 307, dV 305, mask 113, waits 282). dO is waited
+# for before dP^T, freed once dV is done. Off until a GPU times it (the attention figure's variants
+# "dK/dV wgmmas in pairs").
+DKV_PAIRED = False
 # Both kernels' ring slots; None: the deepest that fits shared memory up to mosaic_common.MAX_STAGES
 # (at head size 128 with a CTA an item: dQ 5, dK/dV 5). Was 2.
 STAGES = None
@@ -312,6 +320,22 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
         shape = (block_kv, block_q)
         col = lambda x: lax.broadcast_in_dim(x, shape, [1])
 
+        # The per-query rows are read from shared memory where they are used, not held in registers
+        # across the step: the dK/dV warpgroup is the one that runs short of them.
+        row_of = lambda slot: lambda r: col(load(rows_smem.at[slot, r], col_layout))
+
+        def weights(s_t, row, i):  # P^T from the scores, 0 outside each query's range where a tile crosses an edge
+          with scope("p"):
+            p_t = jnp.exp2(s_t * c - row(0))
+
+          def mask(p_t):
+            key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
+            return jnp.where((key >= row(2)) & (key < row(3)), p_t, 0.0)
+
+          block = lo + i
+          inside = (base >= inner_lo_ref[b, block]) & (base + block_kv <= inner_hi_ref[b, block])
+          return scope("mask")(lax.cond)(inside, lambda p_t: p_t, mask, p_t)
+
         @scope("step")
         def step(i, carry):
           dk_acc, dv_acc = carry
@@ -324,20 +348,9 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
             return s_ref[...]
 
           s_t = scope("scores")(pl.run_scoped)(scores_t, plgpu.ACC(shape, jnp.float32))
-          # The per-query rows are read from shared memory where they are used, not held in registers
-          # across the step: the dK/dV warpgroup is the one that runs short of them.
-          row = lambda r: col(load(rows_smem.at[slot, r], col_layout))
+          row = row_of(slot)
           scope("wait_rows")(plgpu.barrier_wait)(rows_bar.at[slot])
-          with scope("p"):
-            p_t = jnp.exp2(s_t * c - row(0))
-
-          def mask(p_t):
-            key = (base + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=wgmma_layout)).astype(jnp.float32)
-            return jnp.where((key >= row(2)) & (key < row(3)), p_t, 0.0)
-
-          block = lo + i
-          inside = (base >= inner_lo_ref[b, block]) & (base + block_kv <= inner_hi_ref[b, block])
-          p_t = scope("mask")(lax.cond)(inside, lambda p_t: p_t, mask, p_t)
+          p_t = weights(s_t, row, i)
           scope("wait_do")(plgpu.barrier_wait)(do_bar.at[slot])
 
           dv_acc = scope("dv_mma")(mma_)(dv_acc, p_t.astype(dtype), do_smem.at[slot])
@@ -354,8 +367,45 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           plgpu.barrier_arrive(q_free.at[slot])
           return dk_acc, dv_acc
 
+        @scope("step")
+        def paired_step(i, carry):  # DKV_PAIRED
+          dk_acc, dv_acc = carry
+          slot = lax.rem(g + i, dkv_stages)
+          scope("wait_q")(plgpu.barrier_wait)(q_bar.at[slot])
+          scope("wait_do")(plgpu.barrier_wait)(do_bar.at[slot])
+          row = row_of(slot)
+
+          def scores_t(s_ref, dp_ref):  # (P^T, dP^T): the exp2 and mask while dP^T's wgmma runs
+            with scope("scores"):
+              plgpu.wgmma(s_ref, k_op, q_smem.at[slot].T)
+              plgpu.wgmma(dp_ref, v_op, do_smem.at[slot].T)
+              s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+            scope("wait_rows")(plgpu.barrier_wait)(rows_bar.at[slot])
+            p_t = weights(s_t, row, i)
+            return p_t, scope("dp")(plgpu.wgmma_accumulator_load)(dp_ref, wait_n=0)
+
+          acc = plgpu.ACC(shape, jnp.float32)
+          p_t, dp = pl.run_scoped(scores_t, acc, acc)
+          ds_t = p_t * (dp - row(1))
+          plgpu.barrier_arrive(rows_free.at[slot])
+          p16, ds16 = p_t.astype(dtype), ds_t.astype(dtype)
+          if interpret:  # no register operand there: the same sums as dots
+            dv_acc = dv_acc + jnp.dot(p16, do_smem.at[slot][...], preferred_element_type=jnp.float32)
+            dk_acc = dk_acc + jnp.dot(ds16, q_smem.at[slot][...], preferred_element_type=jnp.float32)
+          else:
+            def both(refs):
+              dk_ref, dv_ref = refs
+              plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
+              plgpu.wgmma(dk_ref, ds16, q_smem.at[slot])
+              plgpu.wgmma_wait(0)
+
+            dk_acc, dv_acc = scope("dkv_mma")(pl.run_state(both))((plgpu.ACC.init(dk_acc), plgpu.ACC.init(dv_acc)))
+          plgpu.barrier_arrive(do_free.at[slot])
+          plgpu.barrier_arrive(q_free.at[slot])
+          return dk_acc, dv_acc
+
         zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), wgmma_layout)
-        dk, dv = lax.fori_loop(0, steps, step, (zeros, zeros))
+        dk, dv = lax.fori_loop(0, steps, paired_step if DKV_PAIRED else step, (zeros, zeros))
         with scope("end"):
           k_s[...] = (dk * scale).astype(dtype)
           v_s[...] = dv.astype(dtype)
