@@ -10,15 +10,15 @@ fails. The figures:
 
   dispatch    benchmarks/dispatch.py: how long a train-step call holds the host, on the TrainState
               against on its leaves (GR00T's full state structure, no device work)
-  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
-              step per kind of op, the top kernels, the host's spans), without CUDA graphs, all-FP8
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
-  train_step_pi05  the same for pi0.5: configured, its scanned decoders in CUDA graphs (graphs), FP8
-                   (fp8_xla_delayed)
   attention_profile  attention.py --profile_kernel: mosaic_own's kernels under Mosaic GPU's on-device
               profiler, the cycles of each of their scopes (waits, wgmmas, softmax) per warpgroup
   mosaic_own_check  attention.py --check_variants: which of mosaic_own's forward code paths is
               wrong at head size 64 on a GPU, and whether the backward's faster settings are right
+  train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
+              step per kind of op, the top kernels, the host's spans), without CUDA graphs, all-FP8
+  train_step_pi05  the same for pi0.5: configured, its scanned decoders in CUDA graphs (graphs), FP8
+                   (fp8_xla_delayed)
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
@@ -30,10 +30,10 @@ fails. The figures:
               depths one GPU holds, extrapolated to its 30 blocks (issue 32; 10.3 samples/s on an
               H200, 2026-11-29)
 
-A window's first call fits the route check, dispatch, train_step, attention and train_step_pi05 (~9
-minutes; on 2026-11-30 train_step's four arms took 225 s); a second call runs the rest with `--only`,
-e.g. `--only mosaic_own_check,serve,startup,train_step_more --skip_route_check --budget 225` (the
-variant check ran one program for every variant on 2026-11-30; fixed).
+A window's first call fits the route check, dispatch and the three attention figures (attention,
+attention_profile, mosaic_own_check; ~7 minutes), then starts train_step in what is left of its budget;
+a second call runs the rest with `--only`, e.g. `--only train_step,train_step_pi05 --skip_route_check
+--budget 235` (on 2026-11-30 train_step's four arms took 225 s).
 
   python benchmarks/download_wheels.py        # here, once: the wheels into .whl/ (git-ignored)
   python benchmarks/gpu.py --out $OUT/gpu     # there: ~9 minutes, then record BENCHMARKS.md
@@ -86,35 +86,15 @@ FIGURES = (
     Figure("dispatch", ("benchmarks/dispatch.py",),
            ("benchmarks/dispatch.py", "--config", "configs/tiny.py:runlocal", "--calls", "3"), 40, json_flag=False,
            own_file=False),
-    # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
-    # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
-    # all lowered before the first was timed, since fixed in train_step_run.run_arms). The first arm compiles
-    # alone while the next ones lower and is timed (profiled) at once; the rest then compile side by
-    # side on the host's cores and run, each on the last arm's state where it has the same one. Three
-    # arms: configured (profiled, with each call's dispatch: the step on its leaves, first timed), then
-    # no_graphs (every kernel launched from the host: what the CUDA graphs gain or cost while the host
-    # holds the step; cut twice on 2026-11-30) and fp8_all (1.18x in both 2026-11-30 windows). Each
-    # arm's figures are saved as it ends. seed_padded (1.33x twice), fp8_frozen (1.12x) and the others
-    # are `train_step_more`'s.
-    Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
-                          "configured,no_graphs,fp8_all", "--steps", "8", "--profile", PROFILE),
-           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
-            "--profile", PROFILE), 300),
-    # Attention, ~100 s for the block-causal rows' first arms: pallas, the mosaic route (auto's first
-    # Hopper route), mosaic_own and its variants; the causal rows after them are cut off at the limit
-    # (the sweep never fitted). The dense baseline (4.4-4.8x, measured in both windows) is skipped for
-    # their time. First until 2026-11-30, when the kernels' profile and the head-size-64 check ran too.
+    # Attention, the one goal still unmet (300 / 200 TFLOP/s; best 216 / 177), and the three attention
+    # figures first since 2026-12-01: the block-causal rows' arms, pallas, mosaic_own and its variants
+    # never timed (the named turns, dK/dV's wgmmas in pairs), the mosaic route (auto's Hopper route),
+    # the rest; the causal rows after them are cut off at the limit (the sweep never fitted). On
+    # 2026-11-30 110 s timed four variants after the baselines. The dense baseline (4.4-4.8x, measured
+    # in both windows) is skipped for their time.
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--skip_dense"),
-           ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 110),
-    # pi0.5 (2026-11-30: 38.3-38.7 samples/s; its call held the host 207.4 of its 208.7 ms). Its two
-    # Gemma decoders are each one lax.scan, a while loop whose body XLA:GPU launches kernel by kernel
-    # from the host outside CUDA graphs (5,838 launches a step): its `graphs` arm (train.command_buffers:
-    # the loops in CUDA graphs, unrolled there) goes first, then the FP8 arm (model.fp8 with delayed
-    # scaling, priced 1.09-1.15x). fp8_xla_delayed_fastacc and fp8_xla are train_step_pi05_more's.
-    Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
-                               "configured,graphs,fp8_xla_delayed", "--steps", "5"),
-           (), 150),  # --smoke: the same script as train_step's
+           ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 150),
     # Where mosaic_own's kernels spend their cycles (2026-11-30: ~2 us a 64-key forward step whose wgmmas
     # take ~0.5): the forward and backward once under Mosaic GPU's on-device profiler, each kernel's
     # scopes' cycles per warpgroup. One of the figure's eight rows (512 forward CTAs, ~4 waves on 132
@@ -132,6 +112,28 @@ FIGURES = (
     # forward variant).
     Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_variants", "--row_length", "1024"), (), 120,
            own_file=False),
+    # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
+    # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
+    # all lowered before the first was timed, since fixed in train_step_run.run_arms). The first arm compiles
+    # alone while the next ones lower and is timed (profiled) at once; the rest then compile side by
+    # side on the host's cores and run, each on the last arm's state where it has the same one. Three
+    # arms: configured (profiled, with each call's dispatch: the step on its leaves, first timed), then
+    # no_graphs (every kernel launched from the host: what the CUDA graphs gain or cost while the host
+    # holds the step; cut twice on 2026-11-30) and fp8_all (1.18x in both 2026-11-30 windows). Each
+    # arm's figures are saved as it ends. seed_padded (1.33x twice), fp8_frozen (1.12x) and the others
+    # are `train_step_more`'s.
+    Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
+                          "configured,no_graphs,fp8_all", "--steps", "8", "--profile", PROFILE),
+           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
+            "--profile", PROFILE), 300),
+    # pi0.5 (2026-11-30: 38.3-38.7 samples/s; its call held the host 207.4 of its 208.7 ms). Its two
+    # Gemma decoders are each one lax.scan, a while loop whose body XLA:GPU launches kernel by kernel
+    # from the host outside CUDA graphs (5,838 launches a step): its `graphs` arm (train.command_buffers:
+    # the loops in CUDA graphs, unrolled there) goes first, then the FP8 arm (model.fp8 with delayed
+    # scaling, priced 1.09-1.15x). fp8_xla_delayed_fastacc and fp8_xla are train_step_pi05_more's.
+    Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
+                               "configured,graphs,fp8_xla_delayed", "--steps", "5"),
+           (), 150),  # --smoke: the same script as train_step's
     # fp8.py stops starting arms after --budget_s, so its last line comes inside the limit.
     Figure("fp8", ("benchmarks/fp8.py", "--budget_s", "40"), ("benchmarks/fp8.py", "--tokens", "128"), 60),
     Figure("packing", ("benchmarks/packing.py", "--width", "1024", "--depth", "8", "--heads", "8", "--samples", "192",
