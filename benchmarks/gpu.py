@@ -170,7 +170,7 @@ FIGURES = (
 
 # Before the figures, each of auto's Hopper attention routes (ops.HOPPER_AUTO, in order) is checked
 # on small rows in a process of its own (`attention.py --check`: values and gradients against impl
-# xla), until one passes. A route that fails, is off or hangs is left out of every later figure through
+# xla), until one for every head size passes. A route that fails, is off or hangs is left out of every later figure through
 # EJAX_HOPPER_AUTO: every GR00T arm takes auto's route, and a route never run on a GPU (the mosaic
 # route's backward, restructured on 2026-11-29) could otherwise cost the whole window.
 ROUTE_CHECK_LIMIT = 60.0
@@ -190,22 +190,27 @@ def hopper_routes(env: dict) -> list[str]:
 
 
 def check_routes(out_dir: str, env: dict, limit: float, run=None) -> dict:
-  """Checks auto's Hopper routes in order until one passes; sets env's EJAX_HOPPER_AUTO to that route and
-  the ones after it when a route before it failed (to FALLBACK_ROUTE when none passed). Returns
-  {route: the check's line or its failure}."""
+  """Checks auto's Hopper routes in order until one for every head size passes (a route limited to
+  head sizes, "mosaic_own@128", hands the others on, so the checks go on past it); a route that fails
+  is dropped: env's EJAX_HOPPER_AUTO is then set to the routes that passed and those after the last one
+  checked (FALLBACK_ROUTE where no route for every head size passed). Returns {route: the check's line
+  or its failure}."""
   run = run or run_figure
-  routes, report = hopper_routes(env), {}
+  routes, report, kept = hopper_routes(env), {}, []
   for index, route in enumerate(routes):
     figure = Figure(f"route_{route}", ("benchmarks/attention.py", "--check", route, "--row_length", "1024"), (),
                     limit, own_file=False)
     result = run(figure, out_dir, limit, False, env)
     report[route] = (result.get("line") or "") + ("  [timed out]" if result.get("timed_out") else "")
     if result.get("returncode") == 0:
-      if index:
-        env["EJAX_HOPPER_AUTO"] = ",".join(routes[index:])
-      break
+      if "@" not in route:
+        kept += routes[index:]
+        break
+      kept.append(route)
   else:
-    env["EJAX_HOPPER_AUTO"] = FALLBACK_ROUTE
+    kept.append(FALLBACK_ROUTE)
+  if kept != routes:
+    env["EJAX_HOPPER_AUTO"] = ",".join(kept)
   if "EJAX_HOPPER_AUTO" in env:
     report["EJAX_HOPPER_AUTO"] = env["EJAX_HOPPER_AUTO"]
     print(f"--- attention routes: EJAX_HOPPER_AUTO={env['EJAX_HOPPER_AUTO']} for the figures", flush=True)

@@ -255,9 +255,10 @@ def test_the_first_arm_is_timed_before_the_others_compile(monkeypatch):
 
 
 def test_an_attention_route_that_fails_its_check_is_left_out_of_the_figures(tmp_path):
-  """gpu.py checks auto's Hopper routes in order before its figures and stops at the first that passes;
-  one that fails or hangs before it is dropped for every later figure (EJAX_HOPPER_AUTO), and ejax's
-  Triton kernel takes over when none passes."""
+  """gpu.py checks auto's Hopper routes in order before its figures and stops at the first that passes
+  for every head size (the first, mosaic_own@128, takes head size 128 only, so the checks go on past
+  it); one that fails or hangs is dropped for every later figure (EJAX_HOPPER_AUTO), and ejax's Triton
+  kernel takes over when none for every head size passes."""
   from benchmarks import gpu
   from ejax.kernels.attention import ops
 
@@ -272,13 +273,17 @@ def test_an_attention_route_that_fails_its_check_is_left_out_of_the_figures(tmp_
       return {"returncode": code, "timed_out": timed_out, "line": f"attention route {route}: ..."}
     return run
 
-  first, second = ops.HOPPER_AUTO[:2]
+  first, second, third = ops.HOPPER_AUTO[:3]
+  assert "@" in first and "@" not in second  # a route limited to head sizes, then one for all
   after_first = ",".join(ops.HOPPER_AUTO[1:])  # the routes from the one that passed on
   last_fails = {route: (1, False) for route in ops.HOPPER_AUTO}
   for outcomes, calls_wanted, env_wanted in (
-      ({first: (0, False)}, [first], None),                                       # the default stands
+      ({first: (0, False), second: (0, False)}, [first, second], None),           # the default stands
       ({first: (1, False), second: (0, False)}, [first, second], after_first),    # off, or an error
       ({first: (None, True), second: (0, False)}, [first, second], after_first),  # hung
+      ({first: (0, False), second: (1, False), third: (0, False)}, [first, second, third],
+       ",".join((first,) + ops.HOPPER_AUTO[2:])),
+      ({**last_fails, first: (0, False)}, list(ops.HOPPER_AUTO), f"{first},{gpu.FALLBACK_ROUTE}"),
       (last_fails, list(ops.HOPPER_AUTO), gpu.FALLBACK_ROUTE)):
     env, calls = {}, []
     report = gpu.check_routes(str(tmp_path), env, 5.0, run=runner(outcomes, calls))

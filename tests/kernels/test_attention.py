@@ -391,6 +391,28 @@ def test_auto_on_hopper_takes_the_measured_impl_where_it_applies(monkeypatch):
   assert choose_impl(q, q) == "pallas"
 
 
+def test_a_hopper_route_limited_to_head_sizes_hands_the_others_on(monkeypatch):
+  """auto's Hopper routes as "impl@128" (or "impl@64+128") take only those head sizes: mosaic_own's
+  forward was right at 128 and wrong at 64 on two H200s. A bad route is one line naming it."""
+  monkeypatch.setattr(ops.platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(ops, "_hopper", lambda: True)
+  monkeypatch.setattr(ops.routes, "applies", lambda impl, q, k, mask_kind: impl != "pallas")
+  at = lambda head_dim: jnp.zeros((1, 1024, 2, head_dim), jnp.bfloat16)
+  monkeypatch.setattr(ops, "HOPPER_AUTO", ("mosaic_own@128", "mosaic"))
+  assert [choose_impl(at(d), at(d), mask_kind="block_causal") for d in (64, 128, 256)] == ["mosaic", "mosaic_own", "mosaic"]
+  monkeypatch.setenv(ops.HOPPER_AUTO_ENV, "mosaic_own@64+128, tokamax_fwd")
+  assert [choose_impl(at(d), at(d)) for d in (64, 128, 256)] == ["mosaic_own", "mosaic_own", "tokamax_fwd"]
+  assert ops.parse_route(" mosaic_own@64+128") == ("mosaic_own", (64, 128)) and ops.parse_route("xla") == ("xla", ())
+  for bad in ("mosaic_own@", "mosaic_own@wide", "fast@128", "auto"):
+    monkeypatch.setenv(ops.HOPPER_AUTO_ENV, bad)
+    with pytest.raises(ValueError, match="not attention impls; .* limited to head sizes as impl@128"):
+      choose_impl(at(128), at(128))
+    with pytest.raises(ValueError, match=f"attention route '{bad}': not an attention impl"):
+      ops.parse_route(bad)
+  # The default list's first route is mosaic_own at head size 128 (gpu.py's route check says so first).
+  assert ops.parse_route(ops.HOPPER_AUTO[0]) == ("mosaic_own", (128,))
+
+
 def test_new_impls_refuse_clearly():
   q = jnp.zeros((1, 32, 2, 32))
   with pytest.raises(ValueError, match="cudnn_packed.*needs a GPU"):

@@ -27,8 +27,9 @@ impl:
   gives reference.py's answer. Under `unchecked_layout()` (the train step's default) they run
   unconditionally and such a batch gives NaN. routes.py holds the five.
 - "auto": on a GPU, a call with no mask at all goes to cuDNN where it takes the head size unpadded
-  (cudnn.takes_unmasked); any other on a Hopper GPU to the first of `HOPPER_AUTO` that applies, else
-  pallas on GPU when the kernel supports the shapes, else xla (EJAX_HOPPER_AUTO replaces that list);
+  (cudnn.takes_unmasked); any other on a Hopper GPU to the first of `HOPPER_AUTO` that applies (a route
+  may be limited to head sizes, "mosaic_own@128"), else pallas on GPU when the kernel supports the
+  shapes, else xla (EJAX_HOPPER_AUTO replaces that list);
   dense reference for tiny shapes off GPU, where loop overhead would dominate.
 """
 
@@ -57,13 +58,28 @@ IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd"
 # "pallas"), ordered by benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128
 # (BENCHMARKS.md): on an H200 forward / forward+backward mosaic 163 / 163 (2026-11-29), tokamax_fwd
 # 152 / 91, tokamax 135 / 68, pallas 64 / 73 (2026-11-28). mosaic takes head sizes 64 and 128; pi0.5's
-# 256 goes on to tokamax_fwd. mosaic_own (216 / 177 at head size 128) is not in it: on the H200 of
-# 2026-11-30 its values were wrong at head size 64 (gpu.py's route check: errors 0.84 and 0.75 against
-# 2e-2), which GR00T's padded DiT and vision heads take.
-HOPPER_AUTO = ("mosaic", "tokamax_fwd")
+# 256 goes on to tokamax_fwd. A route "impl@128" applies at head size 128 only ("impl@64+128": either):
+# mosaic_own (216 / 177 at 128) was right at 128 and wrong at 64 on two H200s (2026-11-30, gpu.py's
+# route check: errors 0.84 and 0.75 against 2e-2), which GR00T's padded DiT and vision heads take, so
+# it takes 128 and the mosaic route 64.
+HOPPER_AUTO = ("mosaic_own@128", "mosaic", "tokamax_fwd")
 # EJAX_HOPPER_AUTO="tokamax_fwd,pallas" (say) replaces HOPPER_AUTO in this process: a route that fails
 # on some machine (benchmarks/gpu.py checks each before its figures) is left out without an edit.
 HOPPER_AUTO_ENV = "EJAX_HOPPER_AUTO"
+
+
+def parse_route(route: str) -> tuple[str, tuple[int, ...]]:
+  """(impl, the head sizes it is limited to, () for any) of a HOPPER_AUTO route "impl" or "impl@64+128".
+  Raises ValueError naming the route if it is not one."""
+  impl, qualified, sizes = route.strip().partition("@")
+  try:
+    head_dims = tuple(int(size) for size in sizes.split("+")) if qualified else ()
+  except ValueError:
+    head_dims = None
+  if impl not in IMPLS or impl == "auto" or head_dims is None or (qualified and not head_dims):
+    raise ValueError(f"attention route {route!r}: not an attention impl of {IMPLS[1:]}, optionally limited to "
+                     "head sizes as impl@128 or impl@64+128")
+  return impl, head_dims
 # Below this many (query, key) pairs per head the dense reference is the fastest path off GPU.
 _TINY_PAIRS = 256 * 256
 
@@ -108,11 +124,25 @@ def hopper_auto() -> tuple[str, ...]:
   if not value:
     return HOPPER_AUTO
   routes = tuple(part.strip() for part in value.split(",") if part.strip())
-  wrong = [route for route in routes if route not in IMPLS or route == "auto"]
+  wrong = [route for route in routes if not _is_route(route)]
   if wrong:
     raise ValueError(f"{HOPPER_AUTO_ENV}={value!r}: {', '.join(map(repr, wrong))} not attention impls; give a "
-                     f"comma-separated list of {IMPLS[1:]} (or unset it for {','.join(HOPPER_AUTO)})")
+                     f"comma-separated list of {IMPLS[1:]}, each optionally limited to head sizes as impl@128 "
+                     f"(or unset it for {','.join(HOPPER_AUTO)})")
   return routes
+
+
+def _is_route(route: str) -> bool:
+  try:
+    parse_route(route)
+  except ValueError:
+    return False
+  return True
+
+
+def _route_applies(route: str, q, k, mask_kind: str) -> bool:
+  impl, head_dims = parse_route(route)
+  return (not head_dims or q.shape[-1] in head_dims) and routes.applies(impl, q, k, mask_kind)
 
 
 def choose_impl(q, k, impl: str = "auto", mask_kind: str = "bidirectional") -> str:
@@ -125,9 +155,9 @@ def choose_impl(q, k, impl: str = "auto", mask_kind: str = "bidirectional") -> s
     return impl
   if platform.on_gpu():
     if _hopper():
-      chosen = next((impl for impl in hopper_auto() if routes.applies(impl, q, k, mask_kind)), None)
+      chosen = next((route for route in hopper_auto() if _route_applies(route, q, k, mask_kind)), None)
       if chosen:
-        return chosen
+        return parse_route(chosen)[0]
     return "pallas" if pallas_gpu.supports(q, k) else "xla"
   return "reference" if q.shape[1] * k.shape[1] <= _TINY_PAIRS else "xla"
 
