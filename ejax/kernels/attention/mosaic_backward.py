@@ -59,12 +59,13 @@ PERSISTENT = False
 # thread at head size 128), K in dK/dV. From shared memory (SS) a 64 x 64 x 16 wgmma reads all of an
 # SM's shared-memory bandwidth (mosaic_forward.Q_IN_REGISTERS). Off: the measured route's form.
 OPERANDS_IN_REGISTERS = False
-# dK/dV's step with its wgmmas two at a time: S^T and dP^T issued together and the exp2 and mask computed
-# while dP^T runs, then dV and dK issued together and waited for once. Else each of the four is waited
+# The backward's wgmmas two at a time. dK/dV: S^T and dP^T issued together and the exp2 and mask computed
+# while dP^T runs, then dV and dK issued together and waited for once; else each of the four is waited
 # for as it is issued, nothing beside it: the 2026-11-30 profile's dK/dV step took 2,421 cycles against
 # the 1,024 of its wgmmas (scores 340, P 338, dP 311, dK 307, dV 305, mask 113, waits 282). dO is waited
-# for before dP^T, freed once dV is done. Off until a GPU times it (the attention figure's variants
-# "dK/dV wgmmas in pairs").
+# for before dP^T, freed once dV is done. dQ (which issues S and dP together already): the exp2 and mask
+# computed while dP runs, not after both are waited for (its step: 2,069 cycles against 1,536). Off until
+# a GPU times it (the attention figure's variants "dK/dV wgmmas in pairs").
 DKV_PAIRED = False
 # Both kernels' ring slots; None: the deepest that fits shared memory up to mosaic_common.MAX_STAGES
 # (at head size 128 with a CTA an item: dQ 5, dK/dV 5). Was 2.
@@ -232,24 +233,30 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
 
-          def scores(s_ref, dp_ref):
-            plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
-            plgpu.wgmma(dp_ref, do_op, v_smem.at[slot].T)
-            plgpu.wgmma_wait(0)
-            return s_ref[...], dp_ref[...]
-
-          acc = plgpu.ACC(shape, jnp.float32)
-          s, dp = scope("scores")(pl.run_scoped)(scores, acc, acc)
-          plgpu.barrier_arrive(v_free.at[slot])
           kv_base = (lo + i) * block_kv
 
           def mask(p):
             key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
             return jnp.where((key >= row(start)) & (key < row(end)), p, 0.0)
 
-          with scope("ds"):
+          def weights(s):
             p = jnp.exp2(s * c - row(lse2))
-            p = lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
+            return lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
+
+          def scores(s_ref, dp_ref):  # (P, dP); with DKV_PAIRED, P while dP's wgmma runs
+            plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
+            plgpu.wgmma(dp_ref, do_op, v_smem.at[slot].T)
+            if DKV_PAIRED:
+              p = scope("ds")(weights)(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
+              return p, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+            plgpu.wgmma_wait(0)
+            return s_ref[...], dp_ref[...]
+
+          acc = plgpu.ACC(shape, jnp.float32)
+          s_or_p, dp = scope("scores")(pl.run_scoped)(scores, acc, acc)
+          plgpu.barrier_arrive(v_free.at[slot])
+          with scope("ds"):
+            p = s_or_p if DKV_PAIRED else weights(s_or_p)
             ds = p * (dp - row(delta_))
           dq_acc = scope("dq_mma")(mma_)(dq_acc, ds.astype(dtype), k_smem.at[slot])
           plgpu.barrier_arrive(k_free.at[slot])
