@@ -89,7 +89,7 @@ ROW_SUM = ((mosaic_forward, "ROW_SUM_DEFERRED", True),)  # each step's row sums 
 # The PV into a fresh accumulator, the running one rescaled after it (its 64 FMULs out of the softmax).
 RESCALE = ((mosaic_forward, "RESCALE_AFTER_PV", True),)
 NAMED = ((mosaic_forward, "NAMED_TURNS", True),)  # the turns at a hardware named barrier (bar.sync)
-PAIRED = ((mosaic_backward, "DKV_PAIRED", True),)  # dK/dV's wgmmas issued two at a time
+PAIRED = ((mosaic_backward, "DKV_PAIRED", True),)  # the backward's wgmmas two at a time (dQ's exp2 during dP)
 # In timing order: first those no window has timed (the turns at a named barrier: the SASS shows the
 # mbarrier turns let both warpgroups' softmaxes run together, off the other's wgmmas, as the 2026-11-30
 # profile's step of softmax + all wgmmas + waits says; dK/dV's wgmmas in pairs, its step 2,421 cycles
@@ -97,10 +97,10 @@ PAIRED = ((mosaic_backward, "DKV_PAIRED", True),)  # dK/dV's wgmmas issued two a
 # softmax's path; two dK/dV warpgroups), then the best measured on 2026-11-30 evening (the persistent
 # backward: 176.5 TFLOP/s forward+backward), then the rest. (The rescale and the row sums together spill.)
 CANDIDATE = "turns at a named barrier, row sums during the next QK"
-PAIRED_CANDIDATE = f"{CANDIDATE}, dK/dV wgmmas in pairs"  # gpu.py's attention_profile profiles it
+PAIRED_CANDIDATE = f"{CANDIDATE}, backward wgmmas in pairs"  # gpu.py's attention_profile profiles it
 MOSAIC_OWN_VARIANTS = (("turns at a named barrier", NAMED), (PAIRED_CANDIDATE, NAMED + ROW_SUM + PAIRED),
                        (f"{PAIRED_CANDIDATE}, persistent backward", NAMED + ROW_SUM + PAIRED + PERSISTENT[1:]),
-                       ("dK/dV wgmmas in pairs", PAIRED),
+                       ("backward wgmmas in pairs", PAIRED),
                        (CANDIDATE, NAMED + ROW_SUM),
                        ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE),
                        ("rescaled after the PV", RESCALE),
@@ -329,7 +329,7 @@ FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forwa
 # the mosaic route (tokamax's forward, ejax's backward): auto's first Hopper route shares this backward.
 BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "PERSISTENT", True),)),
                      ("rings of 2 slots", ((mosaic_backward, "STAGES", 2),)),
-                     ("dK/dV wgmmas in pairs", PAIRED), ("dK/dV wgmmas in pairs, persistent", PAIRED + PERSISTENT[1:]))
+                     ("backward wgmmas in pairs", PAIRED), ("backward wgmmas in pairs, persistent", PAIRED + PERSISTENT[1:]))
 # And mosaic_own's gradients under the forward's 128-key tiles (its out and lse feed the backward): on the
 # H200 of 2026-11-30 the attention figure's "128-key tiles" arm had gradients 1.9 off, the other arms'
 # 4.6e-3; interpret mode agrees with the reference (tests).

@@ -65,7 +65,7 @@ OPERANDS_IN_REGISTERS = False
 # the 1,024 of its wgmmas (scores 340, P 338, dP 311, dK 307, dV 305, mask 113, waits 282). dO is waited
 # for before dP^T, freed once dV is done. dQ (which issues S and dP together already): the exp2 and mask
 # computed while dP runs, not after both are waited for (its step: 2,069 cycles against 1,536). Off until
-# a GPU times it (the attention figure's variants "dK/dV wgmmas in pairs").
+# a GPU times it (the attention figure's variants "backward wgmmas in pairs").
 DKV_PAIRED = False
 # Both kernels' ring slots; None: the deepest that fits shared memory up to mosaic_common.MAX_STAGES
 # (at head size 128 with a CTA an item: dQ 5, dK/dV 5). Was 2.
