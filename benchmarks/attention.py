@@ -89,7 +89,7 @@ ROW_SUM = ((mosaic_forward, "ROW_SUM_DEFERRED", True),)  # each step's row sums 
 # The PV into a fresh accumulator, the running one rescaled after it (its 64 FMULs out of the softmax).
 RESCALE = ((mosaic_forward, "RESCALE_AFTER_PV", True),)
 NAMED = ((mosaic_forward, "NAMED_TURNS", True),)  # the turns at a hardware named barrier (bar.sync)
-PAIRED = ((mosaic_backward, "DKV_PAIRED", True),)  # the backward's wgmmas two at a time (dQ's exp2 during dP)
+PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two at a time (dQ's exp2 during dP)
 # In timing order: first those no window has timed (the turns at a named barrier: the SASS shows the
 # mbarrier turns let both warpgroups' softmaxes run together, off the other's wgmmas, as the 2026-11-30
 # profile's step of softmax + all wgmmas + waits says; dK/dV's wgmmas in pairs, its step 2,421 cycles

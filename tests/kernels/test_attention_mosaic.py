@@ -124,8 +124,8 @@ def test_backward_kernels_match_autodiff_of_the_reference(monkeypatch, head_dim,
   """`ctas`: persistent kernels of that many CTAs, each looping over several work items (8 for dQ, 16
   for dK/dV), their own tiles double-buffered and the ring carried from one item to the next. `stages`:
   the rings' slots (None: the deepest that fits, more than a work item's steps here). `paired`:
-  DKV_PAIRED, dK/dV's wgmmas issued two at a time."""
-  monkeypatch.setattr(mosaic_backward, "DKV_PAIRED", paired)
+  WGMMA_PAIRS, dK/dV's wgmmas issued two at a time."""
+  monkeypatch.setattr(mosaic_backward, "WGMMA_PAIRS", paired)
   rng = np.random.default_rng(1)
   length = 256
   # Segments up to 200 tokens: some tiles lie inside every range of their queries (no mask applied).
@@ -317,12 +317,12 @@ ids = arg((2, 512), jnp.int32)
 mark = lambda text: print("SETTINGS " + text, file=sys.stderr, flush=True)
 for persistent in (False, True):
   # the score wgmmas SS or RS; dK/dV's wgmmas in pairs
-  for mosaic_backward.OPERANDS_IN_REGISTERS, mosaic_backward.DKV_PAIRED in ((False, False), (True, False), (False, True)):
+  for mosaic_backward.OPERANDS_IN_REGISTERS, mosaic_backward.WGMMA_PAIRS in ((False, False), (True, False), (False, True)):
     mark(f"backward persistent={persistent} operands_in_registers={mosaic_backward.OPERANDS_IN_REGISTERS} "
-         f"dkv_paired={mosaic_backward.DKV_PAIRED}")
+         f"wgmma_pairs={mosaic_backward.WGMMA_PAIRS}")
     backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
     backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
-  mosaic_backward.DKV_PAIRED = False
+  mosaic_backward.WGMMA_PAIRS = False
   for mosaic_forward.Q_IN_REGISTERS, mosaic_forward.K_WAIT_DURING_PV in ((True, False), (False, False), (True, True)):
     # the scores' wgmma RS or SS; each step's K waited for during the PV wgmma before it
     mark(f"forward persistent={persistent} q_in_registers={mosaic_forward.Q_IN_REGISTERS} "
@@ -362,10 +362,10 @@ forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 # - jaxlib 0.12.0.1 builds the dQ kernel with Q and dO held in registers (mosaic_backward.
 #   OPERANDS_IN_REGISTERS, two warpgroups at 168 registers, head size 128) with 292 bytes spilled a
 #   thread; jaxlib 0.11.2 built it without. That form was slower on an H200 without spills too.
-# - dK/dV with its wgmmas in pairs (DKV_PAIRED), a CTA an item, at 128: 8 bytes, stored before the
+# - dK/dV with its wgmmas in pairs (WGMMA_PAIRS), a CTA an item, at 128: 8 bytes, stored before the
 #   step loop and loaded after it (the SASS); its loop has no local access.
 _KNOWN_SPILLS = (("dq_kernel", "operands_in_registers=True", 128, None),
-                 ("dkv_kernel", "persistent=False operands_in_registers=False dkv_paired=True", 128, 8))
+                 ("dkv_kernel", "persistent=False operands_in_registers=False wgmma_pairs=True", 128, 8))
 
 
 def _ptxas_reports(output: str) -> list[tuple[str, str, int, int]]:

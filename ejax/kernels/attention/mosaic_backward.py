@@ -41,7 +41,7 @@ from ejax.kernels.attention.mosaic_common import (  # noqa: F401
 
 # The kernels' named scopes (mosaic_common.scope), per compute warpgroup: an item's "start", its "step"s
 # (dQ: "wait_kv", "scores", "ds", "dq_mma"; dK/dV: "wait_q", "scores", "wait_rows", "p", "mask",
-# "wait_do", "dv_mma", "dp", "dk_mma", with DKV_PAIRED "dkv_mma" for the last two), dQ's tiles
+# "wait_do", "dv_mma", "dp", "dk_mma", with WGMMA_PAIRS "dkv_mma" for the last two), dQ's tiles
 # "pass_by", the item's "end".
 
 # Compute warpgroups a CTA, beside the one that issues the copies. dQ: two (its accumulator and two
@@ -66,7 +66,7 @@ OPERANDS_IN_REGISTERS = False
 # for before dP^T, freed once dV is done. dQ (which issues S and dP together already): the exp2 and mask
 # computed while dP runs, not after both are waited for (its step: 2,069 cycles against 1,536). Off until
 # a GPU times it (the attention figure's variants "backward wgmmas in pairs").
-DKV_PAIRED = False
+WGMMA_PAIRS = False
 # Both kernels' ring slots; None: the deepest that fits shared memory up to mosaic_common.MAX_STAGES
 # (at head size 128 with a CTA an item: dQ 5, dK/dV 5). Was 2.
 STAGES = None
@@ -243,10 +243,10 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
             p = jnp.exp2(s * c - row(lse2))
             return lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
 
-          def scores(s_ref, dp_ref):  # (P, dP); with DKV_PAIRED, P while dP's wgmma runs
+          def scores(s_ref, dp_ref):  # (P, dP); with WGMMA_PAIRS, P while dP's wgmma runs
             plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
             plgpu.wgmma(dp_ref, do_op, v_smem.at[slot].T)
-            if DKV_PAIRED:
+            if WGMMA_PAIRS:
               p = scope("ds")(weights)(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
               return p, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
             plgpu.wgmma_wait(0)
@@ -256,7 +256,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           s_or_p, dp = scope("scores")(pl.run_scoped)(scores, acc, acc)
           plgpu.barrier_arrive(v_free.at[slot])
           with scope("ds"):
-            p = s_or_p if DKV_PAIRED else weights(s_or_p)
+            p = s_or_p if WGMMA_PAIRS else weights(s_or_p)
             ds = p * (dp - row(delta_))
           dq_acc = scope("dq_mma")(mma_)(dq_acc, ds.astype(dtype), k_smem.at[slot])
           plgpu.barrier_arrive(k_free.at[slot])
@@ -375,7 +375,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           return dk_acc, dv_acc
 
         @scope("step")
-        def paired_step(i, carry):  # DKV_PAIRED
+        def paired_step(i, carry):  # WGMMA_PAIRS
           dk_acc, dv_acc = carry
           slot = lax.rem(g + i, dkv_stages)
           scope("wait_q")(plgpu.barrier_wait)(q_bar.at[slot])
@@ -412,7 +412,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           return dk_acc, dv_acc
 
         zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), wgmma_layout)
-        dk, dv = lax.fori_loop(0, steps, paired_step if DKV_PAIRED else step, (zeros, zeros))
+        dk, dv = lax.fori_loop(0, steps, paired_step if WGMMA_PAIRS else step, (zeros, zeros))
         with scope("end"):
           k_s[...] = (dk * scale).astype(dtype)
           v_s[...] = dv.astype(dtype)
