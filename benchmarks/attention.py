@@ -38,16 +38,14 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ejax.data.packing import pack_sequences
 from ejax.kernels.attention import (BlockSizes, attention_mask, flash_attention, intervals, mosaic_backward,
-                                    mosaic_common, mosaic_forward, ops, tokamax_gpu)
+                                    mosaic_forward, ops, tokamax_gpu)
 from ejax.kernels.attention.ops import choose_impl
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           MaskInputs, active_fraction, normalise_mask)
@@ -56,6 +54,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # benchmarks/ imports as a package from the repository root
   sys.path.insert(0, REPO)
 from benchmarks import kernel_profile  # noqa: E402
+from benchmarks.attention_variants import (BACKWARD_RS, BACKWARD_VARIANTS, CHECK_TOLERANCE, DKV_2,  # noqa: E402
+                                           FORWARD_GRADIENT_VARIANTS, FORWARD_VARIANTS, MOSAIC_OWN_VARIANTS,
+                                           PERSISTENT, PROFILED_KERNELS, check_route, check_variants,
+                                           packed_rows, profile_kernels, relative_error, timed, with_settings)
 
 # Goals of issue 31 point 6 at 8 x 4,096 tokens, 16 heads x 128 on one H100/H200 (TFLOP/s).
 GOAL_FORWARD, GOAL_TRAIN = 300.0, 200.0
@@ -72,83 +74,10 @@ TOKAMAX_SWEEP = (dict(block_q=64, block_kv=128, num_stages=2, persistent=False),
 MOSAIC_FORWARD_CONFIGS = (dict(block_q=64, block_kv=64, num_stages=3, persistent=True),
                           dict(block_q=64, block_kv=128, num_stages=3, persistent=True),
                           dict(block_q=64, block_kv=128, num_stages=2, persistent=False))
-# Settings of ejax's Mosaic GPU kernels beside their defaults (a CTA a work item, the forward's two
-# compute warpgroups taking turns, Q in registers, 64-key tiles, one dK/dV warpgroup, rings as deep as
-# shared memory allows), as (module, name, value): rings of two slots (the default measured on
-# 2026-11-29), persistent kernels (a CTA an SM, the next item's copies during the last one's compute),
-# Q read from shared memory by the scores' wgmma, no turns, two dK/dV warpgroups (since the persistent
-# rewrite 168 registers, no spills), wider forward tiles.
-RING_OF_2 = ((mosaic_forward, "STAGES", 2), (mosaic_backward, "STAGES", 2))
-PERSISTENT = ((mosaic_forward, "PERSISTENT", True), (mosaic_backward, "PERSISTENT", True))
-DKV_2 = ((mosaic_backward, "DKV_WGS", 2),)
-BACKWARD_RS = ((mosaic_backward, "OPERANDS_IN_REGISTERS", True),)  # the score wgmmas' own operands
-# Each step's QK and the last PV issued together, the softmax between their waits; the warpgroups pass a
-# token once a step (with PINGPONG False, no turns).
-OVERLAP = ((mosaic_forward, "OVERLAP_SOFTMAX", True),)
-ROW_SUM = ((mosaic_forward, "ROW_SUM_DEFERRED", True),)  # each step's row sums during the next step's QK
-# The PV into a fresh accumulator, the running one rescaled after it (its 64 FMULs out of the softmax).
-RESCALE = ((mosaic_forward, "RESCALE_AFTER_PV", True),)
-NAMED = ((mosaic_forward, "NAMED_TURNS", True),)  # the turns at a hardware named barrier (bar.sync)
-PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two at a time (dQ's exp2 during dP)
-# In timing order: first those no window has timed (the turns at a named barrier: the SASS shows the
-# mbarrier turns let both warpgroups' softmaxes run together, off the other's wgmmas, as the 2026-11-30
-# profile's step of softmax + all wgmmas + waits says; dK/dV's wgmmas in pairs, its step 2,421 cycles
-# against 1,024 of wgmmas, each waited for alone; the row sums and the accumulator's rescale off the
-# softmax's path; two dK/dV warpgroups), then the best measured on 2026-11-30 evening (the persistent
-# backward: 176.5 TFLOP/s forward+backward), then the rest. (The rescale and the row sums together spill.)
-CANDIDATE = "turns at a named barrier, row sums during the next QK"
-PAIRED_CANDIDATE = f"{CANDIDATE}, backward wgmmas in pairs"  # gpu.py's attention_profile profiles it
-# The paired backward goes first: the named turns are inline PTX that only a GPU has run, and a kernel
-# that hung would take the figure's remaining time with it.
-MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED), ("turns at a named barrier", NAMED),
-                       (PAIRED_CANDIDATE, NAMED + ROW_SUM + PAIRED),
-                       (f"{PAIRED_CANDIDATE}, persistent backward", NAMED + ROW_SUM + PAIRED + PERSISTENT[1:]),
-                       (CANDIDATE, NAMED + ROW_SUM),
-                       ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE),
-                       ("rescaled after the PV", RESCALE),
-                       ("row sums during the next QK", ROW_SUM),
-                       ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
-                       ("persistent backward", PERSISTENT[1:]),
-                       ("row sums during the next QK, persistent backward", ROW_SUM + PERSISTENT[1:]),
-                       ("softmax beside its own PV", OVERLAP),
-                       ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
-                       ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
-                       ("persistent", PERSISTENT), ("rings of 2 slots", RING_OF_2),
-                       ("K waited for during PV", ((mosaic_forward, "K_WAIT_DURING_PV", True),)),
-                       ("persistent, backward operands in registers", PERSISTENT + BACKWARD_RS),
-                       ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
-                       ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)))
 # An arm kwarg make() takes off before flash_attention: ((module, name, value), ...) set while it traces.
 SETTINGS = "_module_settings"
 # Arms also timed on the causal rows (the rest, baselines and the sweep, on the VLA rows only).
 CAUSAL_ARMS = ("pallas", "tokamax", "tokamax_fwd", "mosaic", "mosaic_own", "cudnn_packed")
-
-
-def vla_lengths(num_samples: int, rng: np.random.Generator) -> np.ndarray:
-  cameras = rng.integers(1, 4, num_samples)
-  return cameras * 256 + rng.integers(5, 61, num_samples) + 1 + 16
-
-
-def packed_rows(num_rows: int, row_length: int, seed: int):
-  """segment ids, positions and block ids [num_rows, row_length] of the first num_rows packed rows."""
-  rng = np.random.default_rng(seed)
-  lengths = vla_lengths(8 * num_rows * row_length // 500, rng)
-  rows = pack_sequences(lengths, row_length, seed=seed)[:num_rows]
-  segment_ids = np.zeros((num_rows, row_length), np.int32)
-  block_ids = np.zeros_like(segment_ids)
-  positions = np.zeros_like(segment_ids)
-  segment_lengths = []
-  for r, members in enumerate(rows):
-    offset = 0
-    for segment, i in enumerate(members, start=1):
-      n = int(lengths[i])
-      segment_ids[r, offset:offset + n] = segment
-      positions[r, offset:offset + n] = np.arange(n)
-      block_ids[r, offset + n - 17:offset + n - 16] = 1  # state token opens block 1
-      block_ids[r, offset + n - 16:offset + n] = 2       # action tokens: block 2
-      segment_lengths.append(n)
-      offset += n
-  return segment_ids, block_ids, positions, np.array(segment_lengths)
 
 
 def allowed_pairs(mask: dict, rows: int, row_length: int) -> int:
@@ -158,18 +87,6 @@ def allowed_pairs(mask: dict, rows: int, row_length: int) -> int:
     row = {name: value[r:r + 1] if isinstance(value, np.ndarray) else value for name, value in mask.items()}
     total += int(np.asarray(attention_mask(row_length, row_length, batch=1, **row)).sum())
   return total
-
-
-def timed(fn, *args, repeats: int) -> float:
-  """Best of `repeats` wall times after two warm-up calls (min is robust to a shared machine)."""
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - start)
-  return best
 
 
 def arms(on_gpu: bool, sweep: bool, all_arms: bool):
@@ -208,30 +125,6 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
   return listed
 
 
-def with_settings(jitted, settings):
-  """`jitted` traced (on its first call) with each (module, name, value) of `settings` set: the Mosaic
-  GPU kernels' module settings, read as they trace (mosaic_backward.DKV_WGS, mosaic_forward.PINGPONG...).
-  `jitted` must wrap a function no other setting has been traced with: jax.jit shares compiled programs
-  between all jax.jit wrappers of one Python function, and a second wrapper would not trace again."""
-  def call(*args):
-    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
-    try:
-      for module, name, value in settings:
-        setattr(module, name, value)
-      return jitted(*args)
-    finally:
-      for module, name, value in saved:
-        setattr(module, name, value)
-  return call
-
-
-@jax.jit
-def relative_error(got, want):
-  """max |got - want| / max |want|, on the device (only the number comes back)."""
-  got, want = got.astype(jnp.float32), want.astype(jnp.float32)
-  return jnp.abs(got - want).max() / jnp.abs(want).max()
-
-
 def mosaic_work(mask: dict, pairs: int) -> str:
   """The pairs the Mosaic GPU kernels' tile loops visit on these rows (mosaic_backward / mosaic_forward)."""
   rows, row_length = mask["q_segment_ids"].shape
@@ -249,171 +142,6 @@ def mosaic_work(mask: dict, pairs: int) -> str:
           f"{pairs / max(dq, dkv):.0%} allowed; mosaic_own's forward computes {computed / 1e6:.1f}M "
           f"({pairs / computed:.0%} allowed) of the {streamed / 1e6:.1f}M its CTAs stream; the dense rows are "
           f"{rows * row_length**2 / 1e6:.0f}M")
-
-
-# check_route: the most a route's values and gradients may differ from impl "xla" in fp32 on the same
-# inputs (max |error| / max |xla's|); bf16 routes measured 2.3e-3 to 4.6e-3 on the H200s.
-CHECK_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 1e-2, jnp.dtype(jnp.float32): 1e-4}
-
-
-def route_cases(row_length: int, seed: int = 0):
-  """(name, head_dim, q_len, mask kwargs) of the attention calls a train step makes: block-causal VLA rows
-  and causal LM segments at head size 128, packed segments (a VL transformer's) and a cross-attention of
-  each sample's queries to its own segment of the row (GR00T's DiT) at 64."""
-  segment_ids, block_ids, positions, _ = packed_rows(2, row_length, seed)
-  cross_q = np.repeat(np.arange(1, 3, dtype=np.int32), 64)[None].repeat(2, 0)  # 64 queries a sample
-  return (("block-causal", 128, row_length, dict(mask_kind="block_causal", q_segment_ids=segment_ids,
-                                                   kv_segment_ids=segment_ids, q_block_ids=block_ids,
-                                                   kv_block_ids=block_ids)),
-          ("causal", 128, row_length, dict(mask_kind="causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                                           q_positions=positions, kv_positions=positions)),
-          ("segments", 64, row_length, dict(mask_kind="bidirectional", q_segment_ids=segment_ids,
-                                            kv_segment_ids=segment_ids)),
-          ("cross", 64, cross_q.shape[1], dict(mask_kind="bidirectional", q_segment_ids=cross_q,
-                                               kv_segment_ids=segment_ids)))
-
-
-def attention_outputs(impl: str, mask: dict, d_out=None):
-  """(q, k, v) -> (attention through `impl` under `mask`,), or given d_out the gradients of q, k, v of
-  its sum against d_out; unjitted: the checks below compare these between impls and module settings."""
-  attend = lambda q, k, v: flash_attention(q, k, v, impl=impl, **mask)
-  if d_out is None:
-    return lambda q, k, v: (attend(q, k, v),)
-  return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * d_out), argnums=(0, 1, 2))
-
-
-def largest_error(got, want) -> float:
-  """The largest relative_error over paired outputs (attention_outputs')."""
-  return max(float(relative_error(g, w)) for g, w in zip(got, want, strict=True))
-
-
-def check_route(route: str, row_length: int, dtype) -> dict:
-  """Values and gradients of attention `route` (an impl, or one limited to head sizes as auto's Hopper
-  routes may be, "mosaic_own@128": the cases at those sizes) against impl "xla" in fp32 over
-  route_cases, each case compiled and run on its own. Raises on an error; returns {case: (out error,
-  grad error)}."""
-  route, head_dims = ops.parse_route(route)
-  errors = {}
-  for name, head_dim, q_len, mask in route_cases(row_length):
-    if head_dims and head_dim not in head_dims:
-      continue
-    keys = jax.random.split(jax.random.key(len(errors)), 4)
-    heads = 2
-    q = jax.random.normal(keys[0], (2, q_len, heads, head_dim), dtype)
-    k, v = (jax.random.normal(key, (2, row_length, heads, head_dim), dtype) for key in keys[1:3])
-    d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
-    device_mask = {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
-    both = lambda impl: jax.jit(lambda q, k, v: (attention_outputs(impl, device_mask)(q, k, v),
-                                                 attention_outputs(impl, device_mask, d_out)(q, k, v)))
-    out, grads = both(route)(q, k, v)
-    want_out, want_grads = both("xla")(*(x.astype(jnp.float32) for x in (q, k, v)))
-    errors[name] = (largest_error(out, want_out), largest_error(grads, want_grads))
-  return errors
-
-
-# check_variants' forward part: mosaic_own's forward under each setting that changes its GPU code path, on
-# bidirectional packed segments and block-causal rows at head sizes 64 and 128. On the H200 of
-# 2026-11-30 its values were right at 128 (block-causal, causal) and wrong at 64 (segments, cross),
-# where Mosaic GPU interpret mode (tests) agrees with the reference: a setting that mends 64 names the
-# code path at fault. (That evening's run of this check ran one program for every variant: fixed.)
-FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
-                    ("rings of 2 slots", ((mosaic_forward, "STAGES", 2),)),
-                    ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
-                    ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
-                    ("persistent", ((mosaic_forward, "PERSISTENT", True),)),
-                    ("softmax beside its own PV", OVERLAP), ("row sums during the next QK", ROW_SUM),
-                    ("rescaled after the PV", RESCALE), ("turns at a named barrier", NAMED),
-                    (CANDIDATE, NAMED + ROW_SUM), ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE))
-
-
-# check_variants' backward part: the backward's settings that 2026-11-30's timings favour (persistent: 2.20 ms
-# against 2.62 with deep rings, 2.38 with rings of 2) but no GPU has checked at head size 64, through
-# the mosaic route (tokamax's forward, ejax's backward): auto's first Hopper route shares this backward.
-BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "PERSISTENT", True),)),
-                     ("rings of 2 slots", ((mosaic_backward, "STAGES", 2),)),
-                     ("backward wgmmas in pairs", PAIRED), ("backward wgmmas in pairs, persistent", PAIRED + PERSISTENT[1:]))
-# And mosaic_own's gradients under the forward's 128-key tiles (its out and lse feed the backward): on the
-# H200 of 2026-11-30 the attention figure's "128-key tiles" arm had gradients 1.9 off, the other arms'
-# 4.6e-3; interpret mode agrees with the reference (tests).
-FORWARD_GRADIENT_VARIANTS = (("as configured", ()), ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)))
-
-
-def _variant_cases(row_length: int, dtype):
-  """(name, q, k, v, mask) of the variant checks: bidirectional packed segments and block-causal rows,
-  each at head sizes 64 and 128."""
-  segment_ids, block_ids, _, _ = packed_rows(2, row_length, 0)
-  segments = dict(mask_kind="bidirectional", q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
-  block_causal = dict(mask_kind="block_causal", q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-                      q_block_ids=block_ids, kv_block_ids=block_ids)
-  cases = (("segments@64", 64, segments), ("segments@128", 128, segments), ("block-causal@64", 64, block_causal),
-           ("block-causal@128", 128, block_causal))
-  for name, head_dim, mask in cases:
-    q, k, v = (jax.random.normal(key, (2, row_length, 2, head_dim), dtype) for key in jax.random.split(jax.random.key(1), 3))
-    yield name, q, k, v, {key: jnp.asarray(value) if isinstance(value, np.ndarray) else value for key, value in mask.items()}
-
-
-# profile_kernels: each Mosaic GPU kernel of mosaic_own, its trace's file prefix, its compute warpgroups
-# (the copying one after them) and its GEMMs a ring step per warpgroup, each 64 x 64 x head_dim (the
-# bound: an H100's / H200's 4,096 dense flops a clock an SM).
-PROFILED_KERNELS = (("forward", "forward_kernel", lambda: mosaic_forward.FWD_WGS, 2),
-                    ("dQ", "dq_kernel", lambda: mosaic_backward.DQ_WGS, 3),
-                    ("dK/dV", "dkv_kernel", lambda: mosaic_backward.DKV_WGS, 4))
-
-
-def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, repeats: int,
-                    settings=()) -> dict:
-  """mosaic_own's forward on these rows timed as built and under `settings` (a variant's module
-  settings, MOSAIC_OWN_VARIANTS); then its forward and backward under them run once with Mosaic GPU's
-  on-device profiler on (mosaic_common.PROFILE_DIR; a trace a kernel written into `folder`), each trace
-  summed up by kernel_profile.summarize, beside its ring step's bound in cycles. (The attention figure
-  times the forward+backward; here a second compile of it would cost the window.)"""
-  forward_ms = 1e3 * timed(jax.jit(attention_outputs("mosaic_own", mask)), q, k, v, repeats=repeats)
-  variant_ms = (1e3 * timed(with_settings(jax.jit(attention_outputs("mosaic_own", mask)), settings), q, k, v,
-                            repeats=repeats) if settings else forward_ms)
-  os.makedirs(folder, exist_ok=True)
-  profiled = with_settings(jax.jit(attention_outputs("mosaic_own", mask, d_out)),
-                           tuple(settings) + ((mosaic_common, "PROFILE_DIR", folder),))
-  start = time.perf_counter()
-  jax.block_until_ready(profiled(q, k, v))
-  jax.effects_barrier()  # the traces are written by host callbacks
-  timings = dict(forward_ms=forward_ms, variant_forward_ms=variant_ms, profiled_s=time.perf_counter() - start)
-  kernels = {}
-  for name, prefix, compute_wgs, gemms in PROFILED_KERNELS:
-    wgs = compute_wgs()
-    roles = {**{w: "compute" for w in range(wgs)}, wgs: "copying"}
-    try:  # a kernel whose trace is missing is said so, and the others summed up
-      events = kernel_profile.load(kernel_profile.newest_trace(folder, prefix))
-    except FileNotFoundError as error:
-      kernels[name] = dict(error=str(error))
-      continue
-    kernels[name] = dict(kernel_profile.summarize(events, wgs + 1, roles, clock_mhz),
-                         step_bound_cycles=gemms * wgs * 2 * 64 * 64 * q.shape[-1] / 4096)
-  return dict(timings, kernels=kernels)
-
-
-def check_variants(row_length: int, dtype, impl: str, variants, gradients: bool) -> dict:
-  """{variant: {case: error against impl "xla" in fp32}} of `impl` under each variant's module settings:
-  of its values, or with `gradients` of its gradients of q, k, v (the largest of the three). A variant
-  that does not build here gets its error's first line instead."""
-  inputs = {}
-  for name, q, k, v, mask in _variant_cases(row_length, dtype):
-    d_out = jax.random.normal(jax.random.key(2), q.shape, jnp.float32) if gradients else None
-    want = jax.jit(attention_outputs("xla", mask, d_out))(*(x.astype(jnp.float32) for x in (q, k, v)))
-    inputs[name] = (q, k, v, mask, d_out, want)
-  errors = {}
-  for label, settings in variants:
-    errors[label] = {}
-    for name, (q, k, v, mask, d_out, want) in inputs.items():
-      # A new function for each variant: jax.jit keys its compiled programs by the Python function, one
-      # cache for all its jax.jit wrappers, so a function reused here ran the first variant's program
-      # under every later variant's settings (on the H200 of 2026-11-30 the seven forward variants gave
-      # one set of errors: 128-key tiles' forward, wrong in the figure's gradients, never ran here).
-      run = attention_outputs(impl, mask, d_out)
-      try:
-        errors[label][name] = largest_error(with_settings(jax.jit(run), settings)(q, k, v), want)
-      except Exception as error:  # noqa: BLE001  (a variant that does not build here: say so, go on)
-        errors[label][name] = f"{type(error).__name__}: {str(error)[:120]}"
-  return errors
 
 
 def unchecked_tokamax(q, k, v, mask: dict, on_gpu: bool):

@@ -63,7 +63,7 @@ PROFILE = "/tmp/ejax-profile"  # traces stay on the machine; their summary goes 
 KERNEL_PROFILE = "/tmp/ejax-kernel-profile"  # the same for attention_profile's Mosaic GPU trace
 # The mosaic_own variant attention_profile profiles (the configured one was profiled on 2026-11-30):
 # the turns at a named barrier and the row sums out of the softmax, dK/dV's wgmmas in pairs
-# (attention.py's PAIRED_CANDIDATE), whose softmax, turns and dK/dV steps the profile then shows.
+# (attention_variants.py's PAIRED_CANDIDATE), whose softmax, turns and dK/dV steps the profile then shows.
 PROFILED_VARIANT = "turns at a named barrier, row sums during the next QK, backward wgmmas in pairs"
 NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client")
 

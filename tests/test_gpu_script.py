@@ -343,12 +343,8 @@ def test_a_figure_line_is_found_before_the_warnings_printed_after_it():
 def test_the_profiled_attention_variant_is_one_the_figure_times():
   """gpu.py's attention_profile names its mosaic_own variant by label: a label the attention figure's
   variants no longer carry would end that figure in one line on the GPU, not here."""
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  try:
-    import attention
-  finally:
-    sys.path.pop(0)
+  from benchmarks.attention_variants import MOSAIC_OWN_VARIANTS, PAIRED_CANDIDATE
   from benchmarks.gpu import FIGURES, PROFILED_VARIANT
-  assert PROFILED_VARIANT in dict(attention.MOSAIC_OWN_VARIANTS)
+  assert PROFILED_VARIANT == PAIRED_CANDIDATE and PROFILED_VARIANT in dict(MOSAIC_OWN_VARIANTS)
   profile = next(f for f in FIGURES if f.name == "attention_profile")
   assert profile.args[profile.args.index("--profile_variant") + 1] == PROFILED_VARIANT

@@ -408,15 +408,11 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
 
 @MOSAIC
 def test_the_variant_checks_give_each_variant_and_case_an_error():
-  """benchmarks/attention.py --check_variants, run on a GPU to find which of the forward's code
+  """benchmarks/attention.py --check_variants (attention_variants.check_variants), run on a GPU to find which of the forward's code
   paths was wrong at head size 64 there, and whether the backward's faster settings are right there:
   here, in interpret mode, each case of a variant within tolerance of impl xla, and its module
   settings put back after the call."""
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  try:
-    import attention as bench
-  finally:
-    sys.path.pop(0)
+  from benchmarks import attention_variants as bench
   rings = bench.FORWARD_VARIANTS[2]
   assert rings[0] == "rings of 2 slots"
   errors = bench.check_variants(1024, jnp.bfloat16, "mosaic_own", (rings,), gradients=False)
@@ -441,11 +437,7 @@ def test_the_variant_checks_trace_each_variant_under_its_own_settings(monkeypatc
   variant's program under every later variant's settings, read as it traces (on the H200 of 2026-11-30
   the seven forward variants all gave the errors of the forward as configured). Here a stand-in for
   attention_outputs that reads a module setting as it traces: the variant that doubles it is off by 1."""
-  sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-  try:
-    import attention as bench
-  finally:
-    sys.path.pop(0)
+  from benchmarks import attention_variants as bench
   settings = type(sys)("settings")
   settings.SCALE = 1.0
   q = jnp.arange(1.0, 9.0).reshape(1, 2, 2, 2)
