@@ -36,8 +36,8 @@ from ejax.kernels import platform
 # available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (routes.py, the tests, the benchmark).
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
     LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
-    inner_ranges, item_part, kernel_params, kv_ring, kv_spans, load, mma, own_buffers, persistent_ctas, ring_stages,
-    scope, store_item, work_items)
+    inner_ranges, item_part, kernel_params, kv_ring, kv_spans, load, mma, mma_pair, own_buffers, persistent_ctas,
+    ring_stages, scope, store_item, work_items)
 
 # The kernels' named scopes (mosaic_common.scope), per compute warpgroup: an item's "start", its "step"s
 # (dQ: "wait_kv", "scores", "ds", "dq_mma"; dK/dV: "wait_q", "scores", "wait_rows", "p", "mask",
@@ -395,18 +395,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           p_t, dp = pl.run_scoped(scores_t, acc, acc)
           ds_t = p_t * (dp - row(1))
           plgpu.barrier_arrive(rows_free.at[slot])
-          p16, ds16 = p_t.astype(dtype), ds_t.astype(dtype)
-          if interpret:  # no register operand there: the same sums as dots
-            dv_acc = dv_acc + jnp.dot(p16, do_smem.at[slot][...], preferred_element_type=jnp.float32)
-            dk_acc = dk_acc + jnp.dot(ds16, q_smem.at[slot][...], preferred_element_type=jnp.float32)
-          else:
-            def both(refs):
-              dk_ref, dv_ref = refs
-              plgpu.wgmma(dv_ref, p16, do_smem.at[slot])
-              plgpu.wgmma(dk_ref, ds16, q_smem.at[slot])
-              plgpu.wgmma_wait(0)
-
-            dk_acc, dv_acc = scope("dkv_mma")(pl.run_state(both))((plgpu.ACC.init(dk_acc), plgpu.ACC.init(dv_acc)))
+          dv_acc, dk_acc = scope("dkv_mma")(mma_pair)((dv_acc, dk_acc), (p_t.astype(dtype), ds_t.astype(dtype)),
+                                                      (do_smem.at[slot], q_smem.at[slot]), interpret)
           plgpu.barrier_arrive(do_free.at[slot])
           plgpu.barrier_arrive(q_free.at[slot])
           return dk_acc, dv_acc

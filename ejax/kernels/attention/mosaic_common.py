@@ -190,6 +190,24 @@ def named_barrier_sync(barrier: int, threads: int):
   sync()
 
 
+def mma_pair(accs, lhss, rhss, interpret: bool):
+  """(acc + lhs @ rhs for each of the two), both wgmmas issued before either is waited for, then waited
+  for together (mma's operands: lhs in registers, rhs in shared memory; interpret mode: dots)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  if interpret:
+    return tuple(acc + jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
+                 for acc, lhs, rhs in zip(accs, lhss, rhss, strict=True))
+
+  def both(refs):
+    for ref, lhs, rhs in zip(refs, lhss, rhss, strict=True):
+      plgpu.wgmma(ref, lhs, rhs)
+    plgpu.wgmma_wait(0)
+
+  return pl.run_state(both)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
 def persistent_ctas(num_items: int, persistent: bool, ctas: int | None = None) -> int:
   """CTAs of a kernel over `num_items` work items: one an item, or persistent, one an SM (or `ctas`)
   each looping over items round-robin."""
