@@ -34,6 +34,9 @@ from benchmarks import kernel_profile  # noqa: E402
 # rewrite 168 registers, no spills), wider forward tiles.
 RING_OF_2 = ((mosaic_forward, "STAGES", 2), (mosaic_backward, "STAGES", 2))
 PERSISTENT = ((mosaic_forward, "PERSISTENT", True), (mosaic_backward, "PERSISTENT", True))
+# The backward a CTA a work item at every head size: its default until 2026-12-01 (since then persistent
+# at head size 128), timed beside it.
+BACKWARD_PER_ITEM = ((mosaic_backward, "PERSISTENT", False),)
 DKV_2 = ((mosaic_backward, "DKV_WGS", 2),)
 BACKWARD_RS = ((mosaic_backward, "OPERANDS_IN_REGISTERS", True),)  # the score wgmmas' own operands
 # Each step's QK and the last PV issued together, the softmax between their waits; the warpgroups pass a
@@ -48,22 +51,22 @@ PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two 
 # mbarrier turns let both warpgroups' softmaxes run together, off the other's wgmmas, as the 2026-11-30
 # profile's step of softmax + all wgmmas + waits says; dK/dV's wgmmas in pairs, its step 2,421 cycles
 # against 1,024 of wgmmas, each waited for alone; the row sums and the accumulator's rescale off the
-# softmax's path; two dK/dV warpgroups), then the best measured on 2026-11-30 evening (the persistent
-# backward: 176.5 TFLOP/s forward+backward), then the rest. (The rescale and the row sums together spill.)
+# softmax's path; two dK/dV warpgroups), then the backward a CTA an item (its default until the persistent
+# one, at 176.5 TFLOP/s forward+backward the best of 2026-11-30 evening, became it at head size 128), then
+# the rest. (The rescale and the row sums together spill.)
 CANDIDATE = "turns at a named barrier, row sums during the next QK"
 PAIRED_CANDIDATE = f"{CANDIDATE}, backward wgmmas in pairs"  # gpu.py's attention_profile profiles it
 # The paired backward goes first: the named turns are inline PTX that only a GPU has run, and a kernel
 # that hung would take the figure's remaining time with it.
 MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED), ("turns at a named barrier", NAMED),
                        (PAIRED_CANDIDATE, NAMED + ROW_SUM + PAIRED),
-                       (f"{PAIRED_CANDIDATE}, persistent backward", NAMED + ROW_SUM + PAIRED + PERSISTENT[1:]),
+                       (f"{PAIRED_CANDIDATE}, backward a CTA an item", NAMED + ROW_SUM + PAIRED + BACKWARD_PER_ITEM),
                        (CANDIDATE, NAMED + ROW_SUM),
                        ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE),
                        ("rescaled after the PV", RESCALE),
                        ("row sums during the next QK", ROW_SUM),
                        ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
-                       ("persistent backward", PERSISTENT[1:]),
-                       ("row sums during the next QK, persistent backward", ROW_SUM + PERSISTENT[1:]),
+                       ("backward a CTA an item", BACKWARD_PER_ITEM),
                        ("softmax beside its own PV", OVERLAP),
                        ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
                        ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
@@ -212,9 +215,11 @@ FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forwa
                     (CANDIDATE, NAMED + ROW_SUM), ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE))
 
 # check_variants' backward part: the backward's settings that 2026-11-30's timings favour (persistent: 2.20 ms
-# against 2.62 with deep rings, 2.38 with rings of 2) but no GPU has checked at head size 64, through
-# the mosaic route (tokamax's forward, ejax's backward): auto's first Hopper route shares this backward.
+# against 2.62 with deep rings, 2.38 with rings of 2; as configured since 2026-12-01 at head size 128) but
+# no GPU has checked at head size 64, through the mosaic route (tokamax's forward, ejax's backward): auto's
+# Hopper routes share this backward.
 BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "PERSISTENT", True),)),
+                     ("a CTA an item", BACKWARD_PER_ITEM),
                      ("rings of 2 slots", ((mosaic_backward, "STAGES", 2),)),
                      ("backward wgmmas in pairs", PAIRED), ("backward wgmmas in pairs, persistent", PAIRED + PERSISTENT[1:]))
 # And mosaic_own's gradients under the forward's 128-key tiles (its out and lse feed the backward): on the

@@ -118,11 +118,12 @@ def _reference_grads(q, k, v, d_out, k_start, k_end, scale):
 @pytest.mark.parametrize("head_dim,heads,kv_heads,ctas,stages,paired",
                          [(64, 2, 1, None, None, False), (128, 2, 2, None, None, False), (64, 2, 1, 3, None, False),
                           (64, 2, 1, None, 2, False), (64, 2, 1, 3, 3, False), (64, 2, 1, None, None, True),
-                          (128, 2, 2, 3, 2, True)])
+                          (128, 2, 2, 3, 2, True), (128, 2, 2, "module's", None, False)])
 def test_backward_kernels_match_autodiff_of_the_reference(monkeypatch, head_dim, heads, kv_heads, ctas, stages,
                                                          paired):
   """`ctas`: persistent kernels of that many CTAs, each looping over several work items (8 for dQ, 16
-  for dK/dV), their own tiles double-buffered and the ring carried from one item to the next. `stages`:
+  for dK/dV), their own tiles double-buffered and the ring carried from one item to the next ("module's":
+  persistent or not as PERSISTENT says at this head size, a CTA an SM). `stages`:
   the rings' slots (None: the deepest that fits, more than a work item's steps here). `paired`:
   WGMMA_PAIRS, dK/dV's wgmmas issued two at a time."""
   monkeypatch.setattr(mosaic_backward, "WGMMA_PAIRS", paired)
@@ -137,9 +138,15 @@ def test_backward_kernels_match_autodiff_of_the_reference(monkeypatch, head_dim,
   k, v = normal(2, length, kv_heads, head_dim), normal(2, length, kv_heads, head_dim)
   scale = head_dim**-0.5
   out, lse, want = _reference_grads(q, k, v, d_out, k_start, k_end, scale)
+  kernels = []  # each kernel's persistence, as the backward resolved it
+  monkeypatch.setattr(mosaic_backward, "persistent_ctas",
+                      lambda items, persistent, ctas=None: kernels.append(persistent)
+                      or mosaic_common.persistent_ctas(items, persistent, ctas))
+  default = ctas == "module's"
   got = mosaic_backward.backward(q, k, v, out.astype(jnp.bfloat16), lse, d_out, jnp.asarray(k_start),
-                                 jnp.asarray(k_end), scale=scale, persistent=ctas is not None, ctas=ctas,
-                                 stages=stages)
+                                 jnp.asarray(k_end), scale=scale, persistent=None if default else ctas is not None,
+                                 ctas=None if default else ctas, stages=stages)
+  assert kernels == [mosaic_backward.persistent_at(head_dim) if default else ctas is not None] * 2
   for name, g, w, primal in zip("qkv", got, want, (q, k, v)):
     assert g.shape == primal.shape and g.dtype == primal.dtype, name
     np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=2e-2 * float(jnp.abs(w).max()),
@@ -147,6 +154,18 @@ def test_backward_kernels_match_autodiff_of_the_reference(monkeypatch, head_dim,
   # Queries that see no key (padding) get exact zeros.
   empty = k_end <= k_start
   assert empty.any() and not np.asarray(got[0], np.float32)[empty].any()
+
+
+def test_the_backward_is_persistent_at_the_head_sizes_its_setting_names(monkeypatch):
+  """PERSISTENT: True or False at every head size, or the head sizes at which the kernels are persistent
+  (128 by default: faster there on two H200s, unchecked on a GPU at 64); a call's own `persistent` wins."""
+  assert mosaic_backward.PERSISTENT == (128,)
+  assert mosaic_backward.persistent_at(128) and not mosaic_backward.persistent_at(64)
+  assert mosaic_backward.persistent_at(64, True) and not mosaic_backward.persistent_at(128, False)
+  monkeypatch.setattr(mosaic_backward, "PERSISTENT", True)
+  assert mosaic_backward.persistent_at(64)
+  monkeypatch.setattr(mosaic_backward, "PERSISTENT", (64,))
+  assert mosaic_backward.persistent_at(64) and not mosaic_backward.persistent_at(128)
 
 
 @MOSAIC
@@ -427,7 +446,7 @@ def test_the_variant_checks_give_each_variant_and_case_an_error():
   errors = bench.check_variants(1024, jnp.bfloat16, "xla", (persistent,), gradients=True)
   assert set(errors["persistent"]) == {"segments@64", "segments@128", "block-causal@64", "block-causal@128"}
   assert all(isinstance(e, float) and e < 2e-2 for e in errors["persistent"].values()), errors
-  assert mosaic_backward.PERSISTENT is False
+  assert mosaic_backward.PERSISTENT == (128,)
   assert [label for label, _ in bench.FORWARD_GRADIENT_VARIANTS] == ["as configured", "128-key tiles"]
 
 

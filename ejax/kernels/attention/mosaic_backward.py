@@ -53,8 +53,11 @@ DQ_WGS = 2
 DKV_WGS = 1
 # Both kernels a CTA an SM looping over their work items (static round-robin, plgpu.nd_loop): the copying
 # warpgroup fetches the next item's own tiles (double-buffered) and ring while the compute ones finish
-# the last, so no CTA start-up between items. Else a CTA an item.
-PERSISTENT = False
+# the last, so no CTA start-up between items. Else a CTA an item. True or False, or the head sizes at
+# which it is persistent: 128, where both H200 windows of 2026-11-30 timed the forward+backward faster
+# with it (3.04 against 3.35 ms, 177.3 against 161.1 TFLOP/s) and its gradients right (4.6e-3, as a CTA
+# an item's). No GPU has checked it at 64 (benchmarks/attention.py --check_variants does).
+PERSISTENT: bool | tuple[int, ...] = (128,)
 # Each kernel's own operands in registers for its score wgmmas (RS): Q and dO in dQ (64 more registers a
 # thread at head size 128), K in dK/dV. From shared memory (SS) a 64 x 64 x 16 wgmma reads all of an
 # SM's shared-memory bandwidth (mosaic_forward.Q_IN_REGISTERS). Off: the measured route's form.
@@ -70,6 +73,13 @@ WGMMA_PAIRS = False
 # Both kernels' ring slots; None: the deepest that fits shared memory up to mosaic_common.MAX_STAGES
 # (at head size 128 with a CTA an item: dQ 5, dK/dV 5). Was 2.
 STAGES = None
+
+
+def persistent_at(head_dim: int, persistent: bool | tuple[int, ...] | None = None) -> bool:
+  """Whether the kernels run persistent at this head size: `persistent`, or where None PERSISTENT
+  (either a bool or the head sizes at which they do)."""
+  persistent = PERSISTENT if persistent is None else persistent
+  return head_dim in persistent if isinstance(persistent, tuple) else bool(persistent)
 
 
 def _dq_sizes(head_dim: int, block_q: int, block_kv: int, persistent: bool) -> tuple[int, int]:
@@ -149,14 +159,14 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
              block_kv: int = 64, stages: int | None = None, persistent: bool | None = None,
              ctas: int | None = None, interpret: bool | None = None):
   """(dq, dk, dv) of attention over each query's key range [k_start, k_end). `persistent` (None: the
-  module's PERSISTENT): both kernels a CTA an SM (or `ctas`) looping over the work items. `stages`
+  module's PERSISTENT; persistent_at): both kernels a CTA an SM (or `ctas`) looping over the work items. `stages`
   (None: stages_for's): both kernels' ring slots."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   batch, q_len, heads, head_dim = q.shape
   _, kv_len, kv_heads, _ = k.shape
-  persistent = PERSISTENT if persistent is None else persistent
+  persistent = persistent_at(head_dim, persistent)
   if not supports(q, k, block_q, block_kv, stages, persistent):
     raise ValueError(f"mosaic attention backward: needs bf16/f16, head_dim 64 or 128, "
                      f"q_len and kv_len multiples of {LENGTH_MULTIPLE}; "

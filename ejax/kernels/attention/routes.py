@@ -44,7 +44,7 @@ def applies(impl: str, q, k, mask_kind: str) -> bool:
     return applies("tokamax", q, k, mask_kind) and applies("mosaic_own", q, k, mask_kind)
   if impl == "mosaic_own":
     return (mosaic_backward.available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
-            and mosaic_backward.head_dim_fits(q.shape[-1]))
+            and mosaic_backward.head_dim_fits(q.shape[-1], persistent=mosaic_backward.persistent_at(q.shape[-1])))
   if impl == "cudnn_packed":
     return (mask_kind in cudnn_packed.MASK_KINDS and q.shape[1] == k.shape[1]
             and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and q.dtype in (jnp.bfloat16, jnp.float16))
