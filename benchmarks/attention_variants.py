@@ -47,18 +47,21 @@ ROW_SUM = ((mosaic_forward, "ROW_SUM_DEFERRED", True),)  # each step's row sums 
 RESCALE = ((mosaic_forward, "RESCALE_AFTER_PV", True),)
 NAMED = ((mosaic_forward, "NAMED_TURNS", True),)  # the turns at a hardware named barrier (bar.sync)
 PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two at a time (dQ's exp2 during dP)
-# In timing order: first those no window has timed (the turns at a named barrier: the SASS shows the
-# mbarrier turns let both warpgroups' softmaxes run together, off the other's wgmmas, as the 2026-11-30
-# profile's step of softmax + all wgmmas + waits says; dK/dV's wgmmas in pairs, its step 2,421 cycles
-# against 1,024 of wgmmas, each waited for alone; the row sums and the accumulator's rescale off the
-# softmax's path; two dK/dV warpgroups), then the backward a CTA an item (its default until the persistent
-# one, at 176.5 TFLOP/s forward+backward the best of 2026-11-30 evening, became it at head size 128), then
-# the rest. (The rescale and the row sums together spill.)
+# In timing order: first those no window has timed (dK/dV's wgmmas in pairs, its step 2,421 cycles against
+# 1,024 of wgmmas, each waited for alone; each warpgroup's softmax beside its own PV, as the SASS has it
+# since 2026-12-01: on 2026-11-30 ptxas waited for the PV before the softmax; the turns at a named barrier:
+# the SASS shows the mbarrier turns let both warpgroups' softmaxes run together, off the other's wgmmas,
+# as the 2026-11-30 profile's step of softmax + all wgmmas + waits says; the row sums and the
+# accumulator's rescale off the softmax's path; two dK/dV warpgroups), then the backward a CTA an item
+# (its default until the persistent one, at 176.5 TFLOP/s forward+backward the best of 2026-11-30
+# evening, became it at head size 128), then the rest. (The rescale and the row sums together spill.)
 CANDIDATE = "turns at a named barrier, row sums during the next QK"
 PAIRED_CANDIDATE = f"{CANDIDATE}, backward wgmmas in pairs"  # gpu.py's attention_profile profiles it
-# The paired backward goes first: the named turns are inline PTX that only a GPU has run, and a kernel
-# that hung would take the figure's remaining time with it.
-MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED), ("turns at a named barrier", NAMED),
+# The paired backward and the overlapped softmax go first: the named turns are inline PTX that only a
+# GPU has run, and a kernel that hung would take the figure's remaining time with it.
+MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED), ("softmax beside its own PV", OVERLAP),
+                       ("turns at a named barrier", NAMED),
+                       ("softmax beside its own PV, backward wgmmas in pairs", OVERLAP + PAIRED),
                        (PAIRED_CANDIDATE, NAMED + ROW_SUM + PAIRED),
                        (f"{PAIRED_CANDIDATE}, backward a CTA an item", NAMED + ROW_SUM + PAIRED + BACKWARD_PER_ITEM),
                        (CANDIDATE, NAMED + ROW_SUM),
@@ -67,7 +70,6 @@ MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED), ("turns at a named 
                        ("row sums during the next QK", ROW_SUM),
                        ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
                        ("backward a CTA an item", BACKWARD_PER_ITEM),
-                       ("softmax beside its own PV", OVERLAP),
                        ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
                        ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
                        ("persistent", PERSISTENT), ("rings of 2 slots", RING_OF_2),

@@ -170,6 +170,21 @@ def mma(acc, lhs, rhs, interpret: bool, meanwhile=None):
   return pl.run_state(accumulate)(plgpu.ACC.init(acc))  # waits for the wgmma before it returns
 
 
+def wgmma_wait_after(work_done, pending: int = 0):
+  """Wait until at most `pending` wgmma groups are in flight, scheduled after the work in program order
+  before it. ptxas moves a wgmma.wait_group, which has no operands, up to the top of its basic block,
+  ahead of work written to run while the wgmmas do (the SASS, compile-only H100: the forward's wait for
+  the PV before the softmax's row maxima). A wait behind a branch it cannot decide stays below the work.
+  `work_done`: a runtime boolean ptxas cannot know (true in practice); correctness does not rest on it:
+  the caller's own wait, unconditional, follows (a wgmma accumulator's read, say)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  @pl.when(work_done)
+  def _():
+    plgpu.wgmma_wait(pending)
+
+
 # The hardware named barrier (bar.sync) two compute warpgroups may take turns at: Mosaic GPU itself syncs
 # on barrier 0 (the CTA) and 1 + a warpgroup's index (its warpgroup), of the SM's 16.
 TURN_BARRIER = 15

@@ -35,7 +35,7 @@ from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HE
                                                   compute_registers, copying_warpgroup, inner_ranges, item_part,
                                                   kernel_params, kv_ring, kv_spans, load, mma, named_barrier_sync,
                                                   own_buffers, persistent_ctas, ring_stages, scope, store_item,
-                                                  work_items, TURN_BARRIER)
+                                                  wgmma_wait_after, work_items, TURN_BARRIER)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -60,7 +60,10 @@ K_WAIT_DURING_PV = False
 # Each warpgroup runs a step's softmax while its own previous PV wgmma is on the tensor cores
 # (FlashAttention-3's intra-warpgroup overlap; K_WAIT_DURING_PV off). With PINGPONG the warpgroups pass
 # a token, once a step, to issue their wgmmas in turn; without, their phases drift apart by themselves.
-# Off until a GPU times it and checks it (benchmarks/attention.py's variants "softmax beside its own PV").
+# Timed on 2026-11-30 at 2 % over the forward as configured, when ptxas waited for the PV before the
+# softmax; since 2026-12-01 the SASS has the whole softmax (row maxima, 32 exp2, row sums) between the
+# QK's wait and the PV's. Off until a GPU times that form and checks it (the attention figure's variants
+# "softmax beside its own PV").
 OVERLAP_SOFTMAX = False
 # A step's row sums of its weights (l, a sum over 64 keys and two warp shuffles deep) added while the next
 # step's QK wgmma runs, not between the weights and the PV: the on-device profile of 2026-11-30 had the
@@ -337,9 +340,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           return acc_or_pv, m_new, l, (alpha, p, ())
 
         # OVERLAP_SOFTMAX: step i issues its QK and step i - 1's PV together, waits for the QK alone and
-        # runs its softmax while the PV is on the tensor cores; the accumulator is rescaled once the PV
-        # is done (FlashAttention-3's intra-warpgroup overlap). The span's first QK and its last PV
-        # stand alone.
+        # runs its softmax while the PV is on the tensor cores; the accumulator is rescaled by step
+        # i - 1's factor between the QK's and the PV's issue (FlashAttention-3's intra-warpgroup
+        # overlap). The span's first QK and its last PV stand alone.
         def pv_of(acc, p16, i):  # step i's PV on the accumulator, waited for; V's slot freed
           slot = lax.rem(g + i, stages)
           scope("wait_v")(plgpu.barrier_wait)(v_bar.at[slot])
@@ -349,51 +352,58 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
 
         @scope("step")
         def overlapped_step(i, carry):
-          acc, m, l, p16 = carry  # p16: step i - 1's weights, not yet multiplied into acc
+          # p: step i - 1's weights (f32), not yet multiplied into acc; alpha: the factor step i - 1's
+          # maxima scale acc by, not yet applied (it is, between this step's QK and PV issues).
+          acc, m, l, p, alpha = carry
+          # Both deferred into this step, as FlashAttention-3 orders them. The SASS (compile-only H100)
+          # of the form that converted the weights to 16 bits at the end of step i - 1: ptxas packed them
+          # into the loop carry's registers, which the PV in flight still read, so it waited for the PV
+          # before the first conversion; and it moves an operand-less wgmma wait up to the top of its
+          # basic block anyway, before the softmax's row maxima. Only the mask overlapped the PV
+          # (BENCHMARKS.md). Carried in f32 the weights never alias the PV's operand, and the PV's wait
+          # sits behind a branch after the softmax (wgmma_wait_after).
+          p16 = p.astype(dtype)
           slot, prev = lax.rem(g + i, stages), lax.rem(g + i - 1, stages)
           scope("wait_k")(wait_k)(i)
           scope("wait_v")(plgpu.barrier_wait)(v_bar.at[prev])
           if interpret:  # no register operand or accumulator-initialised wgmma: the same sums as dots
             await_token()
             s = jnp.dot(q_s[...], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
-            acc = acc + jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+            acc = acc * row(alpha, head_dim) + jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
             pass_token()
             plgpu.barrier_arrive(k_free.at[slot])
             m, alpha, p, l = online_softmax(masked(s, i), m, l)
-            p16 = p.astype(dtype)
           else:
-            def both(refs):
-              acc_ref, m_ref, alpha_ref, p_ref, l_ref = refs
+            def scores(s_ref):
+              await_token()
+              plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
 
-              def scores(s_ref):
-                await_token()
-                plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
+              def pv_and_softmax(refs):  # the PV issued behind the QK, the softmax while it runs
+                acc_ref, m_ref, alpha_ref, p_ref, l_ref = refs
                 plgpu.wgmma(acc_ref, p16, v_smem.at[prev])
                 pass_token()
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the QK; the PV runs on
+                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # the QK; the PV runs on
+                plgpu.barrier_arrive(k_free.at[slot])
+                outs = scope("softmax")(online_softmax)(masked(s, i), m, l)
+                m_ref[...], alpha_ref[...], p_ref[...], l_ref[...] = lax.optimization_barrier(outs)
+                # ... and the PV waited for after it (inner_lo is a key index, never negative).
+                wgmma_wait_after(inner_lo >= 0)
 
-              s = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
-              plgpu.barrier_arrive(k_free.at[slot])
-              m_new, alpha, p, l_new = scope("softmax")(online_softmax)(masked(s, i), m, l)
-              # Computed before the PV is waited for, in program order. (ptxas still moves the wait up to
-              # before the row maxima's first shuffle, so only the mask overlaps the PV: BENCHMARKS.md.)
-              outs = lax.optimization_barrier((m_new, alpha, p.astype(dtype), l_new))
-              m_ref[...], alpha_ref[...], p_ref[...], l_ref[...] = outs
+              # acc rescaled while the QK runs (FlashAttention-3's order), then the PV's accumulator
+              return pl.run_state(pv_and_softmax)((plgpu.ACC.init(acc * row(alpha, head_dim)), m, m, p, l))
 
-            acc, m, alpha, p16_new, l = scope("qk_pv")(pl.run_state(both))((plgpu.ACC.init(acc), m, m, p16, l))
-            # The PV reads step i - 1's weights from registers until it is waited for: held alive past
-            # the wait, so that nothing in between is given their registers (ptxas would serialize the
-            # wgmmas, C7513).
-            acc, m, alpha, p16, l, _ = lax.optimization_barrier((acc, m, alpha, p16_new, l, p16))
+            acc, m, alpha, p, l = scope("qk_pv")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
+            # The PV reads this step's 16-bit weights from registers until it is waited for: held alive
+            # past the wait, so that nothing in between is given their registers.
+            acc, m, alpha, p, l, _ = lax.optimization_barrier((acc, m, alpha, p, l, p16))
           plgpu.barrier_arrive(v_free.at[prev])
-          return acc * row(alpha, head_dim), m, l, p16
+          return acc, m, l, p, alpha
 
         def overlapped_span(acc, m, l):
           scope("wait_k")(wait_k)(first)
           m, alpha, p, l = scope("softmax")(online_softmax)(scores_of(first, lax.rem(g + first, stages))[0], m, l)
-          acc, m, l, p16 = lax.fori_loop(first + 1, last, overlapped_step, (acc * row(alpha, head_dim), m, l,
-                                                                           p.astype(dtype)))
-          return pv_of(acc, p16, last - 1), m, l
+          acc, m, l, p, alpha = lax.fori_loop(first + 1, last, overlapped_step, (acc, m, l, p, alpha))
+          return pv_of(acc * row(alpha, head_dim), p.astype(dtype), last - 1), m, l
 
         m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
