@@ -340,9 +340,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           return acc_or_pv, m_new, l, (alpha, p, ())
 
         # OVERLAP_SOFTMAX: step i issues its QK and step i - 1's PV together, waits for the QK alone and
-        # runs its softmax while the PV is on the tensor cores; the accumulator is rescaled by step
-        # i - 1's factor between the QK's and the PV's issue (FlashAttention-3's intra-warpgroup
-        # overlap). The span's first QK and its last PV stand alone.
+        # runs its softmax while the PV is on the tensor cores; the accumulator is rescaled once the PV
+        # is done (FlashAttention-3's intra-warpgroup overlap). The span's first QK and its last PV
+        # stand alone.
         def pv_of(acc, p16, i):  # step i's PV on the accumulator, waited for; V's slot freed
           slot = lax.rem(g + i, stages)
           scope("wait_v")(plgpu.barrier_wait)(v_bar.at[slot])
@@ -352,24 +352,21 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
 
         @scope("step")
         def overlapped_step(i, carry):
-          # p: step i - 1's weights (f32), not yet multiplied into acc; alpha: the factor step i - 1's
-          # maxima scale acc by, not yet applied (it is, between this step's QK and PV issues).
-          acc, m, l, p, alpha = carry
-          # Both deferred into this step, as FlashAttention-3 orders them. The SASS (compile-only H100)
-          # of the form that converted the weights to 16 bits at the end of step i - 1: ptxas packed them
-          # into the loop carry's registers, which the PV in flight still read, so it waited for the PV
-          # before the first conversion; and it moves an operand-less wgmma wait up to the top of its
-          # basic block anyway, before the softmax's row maxima. Only the mask overlapped the PV
-          # (BENCHMARKS.md). Carried in f32 the weights never alias the PV's operand, and the PV's wait
-          # sits behind a branch after the softmax (wgmma_wait_after).
-          p16 = p.astype(dtype)
+          acc, m, l, p16 = carry  # p16: step i - 1's weights, not yet multiplied into acc
+          # The SASS (compile-only H100) of the form timed on 2026-11-30 had the PV's wait before the
+          # softmax's row maxima, so that only the mask overlapped the PV (BENCHMARKS.md): the softmax
+          # converted the new weights to 16 bits into the loop carry's registers, which the PV in flight
+          # still read, so ptxas waited for the PV before the first conversion; and it moves an
+          # operand-less wgmma wait up to the top of its basic block anyway. Here the weights stay f32
+          # until the PV's wait, and that wait sits behind a branch after the softmax (wgmma_wait_after);
+          # the accumulator's rescale and the conversion follow it, off the token's turn.
           slot, prev = lax.rem(g + i, stages), lax.rem(g + i - 1, stages)
           scope("wait_k")(wait_k)(i)
           scope("wait_v")(plgpu.barrier_wait)(v_bar.at[prev])
           if interpret:  # no register operand or accumulator-initialised wgmma: the same sums as dots
             await_token()
             s = jnp.dot(q_s[...], k_smem.at[slot][...].T, preferred_element_type=jnp.float32)
-            acc = acc * row(alpha, head_dim) + jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
+            acc = acc + jnp.dot(p16, v_smem.at[prev][...], preferred_element_type=jnp.float32)
             pass_token()
             plgpu.barrier_arrive(k_free.at[slot])
             m, alpha, p, l = online_softmax(masked(s, i), m, l)
@@ -389,21 +386,23 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
                 # ... and the PV waited for after it (inner_lo is a key index, never negative).
                 wgmma_wait_after(inner_lo >= 0)
 
-              # acc rescaled while the QK runs (FlashAttention-3's order), then the PV's accumulator
-              return pl.run_state(pv_and_softmax)((plgpu.ACC.init(acc * row(alpha, head_dim)), m, m, p, l))
+              weights = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), wgmma_layout)  # written in there
+              return pl.run_state(pv_and_softmax)((plgpu.ACC.init(acc), m, m, weights, l))
 
             acc, m, alpha, p, l = scope("qk_pv")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
-            # The PV reads this step's 16-bit weights from registers until it is waited for: held alive
-            # past the wait, so that nothing in between is given their registers.
+            # The PV reads step i - 1's weights from registers until it is waited for: held alive past
+            # the wait, so that nothing in between is given their registers (ptxas would serialize the
+            # wgmmas, C7513).
             acc, m, alpha, p, l, _ = lax.optimization_barrier((acc, m, alpha, p, l, p16))
           plgpu.barrier_arrive(v_free.at[prev])
-          return acc, m, l, p, alpha
+          return acc * row(alpha, head_dim), m, l, p.astype(dtype)
 
         def overlapped_span(acc, m, l):
           scope("wait_k")(wait_k)(first)
           m, alpha, p, l = scope("softmax")(online_softmax)(scores_of(first, lax.rem(g + first, stages))[0], m, l)
-          acc, m, l, p, alpha = lax.fori_loop(first + 1, last, overlapped_step, (acc, m, l, p, alpha))
-          return pv_of(acc * row(alpha, head_dim), p.astype(dtype), last - 1), m, l
+          acc, m, l, p16 = lax.fori_loop(first + 1, last, overlapped_step, (acc * row(alpha, head_dim), m, l,
+                                                                           p.astype(dtype)))
+          return pv_of(acc, p16, last - 1), m, l
 
         m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
