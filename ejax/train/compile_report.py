@@ -81,7 +81,9 @@ def abstract_batch(model_config, global_batch: int, mesh, rules, accum: int = 1)
   micro = global_batch // accum
   # An auto packed row: the example batch's, planned for a device's share as the train job plans it
   # (ejax/data/row_plan.py), so that every device holds whole rows.
-  model_config = example_config(model_config, max(1, micro // max(process_batch_shards(mesh, rules), 1)))
+  shards = max(process_batch_shards(mesh, rules), 1)
+  share = max(1, micro // shards)  # a device's samples
+  model_config = example_config(model_config, share)
   small = 8 * int(model_config.get("packing", {}).get("samples_per_row", 1))
   one, two = spec.example_batch(model_config, small, 0), spec.example_batch(model_config, 2 * small, 0)
   out = {}
@@ -89,10 +91,12 @@ def abstract_batch(model_config, global_batch: int, mesh, rules, accum: int = 1)
     if not isinstance(value, np.ndarray) or value.dtype == object:
       continue
     lead, lead2 = value.shape[0], two[name].shape[0]
-    if lead2 != 2 * lead or value.shape[1:] != two[name].shape[1:] or (micro * lead) % small:
+    if lead2 != 2 * lead or value.shape[1:] != two[name].shape[1:]:
       raise ValueError(f"batch field {name!r} is {value.shape} for {small} samples and {two[name].shape} for "
                        f"{2 * small}: its leading size is not proportional to the sample count")
-    shape = (micro * lead // small,) + value.shape[1:]
+    # A device's packed rows are ceil(its samples / samples a row), the last one part full, as the
+    # train job lays them out (ejax/data/row_plan.py); per-sample fields scale exactly.
+    shape = (shards * -(-share * lead // small),) + value.shape[1:]
     if accum > 1:
       shape = (accum,) + shape
     sharding = batch_sharding(mesh, rules, len(shape), leading=shape[accum > 1], batch_axis=int(accum > 1))
