@@ -35,7 +35,8 @@ def base_config() -> ConfigDict:
   config = ConfigDict()
   config.job = "train"
   config.seed = 0
-  # Compiled programs persist here, so resumed and repeated runs skip compilation ("" disables).
+  # Compiled programs persist here, so resumed and repeated runs skip compilation ("" disables); on CPUs
+  # in a subdirectory a kind of host CPU (ejax.config.runtime.host_cpu_tag).
   config.compilation_cache_dir = "~/.cache/ejax/xla"
 
   # Devices: sizes of the (data, fsdp, tensor) mesh; one may be -1 ("all remaining devices").

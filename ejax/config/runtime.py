@@ -31,6 +31,27 @@ MULTI_PROCESS_CPU_NOTE = ("persistent compilation cache off: a multi-process CPU
 CACHE_MAX_BYTES = 16 * 2**30
 
 
+def host_cpu_tag(cpuinfo: str | None = None) -> str:
+  """'cpu-' and a hash of this host's CPU model and instruction-set flags (/proc/cpuinfo's first
+  processor). XLA:CPU builds for the host's features and its cache key leaves them out: an entry built
+  on another CPU (a home directory shared across a cluster's nodes, or a machine moved) loads with an
+  error line a program ("Target machine feature ... is not supported on the host machine"), and one
+  that needs an instruction the host lacks would crash it. Each kind of CPU gets its own directory."""
+  import hashlib
+  import platform
+  if cpuinfo is None:
+    try:
+      with open("/proc/cpuinfo") as file:
+        cpuinfo = file.read()
+    except OSError:
+      cpuinfo = ""
+  first = cpuinfo.split("\n\n")[0]
+  keep = [line.split(":", 1)[1].strip() for line in first.splitlines()
+          if line.split(":", 1)[0].strip() in ("model name", "flags", "Features", "CPU part")]
+  text = "\n".join([platform.machine()] + keep) if keep else platform.machine() + platform.processor()
+  return "cpu-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def enable_compilation_cache(directory: str | None, min_compile_seconds: float = 0.0,
                              max_bytes: int = CACHE_MAX_BYTES) -> bool:
   """Persists compiled programs so a resumed or repeated run compiles nothing: its step and every
@@ -39,7 +60,8 @@ def enable_compilation_cache(directory: str | None, min_compile_seconds: float =
   Programs are keyed by their HLO, compile options and the jax/XLA version, so a stale entry can
   never be used for a different program. Entries are read and written under a file lock, the least
   recently used evicted beyond `max_bytes`. An empty directory disables the cache, and so does a
-  multi-process run on CPUs (see above). Call it after jax.distributed is initialised.
+  multi-process run on CPUs (see above). On CPUs the entries go in a subdirectory a kind of host CPU
+  (host_cpu_tag). Call it after jax.distributed is initialised.
   """
   if jax.process_count() > 1 and jax.default_backend() == "cpu":
     # Also a cache that JAX_COMPILATION_CACHE_DIR turned on behind the config's back.
@@ -50,6 +72,8 @@ def enable_compilation_cache(directory: str | None, min_compile_seconds: float =
   if not directory:
     return False
   directory = os.path.expanduser(directory)
+  if jax.default_backend() == "cpu":
+    directory = os.path.join(directory, host_cpu_tag())
   try:
     os.makedirs(directory, exist_ok=True)
   except OSError as error:

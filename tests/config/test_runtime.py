@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+from ejax.config.runtime import host_cpu_tag
 from tests.train.helpers import REPO
 
 _COMPILE = """
@@ -26,9 +27,11 @@ def test_entries_are_written_under_a_file_lock_and_read_by_the_next_process(tmp_
   first = run()
   assert first.returncode == 0, first.stderr[-2000:]
   assert "cache hits 0" in first.stdout, first.stdout
-  entries = sorted(p.name for p in cache.iterdir())
+  # On CPUs the entries go in a directory of this kind of host CPU (host_cpu_tag).
+  assert [p.name for p in cache.iterdir()] == [host_cpu_tag()]
+  entries = sorted(p.name for p in (cache / host_cpu_tag()).iterdir())
   assert ".lockfile" in entries, entries
-  written = [p for p in cache.iterdir() if p.name.endswith("-cache")]
+  written = [p for p in (cache / host_cpu_tag()).iterdir() if p.name.endswith("-cache")]
   assert written, entries
   stamps = {p: p.stat().st_mtime_ns for p in written}
   second = run()
@@ -36,4 +39,16 @@ def test_entries_are_written_under_a_file_lock_and_read_by_the_next_process(tmp_
   # The second process loaded the entry (not rewritten), its use stamped for the least-recently-used bound.
   assert int(second.stdout.split("cache hits")[1]) >= 1, second.stdout
   assert {p: p.stat().st_mtime_ns for p in written} == stamps
-  assert any(p.name.endswith("-atime") for p in cache.iterdir())
+  assert any(p.name.endswith("-atime") for p in (cache / host_cpu_tag()).iterdir())
+
+
+def test_each_kind_of_host_cpu_has_its_own_directory():
+  """XLA:CPU builds for the host's instruction set and the cache key leaves it out: a home directory
+  shared by a cluster's nodes must not hand one CPU's programs to another."""
+  info = lambda flags, name="Xeon": "".join(f"processor\t: {i}\nmodel name\t: {name}\nflags\t\t: {flags}\n\n"
+                                          for i in range(2))
+  tag = host_cpu_tag(info("fpu sse avx avx2"))
+  assert tag.startswith("cpu-") and tag == host_cpu_tag(info("fpu sse avx avx2"))
+  assert tag != host_cpu_tag(info("fpu sse avx avx2 avx512f"))
+  assert tag != host_cpu_tag(info("fpu sse avx avx2", name="EPYC"))
+  assert host_cpu_tag() == host_cpu_tag(open("/proc/cpuinfo").read())
