@@ -37,6 +37,9 @@ PERSISTENT = ((mosaic_forward, "PERSISTENT", True), (mosaic_backward, "PERSISTEN
 # The backward a CTA a work item at every head size: its default until 2026-12-01 (since then persistent
 # at head size 128), timed beside it.
 BACKWARD_PER_ITEM = ((mosaic_backward, "PERSISTENT", False),)
+# dK/dV in two compute warpgroups, a work item of 128 keys: the streamed Q and dO tiles feed both, and one
+# warpgroup's exp2 and mask run beside the other's wgmmas (168 registers, no spills; with WGMMA_PAIRS it
+# spills 44 bytes a thread at head size 128, so the two are not timed together).
 DKV_2 = ((mosaic_backward, "DKV_WGS", 2),)
 BACKWARD_RS = ((mosaic_backward, "OPERANDS_IN_REGISTERS", True),)  # the score wgmmas' own operands
 # Each step's QK and the last PV issued together, the softmax between their waits; the warpgroups pass a
@@ -58,9 +61,14 @@ PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two 
 CANDIDATE = "turns at a named barrier, row sums during the next QK"
 PAIRED_CANDIDATE = f"{CANDIDATE}, backward wgmmas in pairs"  # gpu.py's attention_profile profiles it
 # The paired backward and the overlapped softmax go first: the named turns are inline PTX that only a
-# GPU has run, and a kernel that hung would take the figure's remaining time with it.
-MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED), ("softmax beside its own PV", OVERLAP),
-                       ("turns at a named barrier", NAMED),
+# GPU has run, and a kernel that hung would take the figure's remaining time with it. An arm's forward
+# and forward+backward are timed apart, so the second arm times a forward variant and a backward one at
+# once (the backward's milliseconds: the two figures' difference): the overlapped softmax and dK/dV in
+# two warpgroups, each checked in interpret mode and free of spills. Each also comes alone later.
+MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED),
+                       ("softmax beside its own PV, dK/dV in 2 warpgroups", OVERLAP + DKV_2),
+                       ("turns at a named barrier", NAMED), ("softmax beside its own PV", OVERLAP),
+                       ("dK/dV in 2 warpgroups", DKV_2),
                        ("softmax beside its own PV, backward wgmmas in pairs", OVERLAP + PAIRED),
                        (PAIRED_CANDIDATE, NAMED + ROW_SUM + PAIRED),
                        (f"{PAIRED_CANDIDATE}, backward a CTA an item", NAMED + ROW_SUM + PAIRED + BACKWARD_PER_ITEM),
@@ -68,7 +76,6 @@ MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED), ("softmax beside it
                        ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE),
                        ("rescaled after the PV", RESCALE),
                        ("row sums during the next QK", ROW_SUM),
-                       ("persistent, dK/dV in 2 warpgroups", PERSISTENT + DKV_2),
                        ("backward a CTA an item", BACKWARD_PER_ITEM),
                        ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
                        ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
@@ -223,7 +230,8 @@ FORWARD_VARIANTS = (("as configured", ()), ("Q in shared memory", ((mosaic_forwa
 BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "PERSISTENT", True),)),
                      ("a CTA an item", BACKWARD_PER_ITEM),
                      ("rings of 2 slots", ((mosaic_backward, "STAGES", 2),)),
-                     ("backward wgmmas in pairs", PAIRED), ("backward wgmmas in pairs, persistent", PAIRED + PERSISTENT[1:]))
+                     ("backward wgmmas in pairs", PAIRED), ("backward wgmmas in pairs, persistent", PAIRED + PERSISTENT[1:]),
+                     ("dK/dV in 2 warpgroups", DKV_2))
 # And mosaic_own's gradients under the forward's 128-key tiles (its out and lse feed the backward): on the
 # H200 of 2026-11-30 the attention figure's "128-key tiles" arm had gradients 1.9 off, the other arms'
 # 4.6e-3; interpret mode agrees with the reference (tests).

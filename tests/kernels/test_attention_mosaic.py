@@ -115,18 +115,22 @@ def _reference_grads(q, k, v, d_out, k_start, k_end, scale):
 
 
 @MOSAIC
-@pytest.mark.parametrize("head_dim,heads,kv_heads,ctas,stages,paired",
-                         [(64, 2, 1, None, None, False), (128, 2, 2, None, None, False), (64, 2, 1, 3, None, False),
-                          (64, 2, 1, None, 2, False), (64, 2, 1, 3, 3, False), (64, 2, 1, None, None, True),
-                          (128, 2, 2, 3, 2, True), (128, 2, 2, "module's", None, False)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads,ctas,stages,paired,dkv_wgs",
+                         [(64, 2, 1, None, None, False, 1), (128, 2, 2, None, None, False, 1),
+                          (64, 2, 1, 3, None, False, 1), (64, 2, 1, None, 2, False, 1), (64, 2, 1, 3, 3, False, 1),
+                          (64, 2, 1, None, None, True, 1), (128, 2, 2, 3, 2, True, 1),
+                          (128, 2, 2, "module's", None, False, 1), (64, 2, 1, 3, None, False, 2),
+                          (128, 2, 2, "module's", None, True, 2)])
 def test_backward_kernels_match_autodiff_of_the_reference(monkeypatch, head_dim, heads, kv_heads, ctas, stages,
-                                                         paired):
+                                                         paired, dkv_wgs):
   """`ctas`: persistent kernels of that many CTAs, each looping over several work items (8 for dQ, 16
   for dK/dV), their own tiles double-buffered and the ring carried from one item to the next ("module's":
   persistent or not as PERSISTENT says at this head size, a CTA an SM). `stages`:
   the rings' slots (None: the deepest that fits, more than a work item's steps here). `paired`:
-  WGMMA_PAIRS, dK/dV's wgmmas issued two at a time."""
+  WGMMA_PAIRS, dK/dV's wgmmas issued two at a time. `dkv_wgs`: DKV_WGS, dK/dV's compute warpgroups (two:
+  a work item of 128 keys, the streamed Q and dO tiles shared by both)."""
   monkeypatch.setattr(mosaic_backward, "WGMMA_PAIRS", paired)
+  monkeypatch.setattr(mosaic_backward, "DKV_WGS", dkv_wgs)
   rng = np.random.default_rng(1)
   length = 256
   # Segments up to 200 tokens: some tiles lie inside every range of their queries (no mask applied).
@@ -138,15 +142,17 @@ def test_backward_kernels_match_autodiff_of_the_reference(monkeypatch, head_dim,
   k, v = normal(2, length, kv_heads, head_dim), normal(2, length, kv_heads, head_dim)
   scale = head_dim**-0.5
   out, lse, want = _reference_grads(q, k, v, d_out, k_start, k_end, scale)
-  kernels = []  # each kernel's persistence, as the backward resolved it
+  kernels = []  # each kernel's (work items, persistence), as the backward resolved them
   monkeypatch.setattr(mosaic_backward, "persistent_ctas",
-                      lambda items, persistent, ctas=None: kernels.append(persistent)
+                      lambda items, persistent, ctas=None: kernels.append((items, persistent))
                       or mosaic_common.persistent_ctas(items, persistent, ctas))
   default = ctas == "module's"
   got = mosaic_backward.backward(q, k, v, out.astype(jnp.bfloat16), lse, d_out, jnp.asarray(k_start),
                                  jnp.asarray(k_end), scale=scale, persistent=None if default else ctas is not None,
                                  ctas=None if default else ctas, stages=stages)
-  assert kernels == [mosaic_backward.persistent_at(head_dim) if default else ctas is not None] * 2
+  assert [p for _, p in kernels] == [mosaic_backward.persistent_at(head_dim) if default else ctas is not None] * 2
+  # dQ's items: 128 queries of a head and row; dK/dV's: dkv_wgs x 64 keys of a kv head and row
+  assert [n for n, _ in kernels] == [2 * heads * length // 128, 2 * heads * length // (64 * dkv_wgs)]
   for name, g, w, primal in zip("qkv", got, want, (q, k, v)):
     assert g.shape == primal.shape and g.dtype == primal.dtype, name
     np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=2e-2 * float(jnp.abs(w).max()),
@@ -341,7 +347,13 @@ for persistent in (False, True):
          f"wgmma_pairs={mosaic_backward.WGMMA_PAIRS}")
     backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
     backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
-  mosaic_backward.WGMMA_PAIRS = False
+  # two dK/dV warpgroups (DKV_WGS), their wgmmas one or two at a time
+  mosaic_backward.OPERANDS_IN_REGISTERS, mosaic_backward.DKV_WGS = False, 2
+  for mosaic_backward.WGMMA_PAIRS in (False, True):
+    mark(f"backward persistent={persistent} dkv_wgs=2 wgmma_pairs={mosaic_backward.WGMMA_PAIRS}")
+    backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False, persistent=persistent))
+    backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+  mosaic_backward.WGMMA_PAIRS, mosaic_backward.DKV_WGS = False, 1
   for mosaic_forward.Q_IN_REGISTERS, mosaic_forward.K_WAIT_DURING_PV in ((True, False), (False, False), (True, True)):
     # the scores' wgmma RS or SS; each step's K waited for during the PV wgmma before it
     mark(f"forward persistent={persistent} q_in_registers={mosaic_forward.Q_IN_REGISTERS} "
@@ -383,8 +395,11 @@ forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 #   thread; jaxlib 0.11.2 built it without. That form was slower on an H200 without spills too.
 # - dK/dV with its wgmmas in pairs (WGMMA_PAIRS), a CTA an item, at 128: 8 bytes, stored before the
 #   step loop and loaded after it (the SASS); its loop has no local access.
+# - dK/dV in two warpgroups (DKV_WGS 2) with its wgmmas in pairs, at 128: 44 bytes stored, 52 loaded a
+#   thread, either persistence (2026-12-01); without the pairs no spill. The attention figure times them apart.
 _KNOWN_SPILLS = (("dq_kernel", "operands_in_registers=True", 128, None),
-                 ("dkv_kernel", "persistent=False operands_in_registers=False wgmma_pairs=True", 128, 8))
+                 ("dkv_kernel", "persistent=False operands_in_registers=False wgmma_pairs=True", 128, 8),
+                 ("dkv_kernel", "dkv_wgs=2 wgmma_pairs=True", 128, 52))
 
 
 def _ptxas_reports(output: str) -> list[tuple[str, str, int, int]]:
@@ -415,9 +430,9 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim):
   kernels = {kernel for _, kernel, _, _ in reports}
   assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel", "forward_kernel_mosaic_gpu_kernel"} <= kernels, \
       report[-2000:]
-  # per persistence: three backwards of two kernels, three forwards; then the overlapped, the deferred-sum,
+  # per persistence: five backwards of two kernels, three forwards; then the overlapped, the deferred-sum,
   # the late-rescale, two named-turn and the profiled forward
-  assert len(reports) == 24, reports
+  assert len(reports) == 32, reports
   spilled = [r for r in reports if r[2] or r[3]]
   allowed = [r for r in spilled if any(kernel in r[1] and settings in r[0] and head_dim == size
                                        and (most is None or max(r[2], r[3]) <= most)
