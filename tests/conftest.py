@@ -50,27 +50,28 @@ enable_compilation_cache(_session_cache, 0.5)
 
 # `-n 2 --dist loadfile` (README) runs each file whole on one worker and, with pyproject's
 # --no-loadscope-reorder, hands the files out in the order collected. The longest files (seconds each
-# took in CI on 2 cores, 2026-11-30) go first, so that the short ones fill in at the end and no long
+# took in CI on 2 cores, 2026-11-30 and 2026-12-01) go first, so that the short ones fill in at the end and no long
 # file is left running on one worker while the other has nothing to do.
 LONGEST_FILES = (
-    "tests/eval/test_closed_loop.py",           # 180-310
-    "tests/test_gpu_script.py",                  # 200-255
-    "tests/train/test_watchdog.py",              # 115-130
-    "tests/test_colab.py",                       # 80-145
-    "tests/train/test_frozen_fp8.py",            # 70-120
-    "tests/serve/test_checkpoint_kinds.py",      # 40-135
-    "tests/models/test_pi05.py",                 # 60-105
-    "tests/train/test_step.py",                  # 60-100
+    "tests/test_gpu_script.py",                  # 235-395
+    "tests/test_colab.py",                       # 80-200
+    "tests/train/test_watchdog.py",              # 110-125
+    "tests/serve/test_checkpoint_kinds.py",      # 40-140
+    "tests/models/test_pi05.py",                 # 60-115
+    "tests/train/test_step.py",                  # 60-140
+    "tests/parallel/test_shard_local.py",        # 55-135
+    "tests/kernels/test_attention.py",           # 45-125
+    "tests/test_startup.py",                     # 60-120
+    "tests/eval/test_closed_loop.py",            # 95
+    "tests/train/test_frozen_fp8.py",            # 70-90
     "tests/train/test_resume_checks.py",         # 50-90
     "tests/models/test_perception_upgrade.py",   # 55-110
-    "tests/sim/test_envs.py",                    # 75-165
     "tests/serve/test_server.py",                # 60-80
-    "tests/rl/test_runner.py",                   # 50-90
-    "tests/parallel/test_shard_local.py",        # 55-85
-    "tests/kernels/test_attention.py",           # 45-80
-    "tests/models/test_dreamzero_policy.py",     # 50-70
-    "tests/test_startup.py",                     # 60-70
-    "tests/train/test_sharded_training.py",      # 35-60
+    "tests/rl/test_vla_pi05.py",                 # 100
+    "tests/models/test_dreamzero_policy.py",     # 50-90
+    "tests/sim/test_envs.py",                    # 65-100
+    "tests/rl/test_runner.py",                   # 55
+    "tests/train/test_sharded_training.py",      # 35-75
 )
 
 

@@ -101,6 +101,7 @@ def test_collate_gives_the_module_its_images_and_targets(labelled_dataset):
   assert not batch["state"][..., 11:].any()
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 57 s; the hook and the collate stay in CI
 def test_runlocal_with_perception_trains_the_module_and_the_dit(labelled_dataset, tmp_path):
   from ejax.train.loop import train
   result = train(_perceiving_run(labelled_dataset, 2), str(tmp_path))

@@ -166,6 +166,7 @@ def test_groot_adapters_on_the_dit_and_llm_merge_to_the_same_function():
   assert not lora.has_adapters(model)
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 64 s; pi0.5's adapters' gradients and GR00T's merge stay in CI
 def test_groot_llm_adapters_get_gradients_through_the_frozen_backbone():
   """With the LLM frozen (tune_llm False) GR00T skips the backbone's backward, unless adapters on it
   train: their b (zero at the start) gets a gradient, as the DiT's does."""

@@ -38,6 +38,7 @@ def labelled_batch(c, n=4):
               aux_pixels=rng.uniform(-1, 1, batch["aux_pixels"].shape).astype(np.float32))
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 80 s; colab/quickstart's test run trains with the hook in CI
 def test_the_hook_writes_keypoints_and_the_teacher_forced_estimate_into_the_state_slots():
   """The state the action head reads: the data's, then the estimate (the target where a sample has
   one, noised only with a training rng), then each camera's points' (x, y); the module needs only the

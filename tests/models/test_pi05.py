@@ -152,7 +152,7 @@ def test_flow_sde_log_prob_recomputes_from_the_stored_chain(config, model, batch
                              rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("tokens", [False, True])
+@pytest.mark.parametrize("tokens", [pytest.param(False, marks=pytest.mark.slow), True])  # CI time: 53 s
 def test_the_perception_hook_is_wired_and_starts_as_the_released_model(tokens):
   """model.perception on pi0.5: its batch carries the state vector and the module's targets, the loss
   adds the module's own losses, and what it writes into the state's slots joins the action expert's

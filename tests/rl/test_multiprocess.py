@@ -103,6 +103,7 @@ def test_sync_two_processes_match_one_process_and_the_batch_is_global(tmp_path):
   assert moved > 1e-3  # the updates changed the parameters: the comparison is not of two untouched copies
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 105 s; tests/train/test_multiprocess.py and the watchdog keep two processes in CI
 def test_async_two_processes_bound_lag_stop_together_on_sigterm_and_resume_on_one(tmp_path):
   workdir = tmp_path / "run"
   procs = launch(workdir, processes=2, updates=400)

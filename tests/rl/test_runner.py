@@ -71,6 +71,7 @@ def sim_config():
   return config
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 62 s; the RL job's run, SIGTERM and resume stay in CI (the test above)
 @pytest.mark.timeout(900)
 def test_rl_job_on_a_sim_task_is_judged_by_the_eval_job_and_rejudged_from_checkpoints(tmp_path):
   from configs import eval as eval_config

@@ -105,6 +105,7 @@ def _expert_success(batch, seeds_per_task: int) -> np.ndarray:
   return success.reshape(-1, len(TASKS))
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 60 s; tests/eval/test_closed_loop.py replays the experts' recordings in CI
 @pytest.mark.timeout(900)
 def test_scripted_experts_succeed_on_95_percent_of_20_seeds(batch):
   """The CI-sized check; the acceptance figure (100 seeds) is the slow test below."""

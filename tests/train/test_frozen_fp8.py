@@ -69,6 +69,7 @@ def test_no_copy_below_min_features_leaves_the_state_as_without():
   assert plan.abstract.frozen_fp8 is None  # runlocal's widths: 32-96 features
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 65 s; train.frozen_fp8 is off by default and its copies are tested above
 def test_copies_shard_as_their_kernels_and_survive_a_checkpoint(tmp_path, monkeypatch):
   """On 8 devices (fsdp 4 x tensor 2) each copy [out, in] is sharded as its kernel's out and in
   dimensions are; a checkpoint restores copies and state bit for bit."""

@@ -12,6 +12,7 @@ from ejax.train import rows as rows_lib
 from tests.train.helpers import groot_steps, leaves, load_config, tables
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 66 s, two GR00T steps compiled
 def test_the_trained_rows_move_as_with_the_dense_update_and_the_others_not_at_all():
   before, dense, dense_metrics = groot_steps(embodiment_rows="all", weight_decay=0.1)
   _, sparse, sparse_metrics = groot_steps(embodiment_rows="1", weight_decay=0.1)

@@ -71,6 +71,7 @@ def ended_within(proc, seconds: float) -> tuple[str, float]:
 STEP_TIMEOUT_S = 15
 
 
+@pytest.mark.slow  # CI time (2026-12-01): 73 s; the killed-peer drill below and test_watchdog_rules.py stay in CI
 def test_a_peer_that_stops_stepping_ends_every_process_within_the_step_timeout(tmp_path):
   workdir = tmp_path / "run"
   procs = launch(workdir, steps=100_000, extra=[f"--config.train.step_timeout={STEP_TIMEOUT_S}"])
