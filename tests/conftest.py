@@ -3,13 +3,18 @@
 import os
 
 # Before JAX initialises: 8 fake CPU devices so that sharding tests see a real mesh. The suite compiles
-# more than it runs, so XLA:CPU's code is built at LLVM's optimisation level 1, not 2: compile-bound
-# files take less CPU time (tests/train/test_frozen_fp8.py 102 -> 87 s) and MJX's rollouts run as fast
-# (the 20-seed expert test 21 s at both). Level 0 compiled faster still (68 s) but ran those rollouts
-# 5x slower (108 s) and rounded the device-built and traced inits 1 ulp apart (tests/train/test_state.py).
-# Subprocesses (notebooks, benchmarks) inherit it; `python -m ejax.main` runs of tests/test_main.py's
-# run_main do not.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1")
+# far more than it runs (a GR00T train step on tiny shapes, run once or twice), so its programs are
+# compiled with as little optimisation as XLA:CPU offers: jax_disable_most_optimizations (LLVM at -O0,
+# its expensive passes off) and XLA:CPU's elemental emitters instead of its MLIR fusion emitters. On
+# 2026-12-02 GR00T runlocal's train step compiled in 6.3 CPU s instead of 19 (dataset=synthetic, from
+# shapes), and tests/sim, tests/rl and tests/eval took 270 test-seconds instead of 613, MJX rollouts
+# included: at these sizes a rollout's time is its compile too. Tests that run long programs (the
+# 100-seed experts, -m slow) are marked `run_bound` and compile optimised (the fixture below).
+# Subprocesses (notebooks, benchmarks, `python -m ejax.main` runs) inherit both; tests/test_main.py's
+# run_main replaces XLA_FLAGS.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1"
+                                   " --xla_cpu_use_fusion_emitters=false")
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
 # XLA:CPU aborts the process ("Termination timeout ... of 40 seconds exceeded, only 3 of 8 threads
 # arrived") when the fake devices of one program reach a collective that far apart; on a loaded
 # 2-core machine (two test workers, a GR00T train step per device) they can. A real deadlock still
@@ -80,6 +85,22 @@ def pytest_collection_modifyitems(items):
   stable, so a file's tests stay together and in order."""
   rank = {name: i for i, name in enumerate(LONGEST_FILES)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _run_bound_compiles_optimised(request, monkeypatch):
+  """A `run_bound` test's programs, and its subprocesses', compile with XLA's optimisations on: its
+  time is in running them (MJX rollouts of 100 seeds ran 4.5x slower at -O0 on 2026-12-02)."""
+  if request.node.get_closest_marker("run_bound") is None:
+    yield
+    return
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "false")
+  before = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture
