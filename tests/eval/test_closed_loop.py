@@ -144,7 +144,7 @@ def test_privileged_state_behaviour_cloning_reaches_its_expert(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(1800)
 def test_privileged_state_behaviour_cloning_reaches_its_expert_on_every_task(tmp_path):
   """One multi-task actor on all 15 tasks (seen: 93-100 % per task, 97.8 % mean, ~3 minutes)."""
@@ -156,7 +156,7 @@ def test_privileged_state_behaviour_cloning_reaches_its_expert_on_every_task(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.run_bound
+@pytest.mark.optimised
 def test_recorded_actions_reproduce_the_expert_on_every_task_at_scale(tmp_path):
   """The oracle of the CI test above over 20 recorded episodes of every task, GR00T's output path."""
   settings = demo_settings("all", episodes=20, num_envs=300, seed=12)
@@ -191,7 +191,7 @@ def overfit_groot(tmp_path, *, task: str, episodes: int, steps: int, replan_ever
 
 
 @pytest.mark.slow  # CI time (2026-12-01): 440 s, the suite's longest; privileged-state BC and the recorded actions keep the loop in CI
-@pytest.mark.run_bound
+@pytest.mark.optimised
 def test_groot_overfit_on_a_handful_of_demos_succeeds_on_their_layouts(tmp_path):
   """CI-sized: batch 16 for 1500 steps (~4 min with recording and eval). Seen 2026-11-26 (after the
   shared-heatmap loss): flow loss ~1.7 -> 0.07-0.10 and 4 of 4 layouts solved with seeds 0, 1, 2 at
@@ -207,7 +207,7 @@ def test_groot_overfit_on_a_handful_of_demos_succeeds_on_their_layouts(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(1800)
 def test_groot_overfit_on_a_handful_of_demos_of_each_kind_of_task(tmp_path):
   """The same on a pick-and-place task, longer: 8 demos, 1200 steps."""

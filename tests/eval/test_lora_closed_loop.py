@@ -34,7 +34,7 @@ def _successes(workdir) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(4 * 3600)
 def test_lora_fine_tuning_on_new_demonstrations_improves_success_on_them(tmp_path):
   base, tuned = tmp_path / "base", tmp_path / "lora"

@@ -72,7 +72,7 @@ def sim_config():
 
 
 @pytest.mark.slow  # CI time (2026-12-01): 62 s; the RL job's run, SIGTERM and resume stay in CI (the test above)
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(900)
 def test_rl_job_on_a_sim_task_is_judged_by_the_eval_job_and_rejudged_from_checkpoints(tmp_path):
   from configs import eval as eval_config
@@ -107,7 +107,7 @@ def test_rl_job_on_a_sim_task_is_judged_by_the_eval_job_and_rejudged_from_checkp
 
 
 @pytest.mark.slow
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(3600)
 def test_runlocal_rl_lifts_a_weak_state_based_start_to_the_issue_bar(tmp_path):
   """Issue 14's bar for the state-based actor, as the README runs it (`configs/rl_vla3.py:runlocal`,
@@ -130,7 +130,7 @@ def assert_intervals_disjoint(summary: dict, episodes: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(5400)
 def test_runlocal_rl_lifts_a_weak_groot_start_by_twenty_points(tmp_path):
   """Issue 14's bar for the GR00T actor, as configs/rl_vla3.py's docstring runs it: a weaker SFT

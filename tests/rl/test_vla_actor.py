@@ -187,7 +187,7 @@ def test_deterministic_actions_are_the_sft_policy(policy, sft_policy):
 
 
 @pytest.mark.slow  # ~2.5 minutes; opt-in (-m slow) to keep CI under 25 minutes
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(900)
 def test_rl_job_fine_tunes_the_sft_checkpoint_and_the_eval_job_rebuilds_it(sft_checkpoint, policy, tmp_path):
   from configs import eval as eval_config

@@ -224,7 +224,7 @@ def test_config_errors_name_the_fix():
 
 
 @pytest.mark.slow  # ~45 minutes on 2 cores (SFT ~8, RL ~30-35); opt-in (-m slow)
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(5400)
 def test_runlocal_rl_lifts_a_weak_pi05_start_by_twenty_points(tmp_path):
   """Issue 33's bar for the pi0.5 actor, as configs/rl_vla3.py's docstring runs it: a weak SFT start

@@ -52,7 +52,7 @@ def test_reset_and_step_have_documented_shapes(batch):
 
 @pytest.mark.timeout(600)
 @pytest.mark.slow  # CI time (53 s); the shapes and experts tests run in CI
-@pytest.mark.run_bound
+@pytest.mark.optimised
 def test_500_random_action_steps_stay_finite_and_in_workspace(batch):
   state = batch.reset(jax.random.key(1))
   rng = np.random.default_rng(0)
@@ -107,7 +107,7 @@ def _expert_success(batch, seeds_per_task: int) -> np.ndarray:
 
 
 @pytest.mark.slow  # CI time (2026-12-01): 60 s; tests/eval/test_closed_loop.py replays the experts' recordings in CI
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(900)
 def test_scripted_experts_succeed_on_95_percent_of_20_seeds(batch):
   """The CI-sized check; the acceptance figure (100 seeds) is the slow test below."""
@@ -118,7 +118,7 @@ def test_scripted_experts_succeed_on_95_percent_of_20_seeds(batch):
 
 
 @pytest.mark.slow
-@pytest.mark.run_bound
+@pytest.mark.optimised
 @pytest.mark.timeout(1200)
 def test_scripted_experts_succeed_on_95_percent_of_100_seeds(batch):
   """Acceptance: every task's expert over 100 seeds in MJX (about 3.5 minutes on 2 cores; -m slow)."""

