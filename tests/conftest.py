@@ -3,19 +3,14 @@
 import os
 
 # Before JAX initialises: 8 fake CPU devices so that sharding tests see a real mesh. The suite compiles
-# far more than it runs (a GR00T train step on tiny shapes, run once or twice), so its programs are
-# compiled with jax_disable_most_optimizations: LLVM at -O0 with its expensive passes off, where XLA_FLAGS
-# below asks for level 1. On 2026-12-02 that compiled GR00T runlocal's step in 11.4 CPU s instead of 19
-# (dataset=synthetic, from shapes) and, with the elemental emitters below, took tests/sim, tests/rl and
-# tests/eval from 613 test-seconds to 270, MJX rollouts included: at these sizes a rollout's time is its
-# compile too. Tests marked `optimised` compile at level 1 as before (the fixture below): the long
-# rollouts and trainings of -m slow (the 100-seed experts ran 4.5x slower at -O0), and a bit-for-bit
-# comparison of two programs that rounds 1 ulp apart at -O0 (tests/train/test_state.py).
-# XLA:CPU's elemental emitters (--xla_cpu_use_fusion_emitters=false) compiled faster still (6.3 CPU s)
-# but converted f32 to FP8 off by one step in 5-20 of 4,096 values (ml_dtypes and the fusion emitters
-# agree), which tests/kernels/test_fp8.py caught: not used.
-# Subprocesses (notebooks, benchmarks, `python -m ejax.main` runs) inherit both; tests/test_main.py's
-# run_main replaces XLA_FLAGS.
+# far more than it runs (a GR00T train step on tiny shapes, run once or twice), so its programs compile
+# with jax_disable_most_optimizations: XLA's backend at LLVM -O0 with LLVM's expensive passes off, not
+# at the level 1 XLA_FLAGS asks for (16 % fewer test-seconds on 2 cores; BENCHMARKS.md, "The test
+# suite's time", has what else was tried). Tests marked `optimised` compile at level 1 (the fixture
+# below): the long rollouts and trainings of -m slow, whose time is in running (the 20-seed experts took
+# 148 s at -O0, 71 s optimised), and a bit-for-bit comparison of two programs that round 1 ulp apart at -O0.
+# Subprocesses (notebooks, benchmarks, `python -m ejax.main` runs) inherit both settings;
+# tests/test_main.py's run_main replaces XLA_FLAGS.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "true")
 # XLA:CPU aborts the process ("Termination timeout ... of 40 seconds exceeded, only 3 of 8 threads

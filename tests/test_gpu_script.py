@@ -15,8 +15,8 @@ from tests.train.helpers import REPO
 @pytest.mark.timeout(900)
 def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   out = tmp_path / "gpu"
-  # One CPU device, as a GPU machine has one GPU a process; LLVM's optimisation level as in the suite
-  # (tests/conftest.py): the figures at CPU sizes are compile-bound.
+  # One CPU device, as a GPU machine has one GPU a process; compiled as the suite compiles (tests/conftest.py:
+  # level 1 here, and jax_disable_most_optimizations inherited): the figures at CPU sizes are compile-bound.
   env = {**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=1"}
   done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(out), "--budget", "840"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=880)
