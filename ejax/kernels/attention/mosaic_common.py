@@ -45,6 +45,25 @@ PROFILE_SCOPES = 256  # the benchmark's VLA rows: up to 27 steps of 8 scopes a C
 MAX_WARPGROUPS = 3  # the most a kernel here has (two compute and the copying one)
 
 
+# Whether a kernel's wgmma operands held in registers across its loop (the forward's Q; with
+# mosaic_backward.OPERANDS_IN_REGISTERS the backward's Q and dO, or K) are loaded from shared memory again
+# every step instead of once an item (None: in the forms whose SASS needs it, reloads_operands).
+# jaxlib 0.11.2's ptxas (compile-only H100) gives registers that hold such an operand to a value the
+# step computes after it, in the forward's softmax weights' case at head size 64 and at head size 128
+# with 128-key tiles, and in the backward's forms at 64 (the PTX keeps them apart): from an item's second
+# step on, the wgmma reads that value instead. That was the forward's errors of 0.84-0.88 at head size
+# 64 and the wrong gradients of its 128-key tiles on two H200s (BENCHMARKS.md). A value loaded in the
+# step is not live across it, so there is nothing to overwrite. tests/kernels/test_attention_mosaic.py
+# checks every form's SASS (tests/kernels/sass.py).
+RELOAD_OPERANDS: bool | None = None
+
+
+def reloads_operands(head_dim: int, block_kv: int = 64) -> bool:
+  """Whether operands held in registers are loaded every step (RELOAD_OPERANDS, else where the SASS of
+  the load-once form has ptxas overwrite them: head size 64, or 128-key tiles)."""
+  return RELOAD_OPERANDS if RELOAD_OPERANDS is not None else head_dim == 64 or block_kv > 64
+
+
 def compute_registers(compute_wgs: int) -> int:
   """Registers a compute thread raises itself to: the SM's 64K over 128-thread warpgroups, less the
   copying warpgroup's, shared out, at most 256, in steps of 8 (as jax's warp-specialized pipeline)."""

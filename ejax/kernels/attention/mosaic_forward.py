@@ -34,8 +34,8 @@ from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
                                                   compute_registers, copying_warpgroup, inner_ranges, item_part,
                                                   kernel_params, kv_ring, kv_spans, load, mma, named_barrier_sync,
-                                                  own_buffers, persistent_ctas, ring_stages, scope, store_item,
-                                                  wgmma_wait_after, work_items, TURN_BARRIER)
+                                                  own_buffers, persistent_ctas, reloads_operands, ring_stages, scope,
+                                                  store_item, wgmma_wait_after, work_items, TURN_BARRIER)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -51,7 +51,8 @@ PERSISTENT = False
 # the PTX shows m64n64k16 with a register A operand). From shared memory (SS), a 64-row wgmma against
 # 64-key tiles reads 128 bytes a clock, all of an SM's shared-memory bandwidth (A: 2 KB and B: 2 KB a
 # k-step of 16, 64 x 64 x 16 x 2 flops at 4,096 a clock), before the TMA copies write theirs: it could
-# not run at the tensor cores' rate. From registers it reads B only, 64 bytes a clock.
+# not run at the tensor cores' rate. From registers it reads B only, 64 bytes a clock. Where ptxas would
+# overwrite them (mosaic_common.RELOAD_OPERANDS) the fragments are loaded every step.
 Q_IN_REGISTERS = True
 # The next step's K waited for while this step's PV wgmma runs, not after it (jax's Mosaic GPU attention
 # example does so): the wait, and a copy still landing, leave the warpgroup's tensor-core phase.
@@ -231,8 +232,14 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
           row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
           plgpu.barrier_wait(q_bar.at[buf])
-          # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS).
-          q_op = load(q_s, wgmma_layout) if q_in_registers and not interpret else q_s
+          # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS);
+          # where the SASS needs it (mosaic_common.reloads_operands) its fragments are loaded in each step
+          # (queries()), not here.
+          reload = q_in_registers and not interpret and reloads_operands(head_dim, block_kv)
+          q_op = load(q_s, wgmma_layout) if q_in_registers and not interpret and not reload else q_s
+
+        def queries():  # the scores' A operand
+          return load(q_s, wgmma_layout) if reload else q_op
 
         def wait_k(i):
           plgpu.barrier_wait(k_bar.at[lax.rem(g + i, stages)])
@@ -280,7 +287,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           before the turn: with the ping-pong, the wait for the other warpgroup's softmax)."""
           def scores(s_ref):
             await_token()
-            plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
+            plgpu.wgmma(s_ref, queries(), k_smem.at[slot].T)
             pass_token()
             extra = meanwhile()
             scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
@@ -373,7 +380,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           else:
             def scores(s_ref):
               await_token()
-              plgpu.wgmma(s_ref, q_op, k_smem.at[slot].T)
+              plgpu.wgmma(s_ref, queries(), k_smem.at[slot].T)
 
               def pv_and_softmax(refs):  # the PV issued behind the QK, the softmax while it runs
                 acc_ref, m_ref, alpha_ref, p_ref, l_ref = refs

@@ -61,7 +61,9 @@ IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd"
 # 256 goes on to tokamax_fwd. A route "impl@128" applies at head size 128 only ("impl@64+128": either):
 # mosaic_own (216 / 177 at 128) was right at 128 and wrong at 64 on two H200s (2026-11-30, gpu.py's
 # route check: errors 0.84 and 0.75 against 2e-2), which GR00T's padded DiT and vision heads take, so
-# it takes 128 and the mosaic route 64.
+# it takes 128 and the mosaic route 64. The cause, in the SASS: ptxas gave the softmax weights Q's
+# registers; since 2026-12-02 Q is loaded every step at 64 (mosaic_common.RELOAD_OPERANDS), which no
+# GPU has run yet: it takes 64 too once gpu.py's checks pass there.
 HOPPER_AUTO = ("mosaic_own@128", "mosaic", "tokamax_fwd")
 # EJAX_HOPPER_AUTO="tokamax_fwd,pallas" (say) replaces HOPPER_AUTO in this process: a route that fails
 # on some machine (benchmarks/gpu.py checks each before its figures) is left out without an edit.
