@@ -25,6 +25,15 @@ For the jax the GPU machines carry (0.11.2), the same over .venv-jax011 (.ci/jax
 
 and for the newest jax (0.12.0.1 on 2026-11-30; `JAX=0.12.0.1 .ci/jax011-venv` builds .venv-jax012) the
 same with 012 and 0.12.0.1.
+
+Mosaic GPU kernels compile to SASS as they lower; `MOSAIC_GPU_DUMP_PTXAS=1` prints ptxas's register
+and spill report, `MOSAIC_GPU_DUMP_SASS=1` the SASS itself, which needs nvdisasm beside ptxas (the
+plugin's wheels lack it) and CUDA_ROOT naming that directory:
+
+  .venv-cuda011/bin/pip install nvidia-cuda-nvdisasm
+  N=$PWD/.venv-cuda011/lib/python3.12/site-packages/nvidia
+  ln -s $N/cu13/bin/nvdisasm $N/cuda_nvcc/bin/nvdisasm
+  CUDA_ROOT=$N/cuda_nvcc MOSAIC_GPU_DUMP_SASS=1 PYTHONPATH=$PWD .venv-cuda011/bin/python SCRIPT
 """
 
 from __future__ import annotations
