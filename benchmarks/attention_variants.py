@@ -299,10 +299,11 @@ def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, r
   return dict(timings, kernels=kernels)
 
 
-def check_variants(row_length: int, dtype, impl: str, variants, gradients: bool) -> dict:
+def check_variants(row_length: int, dtype, impl: str, variants, gradients: bool, report=None) -> dict:
   """{variant: {case: error against impl "xla" in fp32}} of `impl` under each variant's module settings:
   of its values, or with `gradients` of its gradients of q, k, v (the largest of the three). A variant
-  that does not build here gets its error's first line instead."""
+  that does not build here gets its error's first line instead. `report(variant, {case: error})` is
+  called as each variant is done (a time limit may end the run before the last)."""
   inputs = {}
   for name, q, k, v, mask in _variant_cases(row_length, dtype):
     d_out = jax.random.normal(jax.random.key(2), q.shape, jnp.float32) if gradients else None
@@ -321,4 +322,6 @@ def check_variants(row_length: int, dtype, impl: str, variants, gradients: bool)
         errors[label][name] = largest_error(with_settings(jax.jit(run), settings)(q, k, v), want)
       except Exception as error:  # noqa: BLE001  (a variant that does not build here: say so, go on)
         errors[label][name] = f"{type(error).__name__}: {str(error)[:120]}"
+    if report is not None:
+      report(label, errors[label])
   return errors

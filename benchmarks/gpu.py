@@ -13,8 +13,9 @@ fails. The figures:
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
   attention_profile  attention.py --profile_kernel: mosaic_own's kernels under Mosaic GPU's on-device
               profiler, the cycles of each of their scopes (waits, wgmmas, softmax) per warpgroup
-  mosaic_own_check  attention.py --check_variants: which of mosaic_own's forward code paths is
-              wrong at head size 64 on a GPU, and whether the backward's faster settings are right
+  mosaic_own_check  attention.py --check_variants: whether mosaic_own's forward, with Q loaded every
+              step at head size 64 and with 128-key tiles, is right there (its load-once form, the
+              control, was wrong), and whether the backward's faster settings are right
   train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
               step per kind of op, the top kernels, the host's spans), without CUDA graphs, all-FP8
   train_step_pi05  the same for pi0.5: configured, its scanned decoders in CUDA graphs (graphs), FP8
@@ -105,9 +106,11 @@ FIGURES = (
                                  "--head_dim", "128", "--profile_kernel", KERNEL_PROFILE, "--profile_variant",
                                  PROFILED_VARIANT), (), 75, own_file=False),
     # mosaic_own's forward under each setting that changes its GPU code path, values only: on 2026-11-30
-    # it was wrong at head size 64 on the GPU and right in interpret mode (BENCHMARKS.md). Then the
-    # gradients of the mosaic route (auto's) under the backward's settings that were faster on
-    # 2026-11-30 (persistent) but never checked at head size 64. Not in --smoke: interpret mode takes
+    # it was wrong at head size 64 on the GPU and right in interpret mode; the SASS since showed ptxas
+    # giving the softmax weights Q's registers, and Q is now loaded every step there (BENCHMARKS.md):
+    # first the forward as configured and its load-once control, then its gradients under 128-key tiles,
+    # then those of the mosaic route (auto's) under the backward's settings that were faster on
+    # 2026-11-30 (persistent) but never checked at head size 64, each line printed as it is done. Not in --smoke: interpret mode takes
     # ~13 s a forward case and ~40 s a backward one (tests/kernels/test_attention_mosaic.py runs one
     # forward variant).
     Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_variants", "--row_length", "1024"), (), 120,

@@ -508,7 +508,10 @@ def test_the_variant_checks_trace_each_variant_under_its_own_settings(monkeypatc
   monkeypatch.setattr(bench, "attention_outputs",
                       lambda impl, mask, d_out=None: lambda q, k, v: (q * settings.SCALE,))
   for gradients in (False, True):
+    reported = []  # each variant as it is done, so that a time limit leaves the ones before it
     errors = bench.check_variants(2, jnp.float32, "mosaic_own", (("as configured", ()),
-                                                                 ("doubled", ((settings, "SCALE", 2.0),))), gradients)
+                                                                 ("doubled", ((settings, "SCALE", 2.0),))), gradients,
+                                  report=lambda label, by_case: reported.append((label, dict(by_case))))
     assert errors == {"as configured": {"case": 0.0}, "doubled": {"case": 1.0}}, errors
+    assert reported == list(errors.items())
   assert settings.SCALE == 1.0
