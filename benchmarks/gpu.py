@@ -110,9 +110,9 @@ FIGURES = (
     # giving the softmax weights Q's registers, and Q is now loaded every step there (BENCHMARKS.md):
     # first the forward as configured and its load-once control, then its gradients under 128-key tiles,
     # then those of the mosaic route (auto's) under the backward's settings that were faster on
-    # 2026-11-30 (persistent) but never checked at head size 64, each line printed as it is done. Not in --smoke: interpret mode takes
-    # ~13 s a forward case and ~40 s a backward one (tests/kernels/test_attention_mosaic.py runs one
-    # forward variant).
+    # 2026-11-30 (persistent) but never checked at head size 64, each line printed as it is done. Not in
+    # --smoke: interpret mode takes ~13 s a forward case and ~40 s a backward one
+    # (tests/kernels/test_attention_mosaic.py runs one forward variant).
     Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_variants", "--row_length", "1024"), (), 120,
            own_file=False),
     # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
