@@ -45,7 +45,9 @@ def base_config() -> ConfigDict:
   # Multi-host: leave empty on one process; see README "Multi-host".
   config.distributed = ConfigDict(dict(
       coordinator_address=placeholder(str), num_processes=placeholder(int), process_id=-1,
-      initialization_timeout=300))
+      initialization_timeout=300,
+      peer_lost_after=40.0))  # s a peer's heartbeat may stand still before every process ends naming it
+                              # (ejax/parallel/watchdog.py; 10 s to below jax's heartbeat timeout, 150 s)
 
   config.model = ConfigDict()
   config.data = data_defaults()

@@ -18,6 +18,12 @@ from ejax.errors import UserError
 # Variables launchers set; jax.distributed.initialize() auto-detects SLURM, Open MPI, TPU pods and
 # Kubernetes JobSets by itself, so these are read only to tell whether this is a multi-process run.
 HEARTBEAT_TIMEOUT_S = 150  # jax's default is 100 s; see initialize()
+# s a peer's heartbeat may stand still before ejax's watchdog ends the run naming it (a kill -9, a lost
+# host): distributed.peer_lost_after, at least a few of the watchdog's 2 s heartbeats and below jax's
+# own heartbeat timeout, which aborts the process instead.
+PEER_LOST_AFTER_S = 40.0
+_MIN_PEER_LOST_AFTER_S = 10.0
+_peer_lost_after_s = PEER_LOST_AFTER_S
 _CLUSTER_HINTS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES")
 
 
@@ -51,6 +57,13 @@ def initialize(distributed_config) -> None:
   # jax.distributed aborts a process whose peer misses heartbeats this long, with a C++ stack trace;
   # ejax's watchdog (ejax/parallel/watchdog.py) names a lost peer in one line well before that.
   kwargs["heartbeat_timeout_seconds"] = int(cfg.get("heartbeat_timeout_s") or HEARTBEAT_TIMEOUT_S)
+  global _peer_lost_after_s
+  lost = float(cfg.get("peer_lost_after") or PEER_LOST_AFTER_S)
+  if not _MIN_PEER_LOST_AFTER_S <= lost < kwargs["heartbeat_timeout_seconds"]:
+    raise UserError(f"distributed.peer_lost_after={lost:g}: set it between {_MIN_PEER_LOST_AFTER_S:g} s and "
+                    f"jax's heartbeat timeout ({kwargs['heartbeat_timeout_seconds']} s), e.g. "
+                    f"--config.distributed.peer_lost_after={PEER_LOST_AFTER_S:g}")
+  _peer_lost_after_s = lost
   if cfg.get("local_device_ids") is not None:
     kwargs["local_device_ids"] = list(cfg.local_device_ids)
   logging.info("jax.distributed.initialize(%s)", kwargs)
@@ -58,6 +71,11 @@ def initialize(distributed_config) -> None:
     jax.distributed.initialize(**kwargs)
   logging.info("process %d of %d, %d local / %d global devices", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def peer_lost_after_s() -> float:
+  """distributed.peer_lost_after of this process's run (PEER_LOST_AFTER_S before initialize())."""
+  return _peer_lost_after_s
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@ when a step, a save or an exchange stalls, or when a peer is lost.
 
 Every process publishes a heartbeat (what it is doing, and at which step) to jax.distributed's
 coordination service every HEARTBEAT_S and reads its peers'. It ends the run when
-- a peer's heartbeat has not moved for LOST_AFTER_S (the process died: kill -9, a lost host), or the
+- a peer's heartbeat has not moved for distributed.peer_lost_after seconds (40 by default; the process
+  died: kill -9, a lost host), or the
   coordination service itself stopped answering (process 0's host is gone);
 - this process has spent longer than the timeout in one phase (a train step, a checkpoint save, an
   RL update exchange): it names the peer that is behind (it stopped stepping) or, with none behind,
@@ -17,7 +18,7 @@ jax.distributed's own checks abort the process with a C++ stack trace (its Pytho
 unusable: jaxlib 0.9.2 terminates with std::bad_cast calling it): at once when the connection to the
 coordination service drops, and when a peer has missed heartbeats for its timeout. So
 ejax.parallel.distributed runs the service in a child process of process 0 that outlives it
-(ejax/parallel/coordinator.py) and sets jaxlib's timeout well above LOST_AFTER_S: this thread ends first.
+(ejax/parallel/coordinator.py) and sets jaxlib's timeout above peer_lost_after: this thread ends first.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from absl import logging
 from ejax.parallel import distributed
 
 HEARTBEAT_S = 2.0
-LOST_AFTER_S = 40.0  # a peer silent this long is gone (well inside the 2 minutes a user waits)
 MIN_TIMEOUT_S = 300.0  # the automatic phase timeout: at least this,
 MEDIAN_FACTOR = 20  # or this many median warmed-up train steps
 WARMUP_STEPS = 3  # steps left out of the median (the first executions are slower)
@@ -58,7 +58,7 @@ class Watchdog:
 
   def __init__(self, name: str, *, unit: str = "step", timeout_s: float = 0.0,
                resume_from: Callable[[], int | None] = lambda: None,
-               say_last: Callable[[str], bool] | None = None, lost_after_s: float = LOST_AFTER_S,
+               say_last: Callable[[str], bool] | None = None, lost_after_s: float | None = None,
                heartbeat_s: float = HEARTBEAT_S, exit_process: Callable[[int], None] | None = None,
                key: str | None = None):
     self.index, self.count = jax.process_index(), jax.process_count()
@@ -67,7 +67,9 @@ class Watchdog:
     self._resume_from = resume_from
     self._say_last = say_last or (lambda line: (print(line, file=sys.stderr, flush=True), True)[1])
     self._exit_process = exit_process or (lambda code: os._exit(code))
-    self._lost_after_s, self._heartbeat_s = lost_after_s, heartbeat_s
+    # lost_after_s None: the run's distributed.peer_lost_after
+    self._lost_after_s = distributed.peer_lost_after_s() if lost_after_s is None else lost_after_s
+    self._heartbeat_s = heartbeat_s
     self._prefix = f"ejax/watchdog/{key or name}"  # key: unique per watchdog a process makes
     self._lock = threading.Lock()
     self._phase: str | None = None
@@ -116,7 +118,7 @@ class Watchdog:
 
   def wait_for_verdict(self, error: BaseException) -> None:
     """A collective or a save failed in the main thread (a peer's connection dropped?): if a peer
-    is gone, the watchdog names it within LOST_AFTER_S and ends the process; once every peer has
+    is gone, the watchdog names it within peer_lost_after and ends the process; once every peer has
     sent two heartbeats since the error (or said it is done), none is lost and this returns: the
     error stands (a dead peer's last heartbeat is already in the service when this reads it)."""
     if self._thread is None:

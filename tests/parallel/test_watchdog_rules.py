@@ -4,6 +4,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from ejax.parallel import watchdog
 
 
@@ -19,6 +21,22 @@ def test_the_automatic_timeout_is_20x_the_median_warmed_up_step_and_at_least_300
   dog._step_seconds.extend([1.0] * 10)
   assert dog.timeout_s() == 300  # 20 s would be too eager
   assert watchdog.Watchdog("train", timeout_s=12.5).timeout_s() == 12.5
+
+
+def test_a_peer_is_lost_after_the_runs_setting_which_must_sit_below_jaxs_heartbeat_timeout(monkeypatch):
+  from ml_collections import ConfigDict
+
+  from ejax.errors import UserError
+  from ejax.parallel import distributed
+  assert watchdog.Watchdog("train")._lost_after_s == distributed.PEER_LOST_AFTER_S == 40
+  monkeypatch.setattr(distributed, "_peer_lost_after_s", 15.0)  # what initialize() keeps of the config
+  assert watchdog.Watchdog("train")._lost_after_s == 15.0
+  assert watchdog.Watchdog("train", lost_after_s=3.0)._lost_after_s == 3.0
+  for value in (5.0, 150.0):  # under a few heartbeats; at jax's own timeout, which aborts instead
+    cfg = ConfigDict(dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0, peer_lost_after=value))
+    with pytest.raises(UserError, match=r"distributed\.peer_lost_after=\d+: set it between 10 s and jax's "
+                                        r"heartbeat timeout \(150 s\)"):
+      distributed.initialize(cfg)
 
 
 def test_the_line_names_the_process_the_step_and_where_to_resume():

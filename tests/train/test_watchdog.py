@@ -109,7 +109,8 @@ def test_a_killed_process_ends_the_other_in_one_line_and_the_run_resumes(tmp_pat
   (ejax/parallel/coordinator.py): killed, it does not take the service down with it, which made
   jaxlib abort process 1 at once with a C++ stack trace."""
   workdir, survivor = tmp_path / "run", 1 - killed
-  procs = launch(workdir, steps=100_000)
+  # A peer is named lost after 20 s here (40 by default), far above this tiny run's steps and heartbeats
+  procs = launch(workdir, steps=100_000, extra=["--config.distributed.peer_lost_after=20"])
   try:
     wait_for_step(procs, workdir, 8)
     procs[killed].kill()  # kill -9
@@ -117,6 +118,7 @@ def test_a_killed_process_ends_the_other_in_one_line_and_the_run_resumes(tmp_pat
     assert procs[survivor].returncode == 3, out[-3000:]
     match = line(killed).search(out)
     assert match and "no heartbeat" in match.group(2), out[-3000:]
+    assert 18 <= int(re.search(r"no heartbeat for (\d+) s", match.group(2)).group(1)) <= 40, match.group(2)
     assert seconds < 120
     assert "Traceback" not in out and "Fatal" not in out and "Aborted" not in out and "stack trace" not in out
     assert len(re.findall(r"^error:", out, re.M)) == 1
@@ -140,7 +142,7 @@ def test_a_killed_process_ends_the_other_in_one_line_and_the_run_resumes(tmp_pat
 def test_a_process_killed_during_start_up_ends_the_other_in_one_line(tmp_path):
   """Killed while the train step compiles, process 0 leaves process 1 in start-up (the compile
   agreement, the barrier after it): the watchdog runs from before the state is made, so process 1
-  names it within LOST_AFTER_S, where it used to wait until the coordination service gave up
+  names it within distributed.peer_lost_after, where it used to wait until the coordination service gave up
   (~120 s) and jaxlib aborted it."""
   import threading
 
