@@ -37,7 +37,7 @@ from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
     LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
     inner_ranges, item_part, kernel_params, kv_ring, kv_spans, load, mma, mma_pair, own_buffers, persistent_ctas,
-    reloads_operands, ring_stages, scope, store_item, work_items)
+    register_operand, reloads_operands, ring_stages, scope, store_item, work_items)
 
 # The kernels' named scopes (mosaic_common.scope), per compute warpgroup: an item's "start", its "step"s
 # (dQ: "wait_kv", "scores", "ds", "dq_mma"; dK/dV: "wait_q", "scores", "wait_rows", "p", "mask",
@@ -232,10 +232,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           # Q and dO in registers for the two score wgmmas (RS), as the forward's Q (mosaic_forward.py);
           # loaded in each step where the SASS needs it (mosaic_common.reloads_operands).
           held = OPERANDS_IN_REGISTERS and not interpret
-          reload = held and reloads_operands(head_dim, block_kv)
-          q_op = load(q_s, wgmma_layout) if held and not reload else q_s
-          do_op = load(do_s, wgmma_layout) if held and not reload else do_s
-        operand = lambda op, s: load(s, wgmma_layout) if reload else op  # a score wgmma's A, this step
+          reload = reloads_operands(head_dim, block_kv)
+          q_op, do_op = (register_operand(ref, wgmma_layout, held, reload) for ref in (q_s, do_s))
         shape = (block_q, block_kv)
         row = lambda x: lax.broadcast_in_dim(x, shape, [0])
 
@@ -257,8 +255,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
             return lax.cond((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda p: p, p)
 
           def scores(s_ref, dp_ref):  # (P, dP); with WGMMA_PAIRS, P while dP's wgmma runs
-            plgpu.wgmma(s_ref, operand(q_op, q_s), k_smem.at[slot].T)
-            plgpu.wgmma(dp_ref, operand(do_op, do_s), v_smem.at[slot].T)
+            plgpu.wgmma(s_ref, q_op(), k_smem.at[slot].T)
+            plgpu.wgmma(dp_ref, do_op(), v_smem.at[slot].T)
             if WGMMA_PAIRS:
               p = scope("ds")(weights)(plgpu.wgmma_accumulator_load(s_ref, wait_n=1))
               return p, plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
@@ -335,9 +333,8 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           # K alone, and with one compute warpgroup: with V too it spilled 144 bytes a thread at head
           # size 128, with two warpgroups 16 (ptxas, compile-only H100).
           held = OPERANDS_IN_REGISTERS and not interpret and DKV_WGS == 1
-          reload = held and reloads_operands(head_dim, block_kv)  # loaded in each step where the SASS needs it
-          k_op = load(k_s, wgmma_layout) if held and not reload else k_s
-        operand = lambda op, s: load(s, wgmma_layout) if reload else op  # a score wgmma's A, this step
+          # loaded in each step where the SASS needs it (mosaic_common.reloads_operands)
+          k_op = register_operand(k_s, wgmma_layout, held, reloads_operands(head_dim, block_kv))
         v_op = v_s
         shape = (block_kv, block_q)
         col = lambda x: lax.broadcast_in_dim(x, shape, [1])
@@ -365,7 +362,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           scope("wait_q")(plgpu.barrier_wait)(q_bar.at[slot])
 
           def scores_t(s_ref):
-            plgpu.wgmma(s_ref, operand(k_op, k_s), q_smem.at[slot].T)
+            plgpu.wgmma(s_ref, k_op(), q_smem.at[slot].T)
             plgpu.wgmma_wait(0)
             return s_ref[...]
 
@@ -399,7 +396,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
 
           def scores_t(s_ref, dp_ref):  # (P^T, dP^T): the exp2 and mask while dP^T's wgmma runs
             with scope("scores"):
-              plgpu.wgmma(s_ref, operand(k_op, k_s), q_smem.at[slot].T)
+              plgpu.wgmma(s_ref, k_op(), q_smem.at[slot].T)
               plgpu.wgmma(dp_ref, v_op, do_smem.at[slot].T)
               s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
             scope("wait_rows")(plgpu.barrier_wait)(rows_bar.at[slot])

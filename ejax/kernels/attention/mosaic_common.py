@@ -163,6 +163,14 @@ def load(ref, layout, optimized: bool = True):
   return plgpu.load(ref, layout=layout, optimized=optimized)
 
 
+def register_operand(ref, layout, held: bool, reload: bool):
+  """A wgmma's A operand over an item's steps, as a function a step calls: `ref` itself (shared memory,
+  SS), or with `held` its fragments in registers (RS), loaded once here or, with `reload`, in each step
+  (reloads_operands)."""
+  once = load(ref, layout) if held and not reload else ref
+  return (lambda: load(ref, layout)) if held and reload else (lambda: once)
+
+
 def mma(acc, lhs, rhs, interpret: bool, meanwhile=None):
   """acc + lhs @ rhs (lhs in registers, rhs in shared memory; acc None: the product alone, f32) on the
   tensor cores, waited for. `meanwhile()`, if given, runs after the wgmma is issued and before it is

@@ -34,8 +34,8 @@ from ejax.kernels import platform
 from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
                                                   compute_registers, copying_warpgroup, inner_ranges, item_part,
                                                   kernel_params, kv_ring, kv_spans, load, mma, named_barrier_sync,
-                                                  own_buffers, persistent_ctas, reloads_operands, ring_stages, scope,
-                                                  store_item, wgmma_wait_after, work_items, TURN_BARRIER)
+                                                  own_buffers, persistent_ctas, register_operand, reloads_operands,
+                                                  ring_stages, scope, store_item, wgmma_wait_after, work_items, TURN_BARRIER)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
@@ -233,13 +233,9 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
           plgpu.barrier_wait(q_bar.at[buf])
           # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS);
-          # where the SASS needs it (mosaic_common.reloads_operands) its fragments are loaded in each step
-          # (queries()), not here.
-          reload = q_in_registers and not interpret and reloads_operands(head_dim, block_kv)
-          q_op = load(q_s, wgmma_layout) if q_in_registers and not interpret and not reload else q_s
-
-        def queries():  # the scores' A operand
-          return load(q_s, wgmma_layout) if reload else q_op
+          # where the SASS needs it (mosaic_common.reloads_operands) its fragments are loaded in each step.
+          held = q_in_registers and not interpret
+          queries = register_operand(q_s, wgmma_layout, held, reloads_operands(head_dim, block_kv))
 
         def wait_k(i):
           plgpu.barrier_wait(k_bar.at[lax.rem(g + i, stages)])
