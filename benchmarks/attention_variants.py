@@ -50,6 +50,12 @@ ROW_SUM = ((mosaic_forward, "ROW_SUM_DEFERRED", True),)  # each step's row sums 
 RESCALE = ((mosaic_forward, "RESCALE_AFTER_PV", True),)
 NAMED = ((mosaic_forward, "NAMED_TURNS", True),)  # the turns at a hardware named barrier (bar.sync)
 PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two at a time (dQ's exp2 during dP)
+# FlashAttention-3's forward tiles at head size 128: 128 keys a step, Q read by the scores' wgmma from shared
+# memory (SS), P from registers. Half as many steps a row, so half the turns, waits and barrier round trips
+# of 64-key steps, at 77 % useful pairs on the figure's rows against 84 % (mosaic_forward.visited_pairs).
+# The SS form has no register A operand for ptxas to overwrite (the 128-key RS form's fault), 168
+# registers, no spills (compile-only H100, 2026-12-02); never timed.
+WIDE_SS = ((mosaic_forward, "BLOCK_KV", 128), (mosaic_forward, "Q_IN_REGISTERS", False))
 # In timing order: first those no window has timed (dK/dV's wgmmas in pairs, its step 2,421 cycles against
 # 1,024 of wgmmas, each waited for alone; each warpgroup's softmax beside its own PV, as the SASS has it
 # since 2026-12-01: on 2026-11-30 ptxas waited for the PV before the softmax; the turns at a named barrier:
@@ -60,14 +66,19 @@ PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two 
 # evening, became it at head size 128), then the rest. (The rescale and the row sums together spill.)
 CANDIDATE = "turns at a named barrier, row sums during the next QK"
 PAIRED_CANDIDATE = f"{CANDIDATE}, backward wgmmas in pairs"  # gpu.py's attention_profile profiles it
-# The paired backward and the overlapped softmax go first: the named turns are inline PTX that only a
-# GPU has run, and a kernel that hung would take the figure's remaining time with it. An arm's forward
+# The paired backward, the 128-key tiles with Q in shared memory and the overlapped softmax go first: the
+# named turns are inline PTX that only a GPU has run, and a kernel that hung would take the figure's
+# remaining time with it; the figure times the first five before the mosaic route. An arm's forward
 # and forward+backward are timed apart, so the second arm times a forward variant and a backward one at
 # once (the backward's milliseconds: the two figures' difference): the overlapped softmax and dK/dV in
 # two warpgroups, each checked in interpret mode and free of spills. Each also comes alone later.
 MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED),
+                       ("128-key tiles, Q in shared memory", WIDE_SS),
                        ("softmax beside its own PV, dK/dV in 2 warpgroups", OVERLAP + DKV_2),
-                       ("turns at a named barrier", NAMED), ("softmax beside its own PV", OVERLAP),
+                       ("turns at a named barrier", NAMED),
+                       ("128-key tiles, Q in shared memory, turns at a named barrier", WIDE_SS + NAMED),
+                       ("softmax beside its own PV", OVERLAP),
+                       ("128-key tiles, Q in shared memory, softmax beside its own PV", WIDE_SS + OVERLAP),
                        ("dK/dV in 2 warpgroups", DKV_2),
                        ("softmax beside its own PV, backward wgmmas in pairs", OVERLAP + PAIRED),
                        (PAIRED_CANDIDATE, NAMED + ROW_SUM + PAIRED),
@@ -243,7 +254,8 @@ BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "P
 # H200 of 2026-11-30 the attention figure's "128-key tiles" arm had gradients 1.9 off, the other arms'
 # 4.6e-3; interpret mode agrees with the reference (tests).
 FORWARD_GRADIENT_VARIANTS = (("as configured", ()), ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
-                             ("128-key tiles, Q loaded once an item", ((mosaic_forward, "BLOCK_KV", 128),) + Q_ONCE))
+                             ("128-key tiles, Q loaded once an item", ((mosaic_forward, "BLOCK_KV", 128),) + Q_ONCE),
+                             ("128-key tiles, Q in shared memory", WIDE_SS))
 
 
 def _variant_cases(row_length: int, dtype):

@@ -273,13 +273,16 @@ def test_impl_mosaic_values_and_gradients_through_the_op(impl, mask_kind):
 
 
 @MOSAIC
-def test_mosaic_own_with_128_key_tiles_values_and_gradients(monkeypatch):
-  """mosaic_forward.BLOCK_KV = 128 (the attention figure's variant "128-key tiles") at head size 128 on
-  block-causal packed rows, with the ping-pong: the forward's out and lse and the backward's gradients
-  from them are the reference's. (On the H200 of 2026-11-30 this variant's gradients were 1.9 off the
-  Pallas kernel's at 8 x 4,096 tokens; interpret mode agrees with the reference here and at 1 x 4,096:
-  on the GPU ptxas had given the softmax weights Q's registers, which the SASS check below finds.)"""
+@pytest.mark.parametrize("q_in_registers", [True, False])
+def test_mosaic_own_with_128_key_tiles_values_and_gradients(monkeypatch, q_in_registers):
+  """mosaic_forward.BLOCK_KV = 128 (the attention figure's variants "128-key tiles", Q in registers, and
+  "128-key tiles, Q in shared memory", FlashAttention-3's tiles) at head size 128 on block-causal packed
+  rows, with the ping-pong: the forward's out and lse and the backward's gradients from them are the
+  reference's. (On the H200 of 2026-11-30 the first's gradients were 1.9 off the Pallas kernel's at 8 x
+  4,096 tokens; interpret mode agrees with the reference here and at 1 x 4,096: on the GPU ptxas had
+  given the softmax weights Q's registers, which the SASS check below finds.)"""
   monkeypatch.setattr(mosaic_forward, "BLOCK_KV", 128)
+  monkeypatch.setattr(mosaic_forward, "Q_IN_REGISTERS", q_in_registers)
   rng = np.random.default_rng(5)
   length, heads, head_dim = 384, 2, 128
   segment_ids, block_ids = np.zeros((1, length), np.int32), np.zeros((1, length), np.int32)
@@ -384,12 +387,18 @@ for named, rescale, row_sum in ((False, True, False), (True, True, False), (True
   forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
   forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 mosaic_forward.NAMED_TURNS = mosaic_forward.RESCALE_AFTER_PV = mosaic_forward.ROW_SUM_DEFERRED = False
-# 128-key tiles (BLOCK_KV), where ptxas overwrote Q's fragments at head size 128 (mosaic_common.RELOAD_OPERANDS).
+# 128-key tiles (BLOCK_KV), where ptxas overwrote Q's fragments at head size 128 (mosaic_common.RELOAD_OPERANDS);
+# with Q read from shared memory (FlashAttention-3's tiles), also with the turns at a named barrier or each
+# step's softmax beside its own PV.
 mosaic_forward.BLOCK_KV = 128
-mark("forward block_kv=128")
-forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
-forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
-mosaic_forward.BLOCK_KV = 64
+for (mosaic_forward.Q_IN_REGISTERS, mosaic_forward.NAMED_TURNS,
+     mosaic_forward.OVERLAP_SOFTMAX) in ((True, False, False), (False, False, False), (False, True, False), (False, False, True)):
+  mark(f"forward block_kv=128 q_in_registers={mosaic_forward.Q_IN_REGISTERS} named_turns={mosaic_forward.NAMED_TURNS} "
+       f"overlap_softmax={mosaic_forward.OVERLAP_SOFTMAX}")
+  forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
+  forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+mosaic_forward.BLOCK_KV, mosaic_forward.Q_IN_REGISTERS = 64, True
+mosaic_forward.NAMED_TURNS = mosaic_forward.OVERLAP_SOFTMAX = False
 mosaic_common.PROFILE_DIR = "/nonexistent"
 jax.debug.callback = lambda *args, **kwargs: None
 mark("forward profiled")
@@ -446,8 +455,8 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim, tmp_path)
   assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel", "forward_kernel_mosaic_gpu_kernel"} <= kernels, \
       report[-2000:]
   # per persistence: five backwards of two kernels, three forwards; then the overlapped, the deferred-sum,
-  # the late-rescale, two named-turn, the 128-key-tile and the profiled forward
-  assert len(reports) == 33, reports
+  # the late-rescale, two named-turn, four 128-key-tile and the profiled forward
+  assert len(reports) == 36, reports
   spilled = [r for r in reports if r[2] or r[3]]
   allowed = [r for r in spilled if any(kernel in r[1] and settings in r[0] and head_dim == size
                                        and (most is None or max(r[2], r[3]) <= most)
@@ -490,7 +499,8 @@ def test_the_variant_checks_give_each_variant_and_case_an_error():
   assert all(isinstance(e, float) and e < 2e-2 for e in errors["persistent"].values()), errors
   assert mosaic_backward.PERSISTENT == (128,)
   assert [label for label, _ in bench.FORWARD_GRADIENT_VARIANTS] == ["as configured", "128-key tiles",
-                                                                     "128-key tiles, Q loaded once an item"]
+                                                                     "128-key tiles, Q loaded once an item",
+                                                                     "128-key tiles, Q in shared memory"]
   assert bench.FORWARD_VARIANTS[1][0] == "Q loaded once an item" and mosaic_common.RELOAD_OPERANDS is None
 
 
