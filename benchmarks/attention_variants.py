@@ -55,7 +55,8 @@ PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two 
 # of 64-key steps, at 77 % useful pairs on the figure's rows against 84 % (mosaic_forward.visited_pairs).
 # The SS form has no register A operand for ptxas to overwrite (the 128-key RS form's fault), 168
 # registers, no spills (compile-only H100, 2026-12-02); never timed.
-WIDE_SS = ((mosaic_forward, "BLOCK_KV", 128), (mosaic_forward, "Q_IN_REGISTERS", False))
+WIDE = ((mosaic_forward, "BLOCK_KV", 128),)  # 128-key forward tiles (Q in registers unless set)
+WIDE_SS = WIDE + ((mosaic_forward, "Q_IN_REGISTERS", False),)
 # In timing order: first those no window has timed (dK/dV's wgmmas in pairs, its step 2,421 cycles against
 # 1,024 of wgmmas, each waited for alone; each warpgroup's softmax beside its own PV, as the SASS has it
 # since 2026-12-01: on 2026-11-30 ptxas waited for the PV before the softmax; the turns at a named barrier:
@@ -68,10 +69,11 @@ CANDIDATE = "turns at a named barrier, row sums during the next QK"
 PAIRED_CANDIDATE = f"{CANDIDATE}, backward wgmmas in pairs"  # gpu.py's attention_profile profiles it
 # The paired backward, the 128-key tiles with Q in shared memory and the overlapped softmax go first: the
 # named turns are inline PTX that only a GPU has run, and a kernel that hung would take the figure's
-# remaining time with it; the figure times the first five before the mosaic route. An arm's forward
-# and forward+backward are timed apart, so the second arm times a forward variant and a backward one at
-# once (the backward's milliseconds: the two figures' difference): the overlapped softmax and dK/dV in
-# two warpgroups, each checked in interpret mode and free of spills. Each also comes alone later.
+# remaining time with it; the figure times the first TIMED_BEFORE_MOSAIC before the mosaic route. An
+# arm's forward and forward+backward are timed apart, so the third arm times a forward variant and a
+# backward one at once (the backward's milliseconds: the two figures' difference): the overlapped
+# softmax and dK/dV in two warpgroups, each checked in interpret mode and free of spills. Each also
+# comes alone later.
 MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED),
                        ("128-key tiles, Q in shared memory", WIDE_SS),
                        ("softmax beside its own PV, dK/dV in 2 warpgroups", OVERLAP + DKV_2),
@@ -89,7 +91,7 @@ MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED),
                        ("row sums during the next QK", ROW_SUM),
                        ("backward a CTA an item", BACKWARD_PER_ITEM),
                        ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
-                       ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
+                       ("128-key tiles", WIDE),
                        # what loading Q's fragments every step (as at head size 64 and with 128-key tiles) costs
                        ("Q loaded each step", ((mosaic_common, "RELOAD_OPERANDS", True),)),
                        ("persistent", PERSISTENT), ("rings of 2 slots", RING_OF_2),
@@ -97,6 +99,7 @@ MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED),
                        ("persistent, backward operands in registers", PERSISTENT + BACKWARD_RS),
                        ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
                        ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)))
+TIMED_BEFORE_MOSAIC = 5  # the variants through the 128-key tiles with the named turns
 
 
 def vla_lengths(num_samples: int, rng: np.random.Generator) -> np.ndarray:
@@ -235,7 +238,7 @@ FORWARD_VARIANTS = (("as configured", ()), ("Q loaded once an item", Q_ONCE),
                     ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
                     ("rings of 2 slots", ((mosaic_forward, "STAGES", 2),)),
                     ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)),
-                    ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
+                    ("128-key tiles", WIDE),
                     ("persistent", ((mosaic_forward, "PERSISTENT", True),)),
                     ("softmax beside its own PV", OVERLAP), ("row sums during the next QK", ROW_SUM),
                     ("rescaled after the PV", RESCALE), ("turns at a named barrier", NAMED),
@@ -253,8 +256,8 @@ BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "P
 # And mosaic_own's gradients under the forward's 128-key tiles (its out and lse feed the backward): on the
 # H200 of 2026-11-30 the attention figure's "128-key tiles" arm had gradients 1.9 off, the other arms'
 # 4.6e-3; interpret mode agrees with the reference (tests).
-FORWARD_GRADIENT_VARIANTS = (("as configured", ()), ("128-key tiles", ((mosaic_forward, "BLOCK_KV", 128),)),
-                             ("128-key tiles, Q loaded once an item", ((mosaic_forward, "BLOCK_KV", 128),) + Q_ONCE),
+FORWARD_GRADIENT_VARIANTS = (("as configured", ()), ("128-key tiles", WIDE),
+                             ("128-key tiles, Q loaded once an item", WIDE + Q_ONCE),
                              ("128-key tiles, Q in shared memory", WIDE_SS))
 
 

@@ -91,8 +91,8 @@ FIGURES = (
     # figures first since 2026-12-01: the block-causal rows' arms, pallas, mosaic_own and its variants
     # never timed (dK/dV's wgmmas in pairs, 128-key tiles with Q in shared memory, the named turns, dK/dV in
     # two warpgroups), the mosaic route (auto's Hopper route), the rest; the causal rows after them are cut
-    # off at the limit (the sweep never fitted). On 2026-11-30 110 s timed four variants after the baselines. The dense baseline
-    # (4.4-4.8x, measured in both windows) is skipped for their time.
+    # off at the limit (the sweep never fitted). On 2026-11-30 110 s timed four variants after the
+    # baselines. The dense baseline (4.4-4.8x, measured in both windows) is skipped for their time.
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--skip_dense"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 150),
