@@ -2,7 +2,8 @@
 
 The image (Python 3.12, x86-64, jax 0.11.x with CUDA, flax, optax, orbax, numpy, safetensors,
 tokenizers, sentencepiece) has no network; ejax also needs the packages below, at the versions
-constraints.txt pins. The image's flax is used (the pinned 0.12.6 cannot import on jax 0.11); tokamax
+constraints.txt pins (tokenizers too, which GR00T's configs import: an image without it would lose
+every figure that builds GR00T). The image's flax is used (the pinned 0.12.6 cannot import on jax 0.11); tokamax
 and what it imports (benchmarks/tokamax_requirements.txt) go into .whl/tokamax and a fallback flax
 0.12.12 into .whl/tokamax/flax (benchmarks/gpu.py and attention_hopper.sh install them). Run where pip
 reaches PyPI, in the repository root; .whl/ is git-ignored and travels with the device call (~32 MB).
@@ -20,7 +21,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ejax's imports the image lacks, and theirs (mujoco 4 is split into mujoco + mujoco-core).
 PACKAGES = ("ml_collections", "mujoco", "mujoco-core", "mujoco-mjx", "glfw", "pyopengl", "trimesh", "grain",
-            "array_record", "dm-tree", "portpicker", "tensorboardX", "websockets", "openpi-client")
+            "array_record", "dm-tree", "portpicker", "tensorboardX", "websockets", "openpi-client", "tokenizers")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "any")
 # Pins for what constraints.txt does not list (mujoco's split packages come with mujoco 4.0.0).

@@ -66,7 +66,8 @@ KERNEL_PROFILE = "/tmp/ejax-kernel-profile"  # the same for attention_profile's 
 # the turns at a named barrier and the row sums out of the softmax, dK/dV's wgmmas in pairs
 # (attention_variants.py's PAIRED_CANDIDATE), whose softmax, turns and dK/dV steps the profile then shows.
 PROFILED_VARIANT = "turns at a named barrier, row sums during the next QK, backward wgmmas in pairs"
-NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client")
+NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client",
+          "tokenizers")
 
 
 @dataclasses.dataclass(frozen=True)
