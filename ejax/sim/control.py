@@ -2,7 +2,8 @@
 
 Action (4 floats in [-1, 1]): [dx, dy, dz, gripper].
   - dx, dy, dz move the end-effector target by up to MAX_DELTA metres per control step (10 Hz) in the
-    world frame (x away from the robot, y to its left, z up); the target is clipped to WORKSPACE.
+    world frame (x away from the robot, y to its left, z up); the target is clipped to WORKSPACE and
+    kept within the arm's REACH.
   - gripper > 0 closes, <= 0 opens (LIBERO's sign convention).
 The hand keeps a fixed downward orientation. Each step runs IK_ITERATIONS damped-least-squares IK
 updates (kinematics.ik_step) from the previous joint target; the joints then move towards it at most
@@ -34,6 +35,15 @@ ACTION_SIZE = 4
 MAX_DELTA = 0.04                       # metres per control step per axis at |action| = 1
 WORKSPACE_LOW = np.array([0.25, -0.38, scene.FINGER_PAD_RADIUS + scene.FINGER_PAD_HALF_LENGTH], np.float32)
 WORKSPACE_HIGH = np.array([0.75, 0.45, 0.45], np.float32)
+# The box's far corners are out of the arm's reach with the hand pointing down: its flange (TCP_FLANGE
+# above the tcp) reaches 0.80 m from the shoulder (joint 2's axis, SHOULDER) with the elbow straight.
+# Chasing a target out there, the IK straightened the elbow onto its joint limit, lost the hand's
+# orientation and ended with every joint at a limit and the hand driven into the table (random actions:
+# 1 of 30 envs within 500 steps, whose MJX physics then went NaN). Targets stay within REACH of the
+# shoulder, 2 cm inside that singular edge; every task's waypoints lie well within it.
+SHOULDER = np.array([0.0, 0.0, kinematics.PANDA_DH[0][1]], np.float32)
+TCP_FLANGE = np.array([0.0, 0.0, kinematics.FLANGE_D + kinematics.TCP_OFFSET], np.float32)
+REACH = 0.78
 IK_ITERATIONS = 2
 MAX_JOINT_STEP = 0.25                  # rad per control step (2.5 rad/s, about a Panda's joint speed)
 MAX_FINGER_STEP = 0.02                 # metres per control step per finger (0.2 m/s)
@@ -48,10 +58,20 @@ MIN_HOLD_GAP = 0.006                   # m between the pads
 _TCP_ROTATION = kinematics.home_tcp_rotation()
 
 
+def within_reach(ee_target: Any, xp: Any = np) -> Any:
+  """The tcp target [3] moved towards the shoulder until the flange above it is within REACH (a
+  target within it is returned as it is, bit for bit)."""
+  base = xp.asarray(SHOULDER) - xp.asarray(TCP_FLANGE)
+  flange = ee_target - base
+  distance = xp.sqrt(xp.sum(flange * flange))
+  moved = base + flange * (REACH / xp.maximum(distance, REACH))
+  return xp.where(distance > REACH, moved, ee_target).astype(xp.float32)
+
+
 def update_targets(ee_target: Any, q_target: Any, action: Any, xp: Any = np) -> tuple[Any, Any]:
   """Move the Cartesian target by the action and solve IK for the new joint target ([3], [7])."""
   delta = xp.clip(action[:3], -1.0, 1.0) * MAX_DELTA
-  ee_target = xp.clip(ee_target + delta, xp.asarray(WORKSPACE_LOW), xp.asarray(WORKSPACE_HIGH))
+  ee_target = within_reach(xp.clip(ee_target + delta, xp.asarray(WORKSPACE_LOW), xp.asarray(WORKSPACE_HIGH)), xp)
   rotation = xp.asarray(_TCP_ROTATION)
   for _ in range(IK_ITERATIONS):
     q_target = kinematics.ik_step(q_target, ee_target, rotation, xp=xp)

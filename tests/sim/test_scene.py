@@ -139,6 +139,30 @@ def test_ik_reaches_workspace_points_with_the_hand_down():
     np.testing.assert_allclose(tcp_rotation, rotation, atol=1e-2)
 
 
+def test_the_controller_keeps_the_arm_on_target_under_any_actions():
+  """Actions that drive the target into each of the workspace box's far corners and then wander at
+  random: the target stays within the arm's reach, and the IK keeps the hand on it, pointing down.
+  (The far corners are out of reach: chasing one, the IK straightened the elbow onto its limit, lost
+  the orientation and ended with every joint at a limit and the hand below the table; under random
+  actions MJX's physics then went NaN.)"""
+  rotation = kinematics.home_tcp_rotation()
+  rng = np.random.default_rng(0)
+  for corner in ([1, 1, 1], [1, -1, 1], [1, 1, -1], [1, -1, -1]):
+    tcp, _, _, _ = kinematics.forward_kinematics(kinematics.HOME_QPOS)
+    info = {"ee_target": tcp.astype(np.float32), "q_target": kinematics.HOME_QPOS.copy(),
+            "arm_q": kinematics.HOME_QPOS.copy(), "finger": np.float32(scene.FINGER_OPEN)}
+    actions = [np.asarray(corner + [0], np.float32)] * 40 + list(rng.uniform(-1, 1, (60, 4)).astype(np.float32))
+    for step, action in enumerate(actions):
+      plan, _ = control.plan_step(info, action)
+      info.update(plan)
+      target = info["ee_target"]
+      assert np.all(target >= control.WORKSPACE_LOW - 1e-6) and np.all(target <= control.WORKSPACE_HIGH + 1e-6)
+      assert np.linalg.norm(target + control.TCP_FLANGE - control.SHOULDER) <= control.REACH + 1e-5
+      reached, reached_rotation, _, _ = kinematics.forward_kinematics(info["q_target"])
+      assert np.linalg.norm(reached - target) < 0.02, (corner, step, reached, target)
+      np.testing.assert_allclose(reached_rotation, rotation, atol=0.05, err_msg=f"{corner} step {step}")
+
+
 def test_task_encoding_rejects_unknown_targets():
   with pytest.raises(ValueError, match="unknown target"):
     tasks.encode_task(tasks.TaskSpec("bad", "x", "do it", target="purple", destination="bowl"))
