@@ -147,6 +147,7 @@ def rollout(env, policy, rng: jax.Array, replan_every: int, video_envs: list[int
   state = env.reset(rng)
   frames = {i: [] for i in video_envs}
   lengths = np.full(env.num_envs, env.episode_length)
+  unstable = np.zeros(env.num_envs, bool)
   chunk, position = None, 0
   for t in range(env.episode_length):
     if chunk is None or position >= min(replan_every, chunk.shape[1]):
@@ -167,8 +168,12 @@ def rollout(env, policy, rng: jax.Array, replan_every: int, video_envs: list[int
     position += 1
     done = np.asarray(state.done)
     lengths = np.where(done & ~done_before, t + 1, lengths)
+    unstable |= done & ~done_before & (np.asarray(state.metrics["unstable"]) > 0)
     if done.all():
       break
+  if unstable.any():  # the backends end such an episode on the state before the step (ejax.sim.env.assess)
+    logging.warning("eval: %d of %d episodes ended when their physics diverged (tasks %s); counted as failures",
+                    unstable.sum(), env.num_envs, sorted({env.env_tasks[i] for i in np.flatnonzero(unstable)}))
   return np.asarray(state.success), lengths, {i: np.stack(f) for i, f in frames.items() if f}
 
 

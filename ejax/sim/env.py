@@ -90,16 +90,21 @@ def state_vector(qpos: Any, info: dict, xp: Any = jnp) -> Any:
   return xp.concatenate([info["arm_q"], control.gripper_gap(qpos, xp)[None], control.tcp_position(qpos)]).astype(xp.float32)
 
 
-def assess(qpos: Any, qvel: Any, mocap_pos: Any, info: dict, prev_success: Any, prev_done: Any, xp: Any = jnp):
+def assess(qpos: Any, qvel: Any, mocap_pos: Any, info: dict, prev_success: Any, prev_done: Any, unstable: Any = False,
+           xp: Any = jnp):
   """The task's verdict on a physics state, shared by both backends.
 
+  unstable: the step's physics diverged (the backend kept the state before it): the episode ends
+  without success, and metrics["unstable"] says so.
   -> (success, done, reward, metrics, info with "privileged"); success and done are sticky.
   """
   grasped = control.grasped_slot(qpos, qvel, info["close"], info["half_widths"], xp)
   success_now, reward, metrics = tasks.evaluate(info, control.tcp_position(qpos), control.graspable_positions(qpos, xp),
                                                 fixture_positions(mocap_pos), grasped, xp)
-  success = prev_success | success_now
-  done = prev_done | success | (info["step"] >= info["episode_length"])
+  unstable = xp.asarray(unstable, bool)
+  success = prev_success | (success_now & ~unstable)
+  done = prev_done | success | (info["step"] >= info["episode_length"]) | unstable
+  metrics = dict(metrics, unstable=unstable.astype(xp.float32))
   info = dict(info, privileged=privileged(qpos, mocap_pos, info, grasped, xp))
   return success, done, reward, metrics, info
 
@@ -174,8 +179,9 @@ def _observe(model: mjx.Model, data: mjx.Data, info: dict, cameras: CameraConfig
 
 
 def _finish(model: mjx.Model, data: mjx.Data, info: dict, prev_success: jax.Array, prev_done: jax.Array,
-            cameras: CameraConfig | None) -> EnvState:
-  success, done, reward, metrics, info = assess(data.qpos, data.qvel, data.mocap_pos, info, prev_success, prev_done)
+            cameras: CameraConfig | None, unstable: jax.Array | bool = False) -> EnvState:
+  success, done, reward, metrics, info = assess(data.qpos, data.qvel, data.mocap_pos, info, prev_success, prev_done,
+                                                unstable)
   return EnvState(data=data, obs=_observe(model, data, info, cameras), reward=reward, done=done,
                   success=success, metrics=metrics, info=info)
 
@@ -196,6 +202,14 @@ def mjx_reset(rng: jax.Array, task_row: dict, cameras: CameraConfig | None) -> E
   return _finish(model, data, info, never, never, cameras)
 
 
+DIVERGED = 1e10
+
+
+def diverged(qpos: Any, qvel: Any, xp: Any = jnp) -> Any:
+  """[] bool: the physics state has left the finite range a simulation can continue from."""
+  return ~(xp.all(xp.abs(qpos) < DIVERGED) & xp.all(xp.abs(qvel) < DIVERGED))
+
+
 def mjx_step(state: EnvState, action: jax.Array, cameras: CameraConfig | None) -> EnvState:
   model = mjx_model().replace(geom_size=state.info["geom_size"])
   info, ctrl_path = control.plan_step(state.info, action, jnp)
@@ -204,10 +218,15 @@ def mjx_step(state: EnvState, action: jax.Array, cameras: CameraConfig | None) -
     return mjx.step(model, data.replace(ctrl=control.substep_ctrl(ctrl, data.qpos, jnp))), None
 
   data, _ = jax.lax.scan(substep, state.data, ctrl_path)
+  # Physics that diverged ends the episode on the state before the step, so that no non-finite value
+  # reaches an observation, a reward or the next step. "Diverged" as native MuJoCo's warnings have it:
+  # a position or velocity that is not finite or beyond DIVERGED (MuJoCo's mjMAXVAL).
+  unstable = diverged(data.qpos, data.qvel)
+  data = jax.tree.map(lambda new, old: jnp.where(unstable, old, new), data, state.data)
   mocap_pos, mocap_quat = with_arm_pose(data.mocap_pos, data.mocap_quat, info)
   data = data.replace(mocap_pos=mocap_pos, mocap_quat=mocap_quat)
   info["step"] = info["step"] + 1
-  return _finish(model, data, info, state.success, state.done, cameras)
+  return _finish(model, data, info, state.success, state.done, cameras, unstable)
 
 
 def global_task_index(name: str) -> int:

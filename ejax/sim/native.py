@@ -31,6 +31,7 @@ from ejax.sim import env as env_lib
 from ejax.sim.batch_common import BatchedEnv, _mjx_functions
 
 _PHYSICS_FIELDS = ("qpos", "qvel", "qacc_warmstart", "mocap_pos", "mocap_quat", "ctrl")
+_DIVERGED = (mujoco.mjtWarning.mjWARN_BADQACC, mujoco.mjtWarning.mjWARN_BADQPOS, mujoco.mjtWarning.mjWARN_BADQVEL)
 # MuJoCo 4.0.0's plane-cylinder collider misses the contact for about a quarter of yaw angles when an
 # upright cylinder is tilted by ~1e-15 rad (the axis test sits on mjMINVAL), and the cylinder then
 # falls through the table. Integration noise produces such tilts; snapping tilts below
@@ -55,16 +56,17 @@ def _plan(info: dict, actions: jax.Array):
 
 
 @functools.partial(jax.jit, static_argnames=("cameras", "advance"))
-def _finish(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits, *, cameras, advance):
-  def finish_one(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits):
+def _finish(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits, unstable, *, cameras, advance):
+  def finish_one(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits, unstable):
     info = dict(info, step=info["step"] + advance)
-    success, done, reward, metrics, info = env_lib.assess(qpos, qvel, mocap_pos, info, prev_success, prev_done)
+    success, done, reward, metrics, info = env_lib.assess(qpos, qvel, mocap_pos, info, prev_success, prev_done,
+                                                          unstable)
     obs = env_lib.base_observations(qpos, info)
     if cameras is not None:
       obs.update(env_lib.render_cameras(cameras, info["geom_size"], info["geom_rgba"], *kinematics, hits=hits,
                                         points=env_lib.pixel_points(info)))
     return obs, reward, done, success, metrics, info
-  return jax.vmap(finish_one)(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits)
+  return jax.vmap(finish_one)(prev_success, prev_done, info, qpos, qvel, mocap_pos, kinematics, hits, unstable)
 
 
 class NativeBatchedEnv(BatchedEnv):
@@ -143,20 +145,30 @@ class NativeBatchedEnv(BatchedEnv):
     data, kinematics, hits = self._gather()
     obs, reward, done, success, metrics, info = jax.device_get(_finish(
         initial.success, initial.done, initial.info, data["qpos"], data["qvel"], data["mocap_pos"], kinematics, hits,
-        cameras=self.cameras, advance=0))
+        np.zeros(self.num_envs, bool), cameras=self.cameras, advance=0))
     return env_lib.EnvState(data=data, obs=obs, reward=reward, done=done, success=success, metrics=metrics, info=info)
 
   def step(self, state: env_lib.EnvState, actions) -> env_lib.EnvState:
     info, ctrl_path, arm_pos, arm_quat = jax.device_get(_plan(state.info, jnp.asarray(actions, jnp.float32)))
 
+    unstable = np.zeros(self.num_envs, bool)
+
     def physics(i):
       model, data = self._models[i], self._datas[i]
       for field in _PHYSICS_FIELDS:
         getattr(data, field)[:] = state.data[field][i]
+      for warning in _DIVERGED:
+        data.warning[warning].number = 0
       for k in range(scene.SUBSTEPS):
         data.ctrl[:] = control.substep_ctrl(ctrl_path[i, k], data.qpos)
         mujoco.mj_step(model, data)
         _snap_upright(data.qpos, self._cylinder_tilt)
+      # MuJoCo resets diverged physics to the model's initial state (and warns); like MJX's runner, the
+      # episode ends on the state before the step instead.
+      if any(data.warning[w].number for w in _DIVERGED) or env_lib.diverged(data.qpos, data.qvel, np):
+        unstable[i] = True
+        for field in _PHYSICS_FIELDS:
+          getattr(data, field)[:] = state.data[field][i]
       data.mocap_pos[self._arm_bodies] = arm_pos[i]
       data.mocap_quat[self._arm_bodies] = arm_quat[i]
       if self.cameras is not None:
@@ -165,7 +177,7 @@ class NativeBatchedEnv(BatchedEnv):
     self._map(physics)
     data, kinematics, hits = self._gather()
     obs, reward, done, success, metrics, info = jax.device_get(_finish(
-        state.success, state.done, info, data["qpos"], data["qvel"], data["mocap_pos"], kinematics, hits,
+        state.success, state.done, info, data["qpos"], data["qvel"], data["mocap_pos"], kinematics, hits, unstable,
         cameras=self.cameras, advance=1))
     return env_lib.EnvState(data=data, obs=obs, reward=reward, done=done, success=success, metrics=metrics, info=info)
 

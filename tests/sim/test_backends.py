@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from ejax.sim import control, registry
+from ejax.sim import control, registry, scene
 from ejax.sim.batched import make_batched
 
 TASKS = registry.list_tasks()
@@ -46,3 +46,30 @@ def test_backends_agree_on_an_expert_trajectory():
   assert worst_tcp.max() < 5e-3, worst_tcp
   holding = np.asarray(mjx_state.metrics["holding"]) + np.asarray(mjx_state.success)
   assert holding.sum() > 0, "the trajectory must exercise grasping"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("backend", ["mjx", "native"])
+def test_diverged_physics_ends_the_episode_on_the_state_before_the_step(backend):
+  """An env whose physics leaves the finite range (here: its cylinder thrown at 1e11 m/s) ends its
+  episode without success on the state before the step, flagged in metrics["unstable"]; native
+  MuJoCo would have reset it to the model's initial state, MJX carried NaNs on. The others step on."""
+  env = make_batched(TASKS, NUM_ENVS, backend=backend)
+  state = env.reset(jax.random.key(11))
+  cylinder = scene.scene_index().object_dof[scene.OBJECT_NAMES.index("cylinder")]
+  if backend == "mjx":
+    state = state.replace(data=state.data.replace(qvel=state.data.qvel.at[3, cylinder[:3]].set(1e11)))
+  else:
+    state.data["qvel"][3, cylinder[:3]] = 1e11
+  qpos, qvel = (np.array(getattr(state.data, f) if backend == "mjx" else state.data[f]) for f in ("qpos", "qvel"))
+  state = env.step(state, env.expert_actions(state))
+  after = {f: np.asarray(getattr(state.data, f) if backend == "mjx" else state.data[f]) for f in ("qpos", "qvel")}
+  unstable, done = np.asarray(state.metrics["unstable"]), np.asarray(state.done)
+  assert unstable[3] == 1.0 and done[3] and not np.asarray(state.success)[3]
+  np.testing.assert_array_equal(after["qpos"][3], qpos[3])
+  np.testing.assert_array_equal(after["qvel"][3], qvel[3])
+  others = np.arange(NUM_ENVS) != 3
+  assert not unstable[others].any() and not done[others].any()
+  assert np.isfinite(after["qpos"]).all() and np.isfinite(after["qvel"]).all()
+  for name, value in state.obs.items():
+    assert np.isfinite(np.asarray(value, np.float64)).all(), name

@@ -56,8 +56,11 @@ def test_reset_and_step_have_documented_shapes(batch):
 def test_500_random_action_steps_stay_finite_and_in_workspace(batch):
   state = batch.reset(jax.random.key(1))
   rng = np.random.default_rng(0)
+  unstable = 0.0
   for _ in range(500):
     state = batch.step(state, rng.uniform(-1, 1, (NUM_ENVS, 4)).astype(np.float32))
+    unstable += float(np.asarray(state.metrics["unstable"]).sum())
+  assert unstable == 0, "the physics diverged (the runner kept those envs' last finite state)"
   leaves = jax.tree.leaves((state.obs, state.reward, state.metrics, state.data.qpos, state.data.qvel))
   for leaf in leaves:
     assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
