@@ -50,10 +50,11 @@ def test_backends_agree_on_an_expert_trajectory():
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", ["mjx", "native"])
-def test_diverged_physics_ends_the_episode_on_the_state_before_the_step(backend):
+def test_diverged_physics_ends_the_episode_on_the_state_before_the_step(backend, tmp_path, monkeypatch):
   """An env whose physics leaves the finite range (here: its cylinder thrown at 1e11 m/s) ends its
   episode without success on the state before the step, flagged in metrics["unstable"]; native
   MuJoCo would have reset it to the model's initial state, MJX carried NaNs on. The others step on."""
+  monkeypatch.chdir(tmp_path)  # MuJoCo writes its warning to MUJOCO_LOG.TXT in the working directory
   env = make_batched(TASKS, NUM_ENVS, backend=backend)
   state = env.reset(jax.random.key(11))
   cylinder = scene.scene_index().object_dof[scene.OBJECT_NAMES.index("cylinder")]
