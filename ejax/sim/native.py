@@ -40,6 +40,12 @@ _NEGLIGIBLE_TILT = 1e-12
 CAMERA_RENDERERS = ("mujoco", "jax")
 
 
+def _load_physics(data: mujoco.MjData, physics: dict, i: int) -> None:
+  """Env i's physics state from a batched EnvState's data into its MjData."""
+  for field in _PHYSICS_FIELDS:
+    getattr(data, field)[:] = physics[field][i]
+
+
 def _snap_upright(qpos: np.ndarray, tilt_address: np.ndarray) -> None:
   tilt = qpos[tilt_address]
   if 0.0 < np.abs(tilt).max() < _NEGLIGIBLE_TILT:
@@ -126,8 +132,7 @@ class NativeBatchedEnv(BatchedEnv):
     def load(i):
       model, data = self._models[i], self._datas[i]
       if not fresh[i]:  # carries on: its MjData holds exactly the state's physics
-        for field in _PHYSICS_FIELDS:
-          getattr(data, field)[:] = state.data[field][i]
+        _load_physics(data, state.data, i)
         mujoco.mj_kinematics(model, data)
         return
       model.geom_size[:] = geom_size[i]
@@ -155,8 +160,7 @@ class NativeBatchedEnv(BatchedEnv):
 
     def physics(i):
       model, data = self._models[i], self._datas[i]
-      for field in _PHYSICS_FIELDS:
-        getattr(data, field)[:] = state.data[field][i]
+      _load_physics(data, state.data, i)
       for warning in _DIVERGED:
         data.warning[warning].number = 0
       for k in range(scene.SUBSTEPS):
@@ -167,8 +171,7 @@ class NativeBatchedEnv(BatchedEnv):
       # episode ends on the state before the step instead.
       if any(data.warning[w].number for w in _DIVERGED) or env_lib.diverged(data.qpos, data.qvel, np):
         unstable[i] = True
-        for field in _PHYSICS_FIELDS:
-          getattr(data, field)[:] = state.data[field][i]
+        _load_physics(data, state.data, i)
       data.mocap_pos[self._arm_bodies] = arm_pos[i]
       data.mocap_quat[self._arm_bodies] = arm_quat[i]
       if self.cameras is not None:
