@@ -67,11 +67,10 @@ configs/pi05.py's simulator recipe stopped early (a weak start on purpose):
       --workdir=runs/pi05_weak
   python -m ejax.main --config=configs/rl_vla3.py:runlocal,actor=pi05,sft=runs/pi05_weak/checkpoints \
       --workdir=runs/rl_pi05
-Seen 2026-11-27 (2 cores shared with other agents' jobs, load 9-17), from the step-1000 checkpoint of
-that recipe (a run that packed two samples a row, the default then): "lift the green block" 0.15 [0.09, 0.23] -> 0.17 [0.11, 0.26] (100 judged episodes each),
-60 updates in 29 minutes of RL, 142 env steps/s; train success rose to ~0.3 by update 40 and fell back.
-Not the +20 points GR00T's run makes; the variants tried are in BENCHMARKS.md ("RL-VLA3 with the pi0.5
-actor").
+Seen 2026-11-27 (2 idle cores): 0.33 [0.25, 0.43] -> 0.64 [0.54, 0.73] (100 judged episodes each, 60
+updates, RL 14 minutes), and 0.33 -> 0.53 in the slow test's run. Not on 2026-12-03: the same SFT command
+starts at 0.57 now, and RL went to 0.29 (0.54 at GR00T's lr 4e-5); from that recipe's step-700 checkpoint
+(0.29) to 0.43 (0.35 at 4e-5): the +20 points do not hold (BENCHMARKS.md, "RL-VLA3 with the pi0.5 actor").
 """
 
 import os
