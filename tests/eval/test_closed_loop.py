@@ -210,8 +210,8 @@ def test_groot_overfit_on_a_handful_of_demos_succeeds_on_their_layouts(tmp_path)
 @pytest.mark.optimised
 @pytest.mark.timeout(1800)
 def test_groot_overfit_on_a_handful_of_demos_of_each_kind_of_task(tmp_path):
-  """The same on a pick-and-place task, longer: 8 demos, 1500 steps (at 1200, as the lift's test before
-  ejax.train.host_init's draws, 7 of 8 on 2026-12-03, flow loss 0.11; at 1500 8 of 8, 0.094-0.114)."""
+  """The same on a pick-and-place task, longer: 8 demos, 1500 steps, as the lift's test since the
+  host-drawn initial weights (2026-12-03: 1200 steps solved 7 of 8, flow loss 0.11; 1500 solved 8 of 8)."""
   result = overfit_groot(tmp_path, task="goal_red_block_to_plate", episodes=8, steps=1500, replan_every=4)
   assert result["final_loss"] < 0.15
   assert result["judged"]["overall"]["success_rate"] >= 0.9, result["judged"]
