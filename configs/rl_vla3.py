@@ -70,7 +70,7 @@ configs/pi05.py's simulator recipe stopped early (a weak start on purpose):
 Seen 2026-11-27 (2 idle cores): 0.33 [0.25, 0.43] -> 0.64 [0.54, 0.73] (100 judged episodes each, 60
 updates, RL 14 minutes), and 0.33 -> 0.53 in the slow test's run. Not on 2026-12-03: the same SFT command
 starts at 0.57 now, and RL went to 0.29 (0.54 at GR00T's lr 4e-5); from that recipe's step-700 checkpoint
-(0.29) to 0.43 (0.35 at 4e-5): the +20 points do not hold (BENCHMARKS.md, "RL-VLA3 with the pi0.5 actor").
+(0.29) to 0.43 and 0.49 (0.35 at 4e-5) (BENCHMARKS.md, "RL-VLA3 with the pi0.5 actor").
 """
 
 import os
