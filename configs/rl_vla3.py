@@ -67,10 +67,12 @@ configs/pi05.py's simulator recipe stopped early (a weak start on purpose):
       --workdir=runs/pi05_weak
   python -m ejax.main --config=configs/rl_vla3.py:runlocal,actor=pi05,sft=runs/pi05_weak/checkpoints \
       --workdir=runs/rl_pi05
-Seen 2026-11-27 (2 idle cores): 0.33 [0.25, 0.43] -> 0.64 [0.54, 0.73] (100 judged episodes each, 60
-updates, RL 14 minutes), and 0.33 -> 0.53 in the slow test's run. Not on 2026-12-03: the same SFT command
-starts at 0.57 now, and RL went to 0.29 (0.54 at GR00T's lr 4e-5); from that recipe's step-700 checkpoint
-(0.29) to 0.43 and 0.49 (0.35 at 4e-5) (BENCHMARKS.md, "RL-VLA3 with the pi0.5 actor").
+CPU-sized it takes twice GR00T's batch an update (2048 chunk samples, 30 updates, RL ~16 minutes) and
+judges 400 episodes. Seen 2026-12-03 (2 idle cores): the slow test's run, 0.475 [0.43, 0.52] -> 0.598
+[0.55, 0.64] (+12, short of its +20); from another run's start, judged over 1000 episodes, 0.536 ->
+0.712 after the 30 updates (0.678 at lr 2e-4; 0.665 / 0.610 after 40 / 50), where GR00T's batch of
+1024 lost 25 points (0.283).
+(BENCHMARKS.md, "RL-VLA3 with the pi0.5 actor", also for 2026-11-27's runs from weaker starts.)
 """
 
 import os
