@@ -47,38 +47,48 @@ from ejax.rl.timeline import ActivityLog, plot_timeline
 JOIN_TIMEOUT_S = 30.0
 
 
-def _is_critic(path) -> bool:
-  return getattr(path[0], "key", None) == "critic"  # ActorCritic's parameters: {"actor": ..., "critic": ...}
+def _part(path) -> str:
+  """Which of the optimizer's parts a parameter belongs to: "critic" (ActorCritic's {"critic": ...}),
+  "perception" (a VLA actor's perception module, trained by its own loss on the rollouts: see
+  ejax.rl.vla, rl.policy.perception_loss) or "actor"."""
+  if getattr(path[0], "key", None) == "critic":
+    return "critic"
+  return "perception" if any(getattr(part, "key", None) == "perception" for part in path) else "actor"
 
 
-def _per_part(transform: Callable[[Any, bool], Any]) -> optax.GradientTransformation:
-  """A stateless transformation applied to the actor's and the critic's updates separately."""
+PARTS = ("actor", "critic", "perception")
+
+
+def _per_part(transform: Callable[[Any, str], Any]) -> optax.GradientTransformation:
+  """A stateless transformation applied to each part's updates separately (`_part`)."""
   def update(updates, state, params=None):
     del params
     flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-    parts = {critic: [leaf for path, leaf in flat if _is_critic(path) == critic] for critic in (False, True)}
-    done = {critic: iter(transform(leaves, critic)) if leaves else iter(()) for critic, leaves in parts.items()}
-    return jax.tree_util.tree_unflatten(treedef, [next(done[_is_critic(path)]) for path, _ in flat]), state
+    parts = {part: [leaf for path, leaf in flat if _part(path) == part] for part in PARTS}
+    done = {part: iter(transform(leaves, part)) if leaves else iter(()) for part, leaves in parts.items()}
+    return jax.tree_util.tree_unflatten(treedef, [next(done[_part(path)]) for path, _ in flat]), state
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def make_optimizer(config: ConfigDict, trainable_mask: Any = None) -> optax.GradientTransformation:
-  """Adam, with the actor's and the critic's gradients clipped (global norm) and scaled separately:
-  the value loss's gradients (returns can be large) must not eat the actor's share of one clip, and
-  the critic may learn faster than the actor. The state is plain Adam moments shaped like the
-  parameters, so it shards like them.
+  """Adam, with the actor's, the critic's and a trained perception module's gradients clipped (global
+  norm) and scaled separately: the value loss's gradients (returns can be large) must not eat the
+  actor's share of one clip, nor the perception's supervised loss the policy gradient's; the critic
+  may learn faster than the actor. The state is plain Adam moments shaped like the parameters, so it
+  shards like them.
 
   trainable_mask (FlowPolicy.trainable_mask, bools shaped like the params): parameters marked
   False (a VLA's frozen LLM and vision tower) get a zero update and no Adam moments."""
-  actor_rate, critic_rate = config.learning_rate, config.critic_learning_rate or config.learning_rate
+  rates = {"actor": config.learning_rate, "critic": config.critic_learning_rate or config.learning_rate,
+           "perception": config.get("perception_learning_rate", 0.0) or config.learning_rate}
 
-  def clip(leaves, critic):
+  def clip(leaves, part):
     norm = optax.tree.norm(leaves)
     scale = jnp.minimum(1.0, config.grad_clip_norm / jnp.maximum(norm, 1e-12))
     return [leaf * scale for leaf in leaves]
 
-  def rate(leaves, critic):
-    return [-(critic_rate if critic else actor_rate) * leaf for leaf in leaves]
+  def rate(leaves, part):
+    return [-rates[part] * leaf for leaf in leaves]
 
   optimizer = optax.chain(_per_part(clip), optax.scale_by_adam(), _per_part(rate))
   if trainable_mask is None:
@@ -100,6 +110,7 @@ def default_config() -> ConfigDict:
       group_size=4, gamma=0.99, gae_lambda=0.95, clip_epsilon=0.2, behaviour_weight_threshold=2.0,
       dual_clip=3.0, value_coef=0.5, num_epochs=2, num_minibatches=4, learning_rate=3e-4, grad_clip_norm=1.0,
       critic_learning_rate=0.0,  # 0: learning_rate; actor and critic are clipped and stepped separately
+      perception_learning_rate=0.0,  # 0: learning_rate; a VLA's perception module (rl.policy.perception_loss)
       critic_warmup_updates=0,   # first updates train only the value head (PPO)
       target_kl=0.0,             # > 0: skip an update's remaining gradient steps once approx KL exceeds it
       noise_level=0.5,

@@ -249,3 +249,31 @@ def test_a_peer_that_stops_stops_this_process_before_the_next_update(policy, env
   assert all(message["ready"] for name, message in group.sent if name.startswith("update/"))
   assert RLCheckpointer(str(tmp_path / "ckpt")).latest_version() == 2
   assert summary["num_processes"] == 2 and summary["env_steps"] == 2 * summary["env_steps_per_process"][0]
+
+
+def test_optimizer_clips_and_steps_actor_critic_and_perception_apart():
+  """Each part's gradients are clipped by their own global norm and stepped at their own rate: a large
+  perception (or value) gradient in one step leaves the actor's steps as they would be alone (one shared
+  clip would shrink the actor's gradient in that step only, and Adam's next step would differ)."""
+  import jax.numpy as jnp
+  from ejax.rl.pipeline import make_optimizer
+  config = default_config()
+  config.update(learning_rate=1e-3, critic_learning_rate=1e-2, perception_learning_rate=1e-1, grad_clip_norm=1.0)
+  params = {"actor": {"expert": jnp.ones(3), "perception": {"w": jnp.ones(2)}}, "critic": {"out": jnp.ones(2)}}
+  optimizer = make_optimizer(config)
+
+  def steps(perception_grads, critic_grads):
+    state, out = optimizer.init(params), []
+    for p, c in zip(perception_grads, critic_grads):
+      grads = {"actor": {"expert": jnp.full(3, 0.1), "perception": {"w": jnp.full(2, p)}}, "critic": {"out": jnp.full(2, c)}}
+      updates, state = optimizer.update(grads, state, params)
+      out.append(jax.tree.map(np.asarray, updates))
+    return out
+
+  alone = steps([0.0, 0.0], [0.0, 0.0])
+  together = steps([1e4, 1.0], [1e3, 1.0])
+  for a, b in zip(alone, together):
+    np.testing.assert_allclose(b["actor"]["expert"], a["actor"]["expert"], rtol=1e-5)
+    np.testing.assert_allclose(b["actor"]["expert"], -1e-3, rtol=1e-3)  # constant gradient: Adam steps lr
+  np.testing.assert_allclose(together[0]["actor"]["perception"]["w"], -1e-1, rtol=1e-3)
+  np.testing.assert_allclose(together[0]["critic"]["out"], -1e-2, rtol=1e-3)
