@@ -172,6 +172,9 @@ def groot_actor(rl: ConfigDict, *, sft: str, image_size: int, runlocal: bool) ->
       # ... so the server's context (VL tokens, state vector) is stored with each sample and the
       # learner's log-probs run only the state encoder and the DiT (ejax.rl.vla.GrootActor).
       cache_context=True,
+      # > 0 (pi0.5): its perception module keeps training on the rollouts' frames by its own losses
+      # against the simulator's labels (ejax.rl.vla.vla_flow_policy); 0: it stays as SFT left it.
+      perception_loss=0.0,
       num_steps=0))  # 0: the checkpoint's num_inference_steps
   rl.warm_start.steps = 0  # the checkpoint is the SFT policy: version 0
   rl.judge.image_size = image_size

@@ -66,6 +66,10 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
   gradient (it is still reported), so the value head learns the SFT policy's returns before its
   advantages steer the actor.
 
+  A policy with `auxiliary_inputs` (FlowPolicy: a VLA actor whose perception module keeps learning,
+  rl.policy.perception_loss) adds its actor's supervised loss on each minibatch's observations to the
+  total, from the first update on; its metrics join the update's.
+
   Delayed-scaling FP8 layers (model.fp8_impl "xla_delayed*") keep the amaxes each gradient step's
   GEMMs push into their histories, as the train step does, so their scales follow the RL loss's
   activations and gradients rather than staying the SFT checkpoint's.
@@ -77,6 +81,7 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
   if algorithm not in ("ppo", "grpo"):
     raise ValueError(f"RL algorithm {algorithm!r}: use 'ppo' or 'grpo'")
   history_mask = getattr(policy, "history_mask", None)
+  auxiliary = getattr(policy, "auxiliary_inputs", None) is not None
 
   def update(params, opt_state, batch, rng):
     steps, envs = batch["reward"].shape
@@ -114,6 +119,10 @@ def make_update_fn(policy, optimizer: optax.GradientTransformation, *, algorithm
           mask=minibatch["valid"])
       value_error = losses.value_loss(value, minibatch["return"], mask=minibatch["valid"])
       total = (policy_loss if train_actor else 0.0) + (value_coef * value_error if algorithm == "ppo" else 0.0)
+      if auxiliary:  # the actor's own supervised loss on the rollouts (a VLA's perception module), every update
+        auxiliary_loss, auxiliary_metrics = policy.auxiliary_loss(params, minibatch["observation"])
+        total = total + auxiliary_loss
+        metrics = dict(metrics, **auxiliary_metrics)
       return total, dict(metrics, policy_loss=policy_loss, value_loss=value_error)
 
     def minibatch_step(carry, minibatch):

@@ -157,14 +157,18 @@ class FlowPolicy:
     the env's action_dim); the chain and its log-prob stay in the actor's own space;
   - trainable: an nnx filter of the parameters the learner may update (`trainable_mask`, a bool
     pytree like the params, which ejax.rl.pipeline.make_optimizer honours); None: all of them;
-  - observation_keys / observation_prefixes: what `select_observations` keeps for the policy.
+  - observation_keys / observation_prefixes: what `select_observations` keeps for the policy;
+  - auxiliary_inputs(observation) -> the positional inputs of the actor's
+    `auxiliary_loss(*inputs) -> (loss, metrics)`, a supervised loss of its own that the learner adds to
+    every minibatch's (a VLA's perception module on the simulator's labels: ejax.rl.vla); None: none.
   """
 
   def __init__(self, model: ActorCritic, *, horizon: int, action_dim: int, num_steps: int,
                convention: str, noise_level: float = 0.5, actor_inputs: ActorInputs = state_and_task,
                action_mask: Any = None, env_actions: Callable[[jax.Array], jax.Array] | None = None,
                trainable: Any = None, observation_keys: tuple[str, ...] = STATE_OBSERVATIONS,
-               observation_prefixes: tuple[str, ...] = (), noisy_steps: int = 0):
+               observation_prefixes: tuple[str, ...] = (), noisy_steps: int = 0,
+               auxiliary_inputs: ActorInputs | None = None):
     self.graphdef, params = nnx.split(model)
     self.initial_params = params
     self.horizon, self.action_dim, self.num_steps = horizon, action_dim, num_steps
@@ -178,6 +182,7 @@ class FlowPolicy:
     histories = trainable_mask(model, params, Fp8History)
     self.history_mask = histories if any(jax.tree.leaves(histories)) else None
     self.observation_keys, self.observation_prefixes = tuple(observation_keys), tuple(observation_prefixes)
+    self.auxiliary_inputs = auxiliary_inputs
     self.jit_sample = jax.jit(self.sample)  # one compiled sampler per policy, shared by every server
     self.compiled: dict = {}  # other jitted functions of this policy, built once (see ejax.rl.pipeline)
 
@@ -230,6 +235,10 @@ class FlowPolicy:
                                       convention=self.convention, noise_level=self.noise_level,
                                       action_mask=self.action_mask)
     return log_prob, model.critic(observation)
+
+  def auxiliary_loss(self, params: Any, observation: dict) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The actor's own supervised loss on these observations (see auxiliary_inputs) and its metrics."""
+    return nnx.merge(self.graphdef, params).actor.auxiliary_loss(*self.auxiliary_inputs(observation))
 
   def value(self, params: Any, observation: dict) -> jax.Array:
     return nnx.merge(self.graphdef, params).critic(observation)

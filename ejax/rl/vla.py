@@ -55,12 +55,16 @@ class VlaObservations:
   the model's image_size (config.data.image_size; None: none), replayed here in the same order.
   cameras: the image keys the model was trained on (None: every "observation.images.*" key of the
   observation, sorted, as the train collate orders them); num_cameras of them are expected.
+  aux_state_key / aux_center / aux_scale / aux_pixel_key: where the checkpoint's perception module
+  found its training labels (data.aux_state_key, normalised like the checkpoint's data, and
+  data.aux_pixel_key; None: no labels), read from the simulator's observations by `labelled`.
   """
 
   def __init__(self, *, state_key: str, state_center, state_scale, clip_state: bool, max_state_dim: int,
                action_dim: int, model_action_dim: int, horizon: int, action_center, action_scale,
                image_size: int, num_cameras: int, cameras: Sequence[str] | None = None,
-               data_image_size: Sequence[int] | None = None):
+               data_image_size: Sequence[int] | None = None, aux_state_key: str | None = None,
+               aux_center=None, aux_scale=None, aux_pixel_key: str | None = None):
     if action_dim > model_action_dim:
       raise ValueError(f"env action_dim {action_dim} > the model's action width {model_action_dim}")
     self.state_key, self.clip_state, self.max_state_dim = state_key, clip_state, max_state_dim
@@ -71,6 +75,8 @@ class VlaObservations:
     as_array = lambda x: None if x is None else np.asarray(x, np.float32).reshape(-1)
     self.state_center, self.state_scale = as_array(state_center), as_array(state_scale)
     self.action_center, self.action_scale = as_array(action_center), as_array(action_scale)
+    self.aux_state_key, self.aux_pixel_key = aux_state_key, aux_pixel_key
+    self.aux_center, self.aux_scale = as_array(aux_center), as_array(aux_scale)
     # Real action entries of the chain: the first action_dim of the model's width, every step.
     self.action_mask = np.zeros((horizon, model_action_dim), np.float32)
     self.action_mask[:, :action_dim] = 1.0
@@ -113,6 +119,24 @@ class VlaObservations:
       if self.clip_state:
         state = jnp.clip(state, -1.0, 1.0)
     return jnp.pad(state, ((0, 0), (0, self.max_state_dim - state.shape[-1])))
+
+  def labelled(self, observation: dict) -> dict[str, jax.Array]:
+    """The model batch with the perception module's targets filled from the simulator's privileged
+    observations, as the train collate fills them from the recorded ones (ejax.models.perception.targets):
+    aux_state normalised with the checkpoint's statistics, aux_mask 1, aux_pixels as the env gives them."""
+    batch = self(observation)
+    missing = [key for key in (self.aux_state_key, self.aux_pixel_key if "aux_pixels" in batch else None)
+               if key and key not in observation]
+    if not self.aux_state_key or missing:
+      raise ValueError(f"the perception module's labels ({self.aux_state_key}, {self.aux_pixel_key}) are not in the "
+                       f"observation (missing {missing}): an ejax.sim env with cameras=True gives them")
+    target = jnp.asarray(observation[self.aux_state_key]).astype(jnp.float32)
+    if self.aux_center is not None:
+      target = (target - self.aux_center) / self.aux_scale
+    batch.update(aux_state=target, aux_mask=jnp.ones(target.shape[:1], jnp.float32))
+    if "aux_pixels" in batch:
+      batch["aux_pixels"] = jnp.asarray(observation[self.aux_pixel_key]).astype(jnp.float32)
+    return batch
 
   def env_actions(self, actions: jax.Array) -> jax.Array:
     """[n, h, model action width] normalised -> [n, h, action_dim] in env units."""
@@ -223,6 +247,7 @@ class VlaKind:
   freeze_context: Callable  # model config -> None: sets the flags that freeze what the context is made from
   trainable_filter: Callable  # model config -> the train job's nnx filter
   convention: str           # the flow's time convention (ejax.models.flow)
+  perception_loss: bool = False  # the actor takes perception_weight and has auxiliary_loss (rl.policy.perception_loss)
 
 
 def load_sft(checkpoint_dir: str, step: int | None = None, kind: str = "groot"):
@@ -251,13 +276,18 @@ def shared_settings(sft_policy) -> dict:
   """VlaObservations' checkpoint settings (state key, normaliser, action dim, cameras, pipeline resize),
   read from the CheckpointPolicy as its act() uses them. The state is not clipped: the train pipeline's
   Normalizer clips in no mode (ejax.data.transforms)."""
+  from ejax.train.policy import policy_normalizer
   config, normalizer = sft_policy.config, sft_policy.normalizer
   state_params = normalizer.params.get(sft_policy.state_key, (None, None))
   action_params = normalizer.params.get("action", (None, None))
+  aux_key = config.data.get("aux_state_key", None)
+  aux_params = (policy_normalizer(config.data, sft_policy.norm_stats, [aux_key]).params.get(aux_key, (None, None))
+                if aux_key else (None, None))
   return dict(state_key=sft_policy.state_key, state_center=state_params[0], state_scale=state_params[1],
               clip_state=False, action_dim=int(sft_policy.action_dim or sft_policy.noise_shape[1]),
               action_center=action_params[0], action_scale=action_params[1], cameras=config.data.get("cameras"),
-              data_image_size=config.data.get("image_size"))
+              data_image_size=config.data.get("image_size"), aux_state_key=aux_key, aux_center=aux_params[0],
+              aux_scale=aux_params[1], aux_pixel_key=config.data.get("aux_pixel_key", None))
 
 
 def observations_for(sft_policy, instructions: Sequence[str]) -> GrootObservations:
@@ -282,7 +312,15 @@ def vla_flow_policy(kind: VlaKind, policy_config: ConfigDict, *, rngs: nnx.Rngs)
 
   policy_config: checkpoint (the train job's checkpoints dir), step (-1: newest), instructions
   (task_index -> instruction), state_dim / num_tasks / hidden (the critic), noise_level, noisy_steps,
-  num_steps (0: the model's num_inference_steps), cache_context, train_backbone.
+  num_steps (0: the model's num_inference_steps), cache_context, train_backbone, perception_loss.
+
+  perception_loss > 0 (kinds with `perception_loss`, a checkpoint with model.perception): the perception
+  module trains too, by its own supervised losses (SFT's, times this weight) on the rollouts' frames
+  against the simulator's labels (the object state and where the objects appear: privileged, like the
+  critic's input), added to every learner minibatch. With the context cached, RL alone cannot move it: a
+  weak start's estimate of where the target is stays as wrong as SFT left it, on every layout, whatever
+  the action expert learns (BENCHMARKS.md, "RL-VLA3 with the pi0.5 actor"). Each sample keeps the
+  estimate the behaviour policy acted on (its cached context), so the policy-gradient ratio stays exact.
 
   The critic is asymmetric: a ValueHead on proprioception + the env's object state + task
   (ejax.rl.policy.policy_state), privileged information the actor never sees. Values only shape
@@ -309,18 +347,32 @@ def vla_flow_policy(kind: VlaKind, policy_config: ConfigDict, *, rngs: nnx.Rngs)
                      f"{policy_config.num_tasks}: give one instruction per task index")
   critic = ValueHead(policy_config.state_dim, policy_config.num_tasks, policy_config.hidden, rngs)
   observation_keys = tuple(dict.fromkeys(STATE_OBSERVATIONS + (sft.state_key,)))  # + the cameras (prefix)
+  weight = float(policy_config.get("perception_loss", 0.0))
+  options, trained_parts, auxiliary_inputs = {}, kind.flow_parts + ("critic",), None
+  if weight > 0:
+    if not kind.perception_loss or not c.get("perception") or not observations.aux_state_key:
+      raise ValueError(f"rl.policy.perception_loss={weight} trains the perception module on the simulator's labels: "
+                       f"{policy_config.checkpoint} has no model.perception trained on data.aux_state_key"
+                       + ("" if kind.perception_loss else f" (and {kind.title}'s RL actor has no such loss)")
+                       + "; set rl.policy.perception_loss=0")
+    options["perception_weight"] = weight
+    trained_parts += ("perception",)
+    observation_keys += tuple(key for key in (observations.aux_state_key, observations.aux_pixel_key)
+                              if key and key not in observation_keys)
+    auxiliary_inputs = lambda observation: (observations.labelled(observation),)
   trainable = kind.trainable_filter(c)
-  if cache:  # the context is frozen: only the flow part (and the critic) can move
-    trainable = nnx.All(trainable, nnx.Any(*[nnx.PathContains(name) for name in kind.flow_parts + ("critic",)]))
+  if cache:  # the context is frozen: only the flow part (and the critic, and a trained perception) can move
+    trainable = nnx.All(trainable, nnx.Any(*[nnx.PathContains(name) for name in trained_parts]))
   horizon, width = observations.action_mask.shape
-  return FlowPolicy(ActorCritic(kind.actor(model, cache_context=cache), critic), horizon=horizon, action_dim=width,
+  return FlowPolicy(ActorCritic(kind.actor(model, cache_context=cache, **options), critic), horizon=horizon,
+                    action_dim=width,
                     num_steps=int(policy_config.get("num_steps", 0)) or c.num_inference_steps,
                     convention=kind.convention, noise_level=policy_config.noise_level,
                     noisy_steps=policy_config.get("noisy_steps", 0),
                     actor_inputs=lambda observation: (observations(observation),),
                     action_mask=observations.action_mask, env_actions=observations.env_actions,
                     trainable=trainable, observation_keys=observation_keys,
-                    observation_prefixes=(IMAGE_PREFIX,))
+                    observation_prefixes=(IMAGE_PREFIX,), auxiliary_inputs=auxiliary_inputs)
 
 
 def groot_flow_policy(policy_config: ConfigDict, *, rngs: nnx.Rngs) -> FlowPolicy:

@@ -157,11 +157,21 @@ class Pi05Actor(nnx.Module):
   server stores it per sample and the learner's minibatches slice it. velocity_from_context(x, t,
   context): the action expert alone. prepare / velocity: the same without storing (the eval job's
   deterministic actions). cache_context=True stops the context's gradient (FLOW_PARTS train).
+  auxiliary_loss(labelled batch): the perception module's own losses, SFT's weights times
+  perception_weight (rl.policy.perception_loss; ejax.rl.vla.vla_flow_policy).
   """
 
-  def __init__(self, pi05: pi05_lib.Pi05, cache_context: bool = False):
+  def __init__(self, pi05: pi05_lib.Pi05, cache_context: bool = False, perception_weight: float = 0.0):
     self.pi05 = pi05
     self.cache_context = cache_context
+    self.perception_weight = perception_weight
+
+  def auxiliary_loss(self, batch: dict) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The perception module's losses on a batch with its targets (VlaObservations.labelled), as the
+    train step weighs them, times perception_weight; (loss, {each loss by its train-job name})."""
+    metrics = {}
+    loss = self.pi05.perception.add_losses(jnp.zeros((), jnp.float32), metrics, self.pi05.perceive(batch), batch)
+    return self.perception_weight * loss, metrics
 
   def _context(self, batch: dict) -> dict:
     cache, seen = self.pi05.prefix_cache(batch)
@@ -217,4 +227,5 @@ def _freeze_pi05(c: ConfigDict) -> None:
 
 
 PI05 = VlaKind(name="pi05", title="pi0.5", observations=observations_for, actor=Pi05Actor, flow_parts=FLOW_PARTS,
-               freeze_context=_freeze_pi05, trainable_filter=pi05_lib.trainable_filter, convention="openpi")
+               freeze_context=_freeze_pi05, trainable_filter=pi05_lib.trainable_filter, convention="openpi",
+               perception_loss=True)

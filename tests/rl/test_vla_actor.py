@@ -240,3 +240,12 @@ def test_config_and_missing_checkpoint_errors_name_the_fix(tmp_path):
   assert config.rl.warm_start.steps == 0 and config.rl.env.kwargs.cameras
   with pytest.raises(CheckpointError, match="starts from, and is rebuilt from, its SFT checkpoint"):
     runner.make_policy(config.rl.policy, seed=0)
+
+
+def test_perception_loss_on_an_actor_without_it_names_the_fix(sft_checkpoint):
+  """rl.policy.perception_loss > 0 asks the actor to train its perception module on the simulator's
+  labels: the GR00T actor has no such loss, so it is one line naming the setting, not a silent no-op."""
+  config = rl_config(sft_checkpoint)
+  config.rl.policy.perception_loss = 1.0
+  with pytest.raises(ValueError, match=r"GR00T's RL actor has no such loss\); set rl.policy.perception_loss=0"):
+    runner.make_policy(config.rl.policy, seed=0)

@@ -62,6 +62,9 @@ def observations(n: int, seed: int = 0) -> dict[str, np.ndarray]:
          "task_index": np.asarray([tasks.index(TASK)] + list(rng.integers(0, len(tasks), n - 1)), np.int32)}
   for camera in ("agentview", "wrist"):
     obs[f"observation.images.{camera}"] = rng.integers(0, 256, (n, IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+  # where the target and its goal appear in each camera (the perception module's labels), one out of view
+  obs["observation.environment_pixels"] = rng.uniform(-1.0, 1.0, (n, 8)).astype(np.float32)
+  obs["observation.environment_pixels"][0, 4:6] = 10.0
   return obs
 
 
@@ -188,6 +191,47 @@ def test_learner_steps_move_the_action_expert_only(sft_checkpoint, policy):
   assert any("'expert'" in path for path in moved_paths) and any("'critic'" in path for path in moved_paths)
   upstream = [p for p in moved_paths if "'critic'" not in p and not any(f"'{part}'" in p for part in FLOW_PARTS)]
   assert upstream == []  # the LLM, the vision tower and the perception module stay as SFT left them
+
+
+def test_perception_loss_trains_the_perception_module_on_the_simulator_labels(sft_checkpoint, sft_policy):
+  """rl.policy.perception_loss: the learner adds the perception module's own losses (the train step's,
+  on the rollouts' frames against the simulator's labels, normalised as SFT's targets were), so the
+  module moves with the action expert; the LLM and the vision tower still do not."""
+  from ejax.rl.learner import make_update_fn
+  from ejax.rl.pipeline import make_optimizer
+  from ejax.rl.vla_pi05 import FLOW_PARTS
+  from ejax.train.policy import policy_normalizer
+  config = rl_config(sft_checkpoint).rl
+  config.policy.perception_loss = 2.0
+  policy = runner.make_policy(config.policy, seed=0)
+  obs = policy.select_observations(observations(4, seed=3))
+  assert {"observation.environment_state", "observation.environment_pixels"} <= set(obs)
+  labelled = jax.jit(policy.auxiliary_inputs)(obs)[0]
+  key = sft_policy.data.aux_state_key
+  expected = policy_normalizer(sft_policy.data, sft_policy.norm_stats, [key]).normalize(key, obs[key])
+  assert np.abs(expected - obs[key]).max() > 1e-3  # the statistics do something
+  np.testing.assert_allclose(labelled["aux_state"], expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(labelled["aux_pixels"], obs["observation.environment_pixels"])
+  np.testing.assert_array_equal(labelled["aux_mask"], np.ones(4))
+  loss, metrics = jax.jit(policy.auxiliary_loss)(policy.initial_params, obs)
+  assert set(metrics) == {"aux_state_loss", "aux_heatmap_loss"}
+  perception = sft_policy.config.model.perception
+  weighted = perception.estimate.weight * metrics["aux_state_loss"] + perception.detectors.weight * metrics["aux_heatmap_loss"]
+  np.testing.assert_allclose(loss, 2.0 * weighted, rtol=1e-5)
+  assert float(metrics["aux_state_loss"]) > 0 and float(metrics["aux_heatmap_loss"]) > 0
+
+  optimizer = make_optimizer(config, policy.trainable_mask)
+  update = jax.jit(make_update_fn(policy, optimizer, algorithm="ppo", gamma=config.gamma, gae_lambda=config.gae_lambda,
+                                  clip_epsilon=config.clip_epsilon, behaviour_weight_threshold=None, dual_clip=None,
+                                  value_coef=config.value_coef, num_epochs=1, num_minibatches=1, group_size=1))
+  params, opt_state = policy.initial_params, optimizer.init(policy.initial_params)
+  params, _, metrics = update(params, opt_state, rollout_batch(policy, params, steps=1), jax.random.key(0))
+  assert all(np.isfinite(float(v)) for v in jax.tree.leaves(metrics)) and "aux_heatmap_loss" in metrics
+  moved = jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != np.asarray(b))), params, policy.initial_params)
+  moved_paths = [jax.tree_util.keystr(path) for path, m in jax.tree_util.tree_flatten_with_path(moved)[0] if m]
+  assert any("'perception'" in path for path in moved_paths) and any("'expert'" in path for path in moved_paths)
+  trained = FLOW_PARTS + ("perception", "critic")
+  assert [p for p in moved_paths if not any(f"'{part}'" in p for part in trained)] == []  # LLM and vision tower
 
 
 def test_rl_versions_load_in_the_serve_job(policy, sft_checkpoint, tmp_path):
