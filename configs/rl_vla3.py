@@ -201,6 +201,11 @@ def pi05_actor(rl: ConfigDict, *, sft: str, image_size: int, runlocal: bool) -> 
   # The expert moved ~0.003 approx KL per update at GR00T's 4e-5 (4 -> 4 % in 12 updates from a
   # step-500 start); at 1e-4 it moves 0.005-0.03, still under the KL stop.
   rl.learning_rate = 1e-4
+  # The perception module keeps learning on the rollouts' frames by its SFT losses against the
+  # simulator's labels (its own clip and rate): with it frozen, a weak start's estimate of where the
+  # block is stays wrong and caps the lift (0.475 -> 0.60 without, -> 0.88 with; BENCHMARKS.md).
+  rl.policy.perception_loss = 1.0
+  rl.perception_learning_rate = 3e-4
   if runlocal:
     # 2048 chunk samples an update for half as many updates (the same env steps): at GR00T's 1024,
     # this actor's train success wandered by +-0.15 without a trend. 400 judged episodes: 100 could not

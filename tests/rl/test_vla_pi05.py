@@ -172,11 +172,16 @@ def rollout_batch(policy, params, steps: int = 2, envs: int = 4) -> dict:
 
 
 @pytest.mark.slow  # CI time: the GR00T actor's twin test runs in CI
-def test_learner_steps_move_the_action_expert_only(sft_checkpoint, policy):
+def test_learner_steps_move_the_action_expert_only(sft_checkpoint):
+  """With rl.policy.perception_loss=0 the cached context is all upstream of the expert: only the
+  action expert (and the critic) move."""
   from ejax.rl.learner import make_update_fn
   from ejax.rl.pipeline import make_optimizer
   from ejax.rl.vla_pi05 import FLOW_PARTS
   config = rl_config(sft_checkpoint).rl
+  config.policy.perception_loss = 0.0
+  policy = runner.make_policy(config.policy, seed=0)
+  assert policy.auxiliary_inputs is None
   optimizer = make_optimizer(config, policy.trainable_mask)
   update = jax.jit(make_update_fn(policy, optimizer, algorithm="ppo", gamma=config.gamma, gae_lambda=config.gae_lambda,
                                   clip_epsilon=config.clip_epsilon, behaviour_weight_threshold=None, dual_clip=None,
@@ -265,6 +270,7 @@ def test_config_errors_name_the_fix():
     rl_vla3.get_config("runlocal,actor=pi05")
   config = rl_vla3.get_config("runlocal,actor=pi05,sft=/x")
   assert config.rl.policy.kind == "pi05" and config.rl.policy.cache_context and config.rl.warm_start.steps == 0
+  assert config.rl.policy.perception_loss == 1.0 and config.rl.perception_learning_rate == 3e-4
 
 
 @pytest.mark.slow  # ~22 minutes on 2 idle cores (SFT ~3, RL and judging ~18); opt-in (-m slow)
