@@ -46,6 +46,7 @@ import numpy as np
 
 from ejax.kernels.attention import (BlockSizes, attention_mask, flash_attention, intervals, mosaic_backward,
                                     mosaic_forward, ops, tokamax_gpu)
+from ejax.kernels.attention.mosaic_common import at_head_dim
 from ejax.kernels.attention.ops import choose_impl
 from ejax.kernels.attention.tiles import (CPU_BLOCK_SIZES, GPU_BLOCK_SIZES, XLA_GPU_BLOCK_SIZES,
                                           MaskInputs, active_fraction, normalise_mask)
@@ -54,10 +55,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # benchmarks/ imports as a package from the repository root
   sys.path.insert(0, REPO)
 from benchmarks import kernel_profile  # noqa: E402
-from benchmarks.attention_variants import (BACKWARD_PER_ITEM, BACKWARD_RS, BACKWARD_VARIANTS, CHECK_TOLERANCE, DKV_2,  # noqa: E402
+from benchmarks.attention_variants import (BACKWARD_PER_ITEM, BACKWARD_RS, BACKWARD_VARIANTS, CHECK_TOLERANCE, DKV_1,  # noqa: E402
                                            FORWARD_GRADIENT_VARIANTS, FORWARD_VARIANTS, MOSAIC_OWN_VARIANTS,
                                            PROFILED_KERNELS, TIMED_BEFORE_MOSAIC, check_route, check_variants,
-                                           packed_rows, profile_kernels, relative_error, timed, with_settings)
+                                           packed_rows, profile_kernels, relative_error, timed, timed_each,
+                                           with_settings)
 
 # Goals of issue 31 point 6 at 8 x 4,096 tokens, 16 heads x 128 on one H100/H200 (TFLOP/s).
 GOAL_FORWARD, GOAL_TRAIN = 300.0, 200.0
@@ -94,15 +96,15 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
   if not (on_gpu or all_arms):
     return []
   # pallas first (the other arms' gradients are checked against it), then mosaic_own and its first
-  # variants (never timed), the mosaic route (auto's Hopper route while mosaic_own is wrong at head size
-  # 64; timed in three windows), mosaic_own's other variants; the routes measured in both H200 windows
-  # last, where the figure's time limit cuts first.
+  # variants (attention_variants.MOSAIC_OWN_VARIANTS), the mosaic route (auto's Hopper route at head size
+  # 64 until 2026-12-04), mosaic_own's other variants; the routes measured in every H200 window last,
+  # where the figure's time limit cuts first.
   variants = [(f"mosaic_own, {label}", "mosaic_own", {SETTINGS: settings}) for label, settings in MOSAIC_OWN_VARIANTS]
   listed = [("pallas", "pallas", {}), ("mosaic_own", "mosaic_own", {})] + variants[:TIMED_BEFORE_MOSAIC]
   listed += [("mosaic", "mosaic", {})] + variants[TIMED_BEFORE_MOSAIC:]
   listed += [("mosaic, backward operands in registers", "mosaic", {SETTINGS: BACKWARD_RS}),
              ("mosaic, backward a CTA an item", "mosaic", {SETTINGS: BACKWARD_PER_ITEM}),
-             ("mosaic, dK/dV in 2 warpgroups", "mosaic", {SETTINGS: DKV_2})]
+             ("mosaic, dK/dV in 1 warpgroup", "mosaic", {SETTINGS: DKV_1})]
   if on_gpu and tokamax_gpu.available():
     for config in MOSAIC_FORWARD_CONFIGS:
       label = (f"mosaic, forward {config['block_q']}x{config['block_kv']} s{config['num_stages']}"
@@ -125,8 +127,9 @@ def arms(on_gpu: bool, sweep: bool, all_arms: bool):
   return listed
 
 
-def mosaic_work(mask: dict, pairs: int) -> str:
-  """The pairs the Mosaic GPU kernels' tile loops visit on these rows (mosaic_backward / mosaic_forward)."""
+def mosaic_work(mask: dict, pairs: int, head_dim: int) -> str:
+  """The pairs the Mosaic GPU kernels' tile loops visit on these rows at their settings for this head size
+  (mosaic_backward / mosaic_forward)."""
   rows, row_length = mask["q_segment_ids"].shape
   names = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions", "q_block_ids", "kv_block_ids")
   arrays = {name: jnp.asarray(mask[name]) if name in mask else None for name in names}
@@ -136,8 +139,9 @@ def mosaic_work(mask: dict, pairs: int) -> str:
     return "the mosaic backward does not take these rows"
   k_start = jnp.where(ranges.has_keys, ranges.k_start, 0)
   k_end = jnp.where(ranges.has_keys, ranges.k_end, 0)
-  dq, dkv = mosaic_backward.visited_pairs(k_start, k_end, row_length)
-  computed, streamed = mosaic_forward.visited_pairs(k_start, k_end)
+  dq, dkv = mosaic_backward.visited_pairs(k_start, k_end, row_length, head_dim=head_dim)
+  block_kv = at_head_dim(mosaic_forward.BLOCK_KV, head_dim)
+  computed, streamed = mosaic_forward.visited_pairs(k_start, k_end, block_kv=block_kv)
   return (f"the mosaic backward visits {dq / 1e6:.1f}M (dQ) / {dkv / 1e6:.1f}M (dK/dV) pairs, "
           f"{pairs / max(dq, dkv):.0%} allowed; mosaic_own's forward computes {computed / 1e6:.1f}M "
           f"({pairs / computed:.0%} allowed) of the {streamed / 1e6:.1f}M its CTAs stream; the dense rows are "
@@ -159,7 +163,8 @@ def main():
   parser.add_argument("--row_length", type=int, default=2048)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--head_dim", type=int, default=32)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=5, help="timed rounds (the median; a round is 10 calls "
+                      "back to back, or one call of 50 ms or more)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--sweep", action="store_true",
                       help="also time ejax's kernel at other tiles / launch settings and tokamax configs")
@@ -294,7 +299,8 @@ def main():
   print(f"ideal FLOP ratio (row_length^2 / sum len^2): {ideal:.2f}x; tile-granular ratio at "
         f"{blocks.block_q}x{blocks.block_kv} tiles: {tile_ratio:.2f}x")
   for mask_kind, host_mask in host_masks.items():
-    print(f"{mask_kind} rows: {mosaic_work(host_mask, allowed_pairs(host_mask, args.rows, args.row_length))}")
+    pairs = allowed_pairs(host_mask, args.rows, args.row_length)
+    print(f"{mask_kind} rows: {mosaic_work(host_mask, pairs, args.head_dim)}")
   report = dict(device=device, jax=jax.__version__, dtype=jnp.dtype(dtype).name, args=vars(args),
                 segments=len(segment_lengths), segment_pairs=segment_pairs, ideal_ratio=ideal,
                 tile_ratio=tile_ratio, tile_blocks=[blocks.block_q, blocks.block_kv],
@@ -369,14 +375,18 @@ def main():
         seconds_fwd = timed(forward, q, k, v, repeats=args.repeats)
         seconds_train = timed(train, q, k, v, repeats=args.repeats)
         entry.update(forward_ms=1e3 * seconds_fwd, train_ms=1e3 * seconds_train,
-                     forward_tflops=flops / seconds_fwd / 1e12, train_tflops=3.5 * flops / seconds_train / 1e12)
+                     forward_tflops=flops / seconds_fwd / 1e12, train_tflops=3.5 * flops / seconds_train / 1e12,
+                     # each call waited for: the figures' method until 2026-12-04
+                     forward_ms_each=1e3 * timed_each(forward, q, k, v, repeats=args.repeats),
+                     train_ms_each=1e3 * timed_each(train, q, k, v, repeats=args.repeats))
         # Gradients against the first arm's (ejax's tested Pallas kernel): a fast arm must also be right.
         grads = train(q, k, v)[1]
         first_grads.setdefault(mask_kind, grads)
         entry["grad_error"] = max(float(relative_error(g, r)) for g, r in zip(grads, first_grads[mask_kind]))
         print(f"  {label:44s} forward {entry['forward_tflops']:6.1f} TFLOP/s ({entry['forward_ms']:7.2f} ms)   "
               f"forward+backward {entry['train_tflops']:6.1f} TFLOP/s ({entry['train_ms']:7.2f} ms)   "
-              f"grads vs the first arm {entry['grad_error']:.1e}")
+              f"grads vs the first arm {entry['grad_error']:.1e}   each waited for {entry['forward_ms_each']:.2f} / "
+              f"{entry['train_ms_each']:.2f} ms")
         for figure in ("forward_tflops", "train_tflops"):
           if entry[figure] > best.get(figure, (0.0,))[0]:
             best[figure] = (entry[figure], f"{label} ({mask_kind})")

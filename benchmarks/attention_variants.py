@@ -26,12 +26,12 @@ if REPO not in sys.path:  # benchmarks/ imports as a package from the repository
   sys.path.insert(0, REPO)
 from benchmarks import kernel_profile  # noqa: E402
 
-# Settings of ejax's Mosaic GPU kernels beside their defaults (a CTA a work item, the forward's two
-# compute warpgroups taking turns, Q in registers, 64-key tiles, one dK/dV warpgroup, rings as deep as
-# shared memory allows), as (module, name, value): rings of two slots (the default measured on
-# 2026-11-29), persistent kernels (a CTA an SM, the next item's copies during the last one's compute),
-# Q read from shared memory by the scores' wgmma, no turns, two dK/dV warpgroups (since the persistent
-# rewrite 168 registers, no spills), wider forward tiles.
+# Settings of ejax's Mosaic GPU kernels beside their defaults, as (module, name, value), each one value
+# at every head size. The defaults (2026-12-04; some by head size, mosaic_common.at_head_dim): a CTA a
+# forward work item, its two compute warpgroups taking turns, rings as deep as shared memory allows; at
+# head size 128 128-key forward tiles with Q from shared memory, the turns at a named barrier, two dK/dV
+# warpgroups and the backward persistent; at 64 64-key tiles with Q in registers, mbarrier turns, one
+# dK/dV warpgroup, a CTA a backward item.
 RING_OF_2 = ((mosaic_forward, "STAGES", 2), (mosaic_backward, "STAGES", 2))
 PERSISTENT = ((mosaic_forward, "PERSISTENT", True), (mosaic_backward, "PERSISTENT", True))
 # The backward a CTA a work item at every head size: its default until 2026-12-01 (since then persistent
@@ -41,6 +41,7 @@ BACKWARD_PER_ITEM = ((mosaic_backward, "PERSISTENT", False),)
 # warpgroup's exp2 and mask run beside the other's wgmmas (168 registers, no spills; with WGMMA_PAIRS it
 # spills 44 bytes a thread at head size 128, so the two are not timed together).
 DKV_2 = ((mosaic_backward, "DKV_WGS", 2),)
+DKV_1 = ((mosaic_backward, "DKV_WGS", 1),)
 BACKWARD_RS = ((mosaic_backward, "OPERANDS_IN_REGISTERS", True),)  # the score wgmmas' own operands
 # Each step's QK and the last PV issued together, the softmax between their waits; the warpgroups pass a
 # token once a step (with PINGPONG False, no turns).
@@ -54,52 +55,35 @@ PAIRED = ((mosaic_backward, "WGMMA_PAIRS", True),)  # the backward's wgmmas two 
 # memory (SS), P from registers. Half as many steps a row, so half the turns, waits and barrier round trips
 # of 64-key steps, at 77 % useful pairs on the figure's rows against 84 % (mosaic_forward.visited_pairs).
 # The SS form has no register A operand for ptxas to overwrite (the 128-key RS form's fault), 168
-# registers, no spills (compile-only H100, 2026-12-02); never timed.
+# registers, no spills (compile-only H100, 2026-12-02); with the named turns the default at head size 128
+# since 2026-12-04.
 WIDE = ((mosaic_forward, "BLOCK_KV", 128),)  # 128-key forward tiles (Q in registers unless set)
 WIDE_SS = WIDE + ((mosaic_forward, "Q_IN_REGISTERS", False),)
-# In timing order: first those no window has timed (dK/dV's wgmmas in pairs, its step 2,421 cycles against
-# 1,024 of wgmmas, each waited for alone; each warpgroup's softmax beside its own PV, as the SASS has it
-# since 2026-12-01: on 2026-11-30 ptxas waited for the PV before the softmax; the turns at a named barrier:
-# the SASS shows the mbarrier turns let both warpgroups' softmaxes run together, off the other's wgmmas,
-# as the 2026-11-30 profile's step of softmax + all wgmmas + waits says; the row sums and the
-# accumulator's rescale off the softmax's path; two dK/dV warpgroups), then the backward a CTA an item
-# (its default until the persistent one, at 176.5 TFLOP/s forward+backward the best of 2026-11-30
-# evening, became it at head size 128), then the rest. (The rescale and the row sums together spill.)
-CANDIDATE = "turns at a named barrier, row sums during the next QK"
-PAIRED_CANDIDATE = f"{CANDIDATE}, backward wgmmas in pairs"  # gpu.py's attention_profile profiles it
-# The paired backward, the 128-key tiles with Q in shared memory and the overlapped softmax go first: the
-# named turns are inline PTX that only a GPU has run, and a kernel that hung would take the figure's
-# remaining time with it; the figure times the first TIMED_BEFORE_MOSAIC before the mosaic route. An
-# arm's forward and forward+backward are timed apart, so the third arm times a forward variant and a
-# backward one at once (the backward's milliseconds: the two figures' difference): the overlapped
-# softmax and dK/dV in two warpgroups, each checked in interpret mode and free of spills. Each also
-# comes alone later.
-MOSAIC_OWN_VARIANTS = (("backward wgmmas in pairs", PAIRED),
-                       ("128-key tiles, Q in shared memory", WIDE_SS),
-                       ("softmax beside its own PV, dK/dV in 2 warpgroups", OVERLAP + DKV_2),
-                       ("turns at a named barrier", NAMED),
-                       ("128-key tiles, Q in shared memory, turns at a named barrier", WIDE_SS + NAMED),
+# The forward's form at head size 128 before 2026-12-04 (and still at 64): 64-key tiles, Q in registers,
+# the turns at an mbarrier.
+FORM_64 = ((mosaic_forward, "BLOCK_KV", 64), (mosaic_forward, "Q_IN_REGISTERS", True),
+           (mosaic_forward, "NAMED_TURNS", False))
+# In timing order, beside the defaults: first the form they replaced at head size 128 (the control: on
+# 2026-12-04 the timings of one program spread by up to 15 % call by call), then each default taken back
+# alone, then what has not been timed on the 128-key tiles (the softmax beside its own PV alone; the row
+# sums or the accumulator's rescale off the softmax's path), then the rest.
+MOSAIC_OWN_VARIANTS = (("the form before 2026-12-04: 64-key tiles, Q in registers, mbarrier turns, dK/dV in 1 "
+                        "warpgroup", FORM_64 + DKV_1),
+                       ("dK/dV in 1 warpgroup", DKV_1),
+                       ("turns at an mbarrier", ((mosaic_forward, "NAMED_TURNS", False),)),
                        ("softmax beside its own PV", OVERLAP),
-                       ("128-key tiles, Q in shared memory, softmax beside its own PV", WIDE_SS + OVERLAP),
-                       ("dK/dV in 2 warpgroups", DKV_2),
-                       ("softmax beside its own PV, backward wgmmas in pairs", OVERLAP + PAIRED),
-                       (PAIRED_CANDIDATE, NAMED + ROW_SUM + PAIRED),
-                       (f"{PAIRED_CANDIDATE}, backward a CTA an item", NAMED + ROW_SUM + PAIRED + BACKWARD_PER_ITEM),
-                       (CANDIDATE, NAMED + ROW_SUM),
-                       ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE),
-                       ("rescaled after the PV", RESCALE),
+                       ("64-key tiles, Q in registers", FORM_64[:2]),
                        ("row sums during the next QK", ROW_SUM),
+                       ("rescaled after the PV", RESCALE),
+                       ("dK/dV in 1 warpgroup, its wgmmas in pairs", DKV_1 + PAIRED),
                        ("backward a CTA an item", BACKWARD_PER_ITEM),
+                       ("128-key tiles, Q in registers", ((mosaic_forward, "Q_IN_REGISTERS", True),)),
                        ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
-                       ("128-key tiles", WIDE),
-                       # what loading Q's fragments every step (as at head size 64 and with 128-key tiles) costs
-                       ("Q loaded each step", ((mosaic_common, "RELOAD_OPERANDS", True),)),
                        ("persistent", PERSISTENT), ("rings of 2 slots", RING_OF_2),
                        ("K waited for during PV", ((mosaic_forward, "K_WAIT_DURING_PV", True),)),
-                       ("persistent, backward operands in registers", PERSISTENT + BACKWARD_RS),
-                       ("Q in shared memory", ((mosaic_forward, "Q_IN_REGISTERS", False),)),
+                       ("persistent, backward operands in registers", PERSISTENT + DKV_1 + BACKWARD_RS),
                        ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)))
-TIMED_BEFORE_MOSAIC = 5  # the variants through the 128-key tiles with the named turns
+TIMED_BEFORE_MOSAIC = 4  # the variants through the softmax beside its own PV
 
 
 def vla_lengths(num_samples: int, rng: np.random.Generator) -> np.ndarray:
@@ -129,10 +113,31 @@ def packed_rows(num_rows: int, row_length: int, seed: int):
   return segment_ids, block_ids, positions, np.array(segment_lengths)
 
 
-def timed(fn, *args, repeats: int) -> float:
-  """Best of `repeats` wall times after two warm-up calls (min is robust to a shared machine)."""
-  for _ in range(2):
-    jax.block_until_ready(fn(*args))
+def timed(fn, *args, repeats: int, calls: int = 10) -> float:
+  """Seconds a call: the median over `repeats` rounds of `calls` calls issued back to back and waited for
+  once, after two warm-up calls. Issued back to back, as a train step issues its kernels, the next call's
+  dispatch overlaps the device's work on the last: a sub-millisecond kernel timed call by call also counts
+  the host's dispatch and the wait's round trip (on 2026-12-04 one program's forward timed call by call
+  spread from 0.72 to 0.85 ms across arms). A call of 50 ms or more makes a round alone."""
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  if time.perf_counter() - start >= 0.05:
+    calls = 1
+  rounds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls):
+      result = fn(*args)
+    jax.block_until_ready(result)
+    rounds.append((time.perf_counter() - start) / calls)
+  return float(np.median(rounds))
+
+
+def timed_each(fn, *args, repeats: int) -> float:
+  """Best of `repeats` calls, each waited for (the figures' method until 2026-12-04; min is robust to a
+  shared machine)."""
+  jax.block_until_ready(fn(*args))
   best = float("inf")
   for _ in range(repeats):
     start = time.perf_counter()
@@ -242,7 +247,8 @@ FORWARD_VARIANTS = (("as configured", ()), ("Q loaded once an item", Q_ONCE),
                     ("persistent", ((mosaic_forward, "PERSISTENT", True),)),
                     ("softmax beside its own PV", OVERLAP), ("row sums during the next QK", ROW_SUM),
                     ("rescaled after the PV", RESCALE), ("turns at a named barrier", NAMED),
-                    (CANDIDATE, NAMED + ROW_SUM), ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE))
+                    ("turns at a named barrier, row sums during the next QK", NAMED + ROW_SUM),
+                    ("turns at a named barrier, rescaled after the PV", NAMED + RESCALE))
 
 # check_variants' backward part: the backward's settings that 2026-11-30's timings favour (persistent: 2.20 ms
 # against 2.62 with deep rings, 2.38 with rings of 2; as configured since 2026-12-01 at head size 128) but
@@ -278,9 +284,15 @@ def _variant_cases(row_length: int, dtype):
 # profile_kernels: each Mosaic GPU kernel of mosaic_own, its trace's file prefix, its compute warpgroups
 # (the copying one after them) and its GEMMs a ring step per warpgroup, each 64 x 64 x head_dim (the
 # bound: an H100's / H200's 4,096 dense flops a clock an SM).
-PROFILED_KERNELS = (("forward", "forward_kernel", lambda: mosaic_forward.FWD_WGS, 2),
-                    ("dQ", "dq_kernel", lambda: mosaic_backward.DQ_WGS, 3),
-                    ("dK/dV", "dkv_kernel", lambda: mosaic_backward.DKV_WGS, 4))
+PROFILED_KERNELS = (("forward", "forward_kernel", (mosaic_forward, "FWD_WGS"), 2),
+                    ("dQ", "dq_kernel", (mosaic_backward, "DQ_WGS"), 3),
+                    ("dK/dV", "dkv_kernel", (mosaic_backward, "DKV_WGS"), 4))
+
+
+def setting_under(settings, module, name: str, head_dim: int):
+  """A kernel setting's value at a head size under a variant's `settings` (else the module's)."""
+  value = next((value for owner, key, value in settings if owner is module and key == name), getattr(module, name))
+  return mosaic_common.at_head_dim(value, head_dim)
 
 
 def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, repeats: int,
@@ -301,8 +313,8 @@ def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, r
   jax.effects_barrier()  # the traces are written by host callbacks
   timings = dict(forward_ms=forward_ms, variant_forward_ms=variant_ms, profiled_s=time.perf_counter() - start)
   kernels = {}
-  for name, prefix, compute_wgs, gemms in PROFILED_KERNELS:
-    wgs = compute_wgs()
+  for name, prefix, (module, setting), gemms in PROFILED_KERNELS:
+    wgs = setting_under(settings, module, setting, q.shape[-1])
     roles = {**{w: "compute" for w in range(wgs)}, wgs: "copying"}
     try:  # a kernel whose trace is missing is said so, and the others summed up
       events = kernel_profile.load(kernel_profile.newest_trace(folder, prefix))

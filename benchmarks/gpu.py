@@ -62,10 +62,6 @@ SITE = "/tmp/ejax-site"
 # Modules ejax imports that the GPU image lacks (its jax, optax, orbax, numpy, safetensors stay).
 PROFILE = "/tmp/ejax-profile"  # traces stay on the machine; their summary goes into the figure's JSON
 KERNEL_PROFILE = "/tmp/ejax-kernel-profile"  # the same for attention_profile's Mosaic GPU trace
-# The mosaic_own variant attention_profile profiles (the configured one was profiled on 2026-11-30):
-# the turns at a named barrier and the row sums out of the softmax, dK/dV's wgmmas in pairs
-# (attention_variants.py's PAIRED_CANDIDATE), whose softmax, turns and dK/dV steps the profile then shows.
-PROFILED_VARIANT = "turns at a named barrier, row sums during the next QK, backward wgmmas in pairs"
 NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client",
           "tokenizers")
 
@@ -103,9 +99,11 @@ FIGURES = (
     # SMs) keeps the three traces near half a million events, which Python writes and reads in
     # seconds. Not in --smoke: the profiler runs on a GPU only (tests/kernels/test_kernel_profile.py
     # reads a trace written by jax's own dumper).
+    # mosaic_own as configured: since 2026-12-04 at head size 128 the 128-key forward tiles with the named
+    # turns and two dK/dV warpgroups, whose steps no profile has seen (the 2026-12-04 window profiled the
+    # named turns on 64-key tiles: 2,111 cycles a forward step against 1,024 of wgmmas).
     Figure("attention_profile", ("benchmarks/attention.py", "--rows", "1", "--row_length", "4096", "--heads", "16",
-                                 "--head_dim", "128", "--profile_kernel", KERNEL_PROFILE, "--profile_variant",
-                                 PROFILED_VARIANT), (), 75, own_file=False),
+                                 "--head_dim", "128", "--profile_kernel", KERNEL_PROFILE), (), 75, own_file=False),
     # mosaic_own's forward under each setting that changes its GPU code path, values only: on 2026-11-30
     # it was wrong at head size 64 on the GPU and right in interpret mode; the SASS since showed ptxas
     # giving the softmax weights Q's registers, and Q is now loaded every step there (BENCHMARKS.md):

@@ -392,8 +392,8 @@ def test_auto_on_hopper_takes_the_measured_impl_where_it_applies(monkeypatch):
 
 
 def test_a_hopper_route_limited_to_head_sizes_hands_the_others_on(monkeypatch):
-  """auto's Hopper routes as "impl@128" (or "impl@64+128") take only those head sizes: mosaic_own's
-  forward was right at 128 and wrong at 64 on two H200s. A bad route is one line naming it."""
+  """auto's Hopper routes as "impl@128" (or "impl@64+128") take only those head sizes (auto's first route
+  while mosaic_own's forward was wrong at 64, 2026-11-30 to 2026-12-04). A bad route is one line naming it."""
   monkeypatch.setattr(ops.platform, "on_gpu", lambda: True)
   monkeypatch.setattr(ops, "_hopper", lambda: True)
   monkeypatch.setattr(ops.routes, "applies", lambda impl, q, k, mask_kind: impl != "pallas")

@@ -18,7 +18,7 @@ import pytest
 
 from ejax.kernels.attention import (attention_reference, flash_attention, mosaic_backward, mosaic_common,
                                     mosaic_forward, tokamax_gpu)
-from ejax.kernels.attention.mosaic_backward import DKV_WGS, DQ_WGS, _tile_bounds
+from ejax.kernels.attention.mosaic_backward import DQ_WGS, _tile_bounds
 from ejax.kernels.attention.mosaic_common import kv_spans
 from ejax.parallel import aot_target
 from tests.kernels import sass
@@ -54,15 +54,17 @@ def _allowed(k_start, k_end, kv_len):
   return (keys[None, :] >= k_start[:, None]) & (keys[None, :] < k_end[:, None])
 
 
+@pytest.mark.parametrize("dkv_wgs", [1, 2])
 @pytest.mark.parametrize("layout", ["packed", "shuffled"])
-def test_tile_bounds_visit_every_allowed_tile_and_on_packed_rows_only_those(layout):
+def test_tile_bounds_visit_every_allowed_tile_and_on_packed_rows_only_those(layout, dkv_wgs):
   rng = np.random.default_rng(0)
   length, block_q, block_kv = 512, 64, 64
   rows = [_ranges(layout, length, rng) for _ in range(2)]
   k_start = jnp.asarray(np.stack([r[0] for r in rows]))
   k_end = jnp.asarray(np.stack([r[1] for r in rows]))
-  kv_lo, kv_hi, q_lo, q_hi = map(np.asarray, _tile_bounds(k_start, k_end, length, block_q=block_q, block_kv=block_kv))
-  tile_q, tile_kv = DQ_WGS * block_q, DKV_WGS * block_kv
+  kv_lo, kv_hi, q_lo, q_hi = map(np.asarray, _tile_bounds(k_start, k_end, length, block_q=block_q, block_kv=block_kv,
+                                                          dkv_wgs=dkv_wgs))
+  tile_q, tile_kv = DQ_WGS * block_q, dkv_wgs * block_kv
   for b, (start, end) in enumerate(rows):
     allowed = _allowed(start, end, length)
     # dQ: a CTA of tile_q queries visits kv blocks [kv_lo, kv_hi) of block_kv keys.
@@ -345,6 +347,11 @@ arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDev
 x = arg((2, 512, 4, head_dim), jnp.bfloat16)
 ids = arg((2, 512), jnp.int32)
 mark = lambda text: print("SETTINGS " + text, file=sys.stderr, flush=True)
+# The forms below are named by their settings, each set as one value for every head size; the defaults
+# (some by head size) come back for the forms as configured at the end.
+defaults = (mosaic_forward.BLOCK_KV, mosaic_forward.Q_IN_REGISTERS, mosaic_forward.NAMED_TURNS, mosaic_backward.DKV_WGS)
+mosaic_forward.BLOCK_KV, mosaic_forward.Q_IN_REGISTERS, mosaic_forward.NAMED_TURNS = 64, True, False
+mosaic_backward.DKV_WGS = 1
 for persistent in (False, True):
   # the score wgmmas SS or RS; dK/dV's wgmmas in pairs
   for mosaic_backward.OPERANDS_IN_REGISTERS, mosaic_backward.WGMMA_PAIRS in ((False, False), (True, False), (False, True)):
@@ -397,8 +404,13 @@ for (mosaic_forward.Q_IN_REGISTERS, mosaic_forward.NAMED_TURNS,
        f"overlap_softmax={mosaic_forward.OVERLAP_SOFTMAX}")
   forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
   forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
-mosaic_forward.BLOCK_KV, mosaic_forward.Q_IN_REGISTERS = 64, True
-mosaic_forward.NAMED_TURNS = mosaic_forward.OVERLAP_SOFTMAX = False
+mosaic_forward.BLOCK_KV, mosaic_forward.Q_IN_REGISTERS, mosaic_forward.NAMED_TURNS, mosaic_backward.DKV_WGS = defaults
+mosaic_forward.OVERLAP_SOFTMAX = False
+mark("forward and backward as configured")
+forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
+forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+backward = jax.jit(lambda *a: mosaic_backward.backward(*a, scale=head_dim**-0.5, interpret=False))
+backward.trace(x, x, x, x, arg((2, 4, 512), jnp.float32), x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
 mosaic_common.PROFILE_DIR = "/nonexistent"
 jax.debug.callback = lambda *args, **kwargs: None
 mark("forward profiled")

@@ -35,9 +35,9 @@ from jax import lax
 from ejax.kernels import platform
 # available, LENGTH_MULTIPLE and MAX_HEAD_DIM are this module's API too (routes.py, the tests, the benchmark).
 from ejax.kernels.attention.mosaic_common import (  # noqa: F401
-    LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, available, compute_registers, copying_warpgroup,
-    inner_ranges, item_part, kernel_params, kv_ring, kv_spans, load, mma, mma_pair, own_buffers, persistent_ctas,
-    register_operand, reloads_operands, ring_stages, scope, store_item, work_items)
+    LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, _key_spans, at_head_dim, available, compute_registers,
+    copying_warpgroup, inner_ranges, item_part, kernel_params, kv_ring, kv_spans, load, mma, mma_pair, own_buffers,
+    persistent_ctas, register_operand, reloads_operands, ring_stages, scope, store_item, work_items)
 
 # The kernels' named scopes (mosaic_common.scope), per compute warpgroup: an item's "start", its "step"s
 # (dQ: "wait_kv", "scores", "ds", "dq_mma"; dK/dV: "wait_q", "scores", "wait_rows", "p", "mask",
@@ -50,7 +50,10 @@ from ejax.kernels.attention.mosaic_common import (  # noqa: F401
 # accumulators and three score tiles (MOSAIC_GPU_DUMP_PTXAS, compile-only H100, jaxlib 0.11.2); since
 # the copying warpgroup loads the item's K and V too, two compile to 168 registers without spills.
 DQ_WGS = 2
-DKV_WGS = 1
+# dK/dV's by head size (mosaic_common.at_head_dim): two at 128, where FlashAttention-3's layout (one
+# warpgroup's softmax beside the other's wgmmas) took the forward+backward from 174-180 to 191-199
+# TFLOP/s in every arm timed with it on 2026-12-04, gradients as right as one's; no GPU has run it at 64.
+DKV_WGS = {128: 2, None: 1}
 # Both kernels a CTA an SM looping over their work items (static round-robin, plgpu.nd_loop): the copying
 # warpgroup fetches the next item's own tiles (double-buffered) and ring while the compute ones finish
 # the last, so no CTA start-up between items. Else a CTA an item. True or False, or the head sizes at
@@ -90,7 +93,7 @@ def _dq_sizes(head_dim: int, block_q: int, block_kv: int, persistent: bool) -> t
 
 def _dkv_sizes(head_dim: int, block_q: int, block_kv: int, persistent: bool) -> tuple[int, int]:
   """dK/dV's: its K and V tiles beside the ring; a slot holds a Q and a dO tile and their four f32 rows."""
-  return (2 * 2 * own_buffers(persistent) * DKV_WGS * block_kv * head_dim,
+  return (2 * 2 * own_buffers(persistent) * at_head_dim(DKV_WGS, head_dim) * block_kv * head_dim,
           2 * 2 * block_q * head_dim + 4 * block_q * 4)
 
 
@@ -125,18 +128,19 @@ def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int | None = N
   return (available() is None and q.dtype in (jnp.bfloat16, jnp.float16)
           and head_dim_fits(q.shape[-1], block_q, block_kv, stages, persistent)
           and q.shape[1] % LENGTH_MULTIPLE == 0 and k.shape[1] % LENGTH_MULTIPLE == 0
-          and LENGTH_MULTIPLE % (DQ_WGS * block_q) == 0 and LENGTH_MULTIPLE % (DKV_WGS * block_kv) == 0)
+          and LENGTH_MULTIPLE % (DQ_WGS * block_q) == 0
+          and LENGTH_MULTIPLE % (at_head_dim(DKV_WGS, q.shape[-1]) * block_kv) == 0)
 
 
-def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
+def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int, dkv_wgs: int):
   """Loop bounds [lo, hi) a CTA, int32 [batch, tiles]: the kv tiles (of block_kv keys) each dQ tile of
-  DQ_WGS * block_q queries visits, and the q blocks (of block_q) each dK/dV tile of DKV_WGS * block_kv
+  DQ_WGS * block_q queries visits, and the q blocks (of block_q) each dK/dV tile of dkv_wgs * block_kv
   keys visits. Both are spans, so any query layout is right; on packed rows they are tight."""
   kv_lo, kv_hi = kv_spans(k_start, k_end, DQ_WGS * block_q, block_kv)
 
   # q block i reaches kv tile j when some query's range meets the tile's keys [j * t, (j + 1) * t).
   lo, hi = _key_spans(k_start, k_end, block_q)
-  tile_kv = DKV_WGS * block_kv
+  tile_kv = dkv_wgs * block_kv
   starts = jnp.arange(kv_len // tile_kv, dtype=jnp.int32) * tile_kv
   meets = (lo[:, :, None] < starts + tile_kv) & (hi[:, :, None] > starts)
   blocks = jnp.arange(lo.shape[1], dtype=jnp.int32)[None, :, None]
@@ -145,13 +149,15 @@ def _tile_bounds(k_start, k_end, kv_len: int, *, block_q: int, block_kv: int):
   return kv_lo, kv_hi, q_lo.astype(jnp.int32), q_hi.astype(jnp.int32)
 
 
-def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int = 64) -> tuple[int, int]:
-  """(query, key) pairs the dQ and the dK/dV kernel compute for these ranges (their tile loops; a dQ
-  warpgroup computes the tiles of its own queries' span only)."""
-  _, _, q_lo, q_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
+def visited_pairs(k_start, k_end, kv_len: int, block_q: int = 64, block_kv: int = 64,
+                  head_dim: int | None = None) -> tuple[int, int]:
+  """(query, key) pairs the dQ and the dK/dV kernel compute for these ranges at a head size (their tile
+  loops; a dQ warpgroup computes the tiles of its own queries' span only)."""
+  dkv_wgs = at_head_dim(DKV_WGS, head_dim)
+  _, _, q_lo, q_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv, dkv_wgs=dkv_wgs)
   wg_lo, wg_hi = kv_spans(k_start, k_end, block_q, block_kv)
   dq = int(jnp.sum(wg_hi - wg_lo)) * block_q * block_kv
-  dkv = int(jnp.sum(q_hi - q_lo)) * DKV_WGS * block_kv * block_q
+  dkv = int(jnp.sum(q_hi - q_lo)) * dkv_wgs * block_kv * block_q
   return dq, dkv
 
 
@@ -186,10 +192,12 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
                             (batch, heads, 2, q_len))
   rows = jnp.concatenate([jnp.stack([lse.astype(jnp.float32) * LOG2E, delta], 2), ranges], 2)
 
-  kv_lo, kv_hi, qb_lo, qb_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv)
+  dkv_wgs = at_head_dim(DKV_WGS, head_dim)
+  kv_lo, kv_hi, qb_lo, qb_hi = _tile_bounds(k_start, k_end, kv_len, block_q=block_q, block_kv=block_kv,
+                                            dkv_wgs=dkv_wgs)
   wg_lo, wg_hi = kv_spans(k_start, k_end, block_q, block_kv)
   inner_lo, inner_hi = inner_ranges(k_start, k_end, block_q)
-  tile_kv = DKV_WGS * block_kv
+  tile_kv = dkv_wgs * block_kv
 
   tiling = plgpu.TilingTransform((8, 64))
   swizzle = plgpu.SwizzleTransform(128)
@@ -309,7 +317,7 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
       grid=(persistent_ctas(math.prod(dq_items), persistent, ctas),), grid_names=("ctas",),
       num_threads=DQ_WGS + 1, **params)(q, k, v, d_out, rows, kv_lo, kv_hi, wg_lo, wg_hi, inner_lo, inner_hi)
 
-  # ---- dK, dV: a work item per (q head, DKV_WGS x 64 keys, batch); Q, dO and the rows stream through
+  # ---- dK, dV: a work item per (q head, dkv_wgs x 64 keys, batch); Q, dO and the rows stream through
   # the ring. ----
   dkv_items = (heads, kv_len // tile_kv, batch)
 
@@ -318,21 +326,21 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
                  q_free, do_free, rows_free):
     wg = lax.axis_index("wg")
 
-    @pl.when(wg < DKV_WGS)
+    @pl.when(wg < dkv_wgs)
     def _compute():
-      plgpu.set_max_registers(compute_registers(DKV_WGS), action="increase")
+      plgpu.set_max_registers(compute_registers(dkv_wgs), action="increase")
 
       @functools.partial(work_items, dkv_items, lo_ref, hi_ref)
       def _item(h, ki, b, j, g):
         with scope("start"):
-          lo, steps, own, keys, buf = item_part(lo_ref, hi_ref, b, ki, j, wg, DKV_WGS, block_kv)
+          lo, steps, own, keys, buf = item_part(lo_ref, hi_ref, b, ki, j, wg, dkv_wgs, block_kv)
           base = own * block_kv  # the warpgroup's first key
           k_s, v_s = k_smem.at[buf], v_smem.at[buf]
           plgpu.barrier_wait(k_bar.at[buf])
           plgpu.barrier_wait(v_bar.at[buf])
           # K alone, and with one compute warpgroup: with V too it spilled 144 bytes a thread at head
           # size 128, with two warpgroups 16 (ptxas, compile-only H100).
-          held = OPERANDS_IN_REGISTERS and not interpret and DKV_WGS == 1
+          held = OPERANDS_IN_REGISTERS and not interpret and dkv_wgs == 1
           # loaded in each step where the SASS needs it (mosaic_common.reloads_operands)
           k_op = register_operand(k_s, wgmma_layout, held, reloads_operands(head_dim, block_kv))
         v_op = v_s
@@ -420,14 +428,14 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
           v_s[...] = dv.astype(dtype)
           store_item([(k_s, dk_ref.at[b, keys, h]), (v_s, dv_ref.at[b, keys, h])], kv_free, j)
 
-    @pl.when(wg == DKV_WGS)
+    @pl.when(wg == dkv_wgs)
     def _memory():
       def own(h, ki, b, half):  # this item's keys and values, for each compute warpgroup
         hk = lax.div(h, jnp.array(groups, h.dtype))
         keys = lambda w: pl.ds(ki * tile_kv + w * block_kv, block_kv)
-        return [copy for w in range(DKV_WGS) for copy in (
-            (k_ref.at[b, keys(w), hk], k_smem.at[half * DKV_WGS + w], k_bar.at[half * DKV_WGS + w]),
-            (v_ref.at[b, keys(w), hk], v_smem.at[half * DKV_WGS + w], v_bar.at[half * DKV_WGS + w]))]
+        return [copy for w in range(dkv_wgs) for copy in (
+            (k_ref.at[b, keys(w), hk], k_smem.at[half * dkv_wgs + w], k_bar.at[half * dkv_wgs + w]),
+            (v_ref.at[b, keys(w), hk], v_smem.at[half * dkv_wgs + w], v_bar.at[half * dkv_wgs + w]))]
 
       def ring(h, ki, b, block, slot):  # q block `block`: its queries, their rows and dO
         queries = pl.ds(block * block_q, block_q)
@@ -440,13 +448,13 @@ def backward(q, k, v, out, lse, d_out, k_start, k_end, *, scale: float, block_q:
   per_head = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), dtype)
   dk, dv = plgpu.kernel(
       dkv_kernel, **{out_name: (per_head, per_head)},
-      **{scratch_name: [tiles(buffers * DKV_WGS, block_kv)] * 2 + [tiles(dkv_stages, block_q)] * 2
+      **{scratch_name: [tiles(buffers * dkv_wgs, block_kv)] * 2 + [tiles(dkv_stages, block_q)] * 2
       + [plgpu.SMEM((dkv_stages, 4, block_q), jnp.float32)]
-      + [plgpu.Barrier(num_barriers=2 * DKV_WGS)] * 2 + [plgpu.Barrier(num_arrivals=DKV_WGS, num_barriers=2)]
+      + [plgpu.Barrier(num_barriers=2 * dkv_wgs)] * 2 + [plgpu.Barrier(num_arrivals=dkv_wgs, num_barriers=2)]
       + [plgpu.Barrier(num_barriers=dkv_stages)] * 3
-      + [plgpu.Barrier(num_arrivals=DKV_WGS, num_barriers=dkv_stages)] * 3},
+      + [plgpu.Barrier(num_arrivals=dkv_wgs, num_barriers=dkv_stages)] * 3},
       grid=(persistent_ctas(math.prod(dkv_items), persistent, ctas),), grid_names=("ctas",),
-      num_threads=DKV_WGS + 1, **params)(q, k, v, d_out, rows, qb_lo, qb_hi, inner_lo, inner_hi)
+      num_threads=dkv_wgs + 1, **params)(q, k, v, d_out, rows, qb_lo, qb_hi, inner_lo, inner_hi)
   if groups > 1:  # each kv head's gradient is the sum over the q heads that read it
     grouped = lambda x: x.reshape(batch, kv_len, kv_heads, groups, head_dim).astype(jnp.float32).sum(3)
     dk, dv = grouped(dk).astype(dtype), grouped(dv).astype(dtype)

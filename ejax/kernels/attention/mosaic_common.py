@@ -58,6 +58,14 @@ MAX_WARPGROUPS = 3  # the most a kernel here has (two compute and the copying on
 RELOAD_OPERANDS: bool | None = None
 
 
+def at_head_dim(setting, head_dim: int | None):
+  """A kernel setting's value at a head size: a dict maps head sizes to values (its None entry: every
+  other head size); any other setting is its own value at every head size."""
+  if isinstance(setting, dict):
+    return setting[head_dim] if head_dim in setting else setting[None]
+  return setting
+
+
 def reloads_operands(head_dim: int, block_kv: int = 64) -> bool:
   """Whether operands held in registers are loaded every step (RELOAD_OPERANDS, else where the SASS of
   the load-once form has ptxas overwrite them: head size 64, or 128-key tiles)."""

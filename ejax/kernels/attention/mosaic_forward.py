@@ -31,16 +31,22 @@ import jax.numpy as jnp
 from jax import lax
 
 from ejax.kernels import platform
-from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, available,
-                                                  compute_registers, copying_warpgroup, inner_ranges, item_part,
-                                                  kernel_params, kv_ring, kv_spans, load, mma, named_barrier_sync,
-                                                  own_buffers, persistent_ctas, register_operand, reloads_operands,
+from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HEAD_DIM, SMEM_BYTES, at_head_dim,
+                                                  available, compute_registers, copying_warpgroup, inner_ranges,
+                                                  item_part, kernel_params, kv_ring, kv_spans, load, mma,
+                                                  named_barrier_sync, own_buffers, persistent_ctas, register_operand,
+                                                  reloads_operands,
                                                   ring_stages, scope, store_item, wgmma_wait_after, work_items,
                                                   TURN_BARRIER)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
-BLOCK_KV = 64  # keys a ring slot: smaller tiles skip more of the pairs the ranges forbid
+# Keys a ring slot, by head size (mosaic_common.at_head_dim): smaller tiles skip more of the pairs the
+# ranges forbid; at head size 128, 128-key tiles (FlashAttention-3's) halve the steps and their turns
+# and waits, and with Q from shared memory and the named turns they were the fastest forward timed on
+# 2026-12-04 (232 and 223 TFLOP/s against 180 and 190 in two runs; right at 64 and 128 in
+# --check_variants). At 64 the 64-key form, the only one a GPU has checked there with the named turns off.
+BLOCK_KV = {128: 128, None: 64}
 # Ring slots; None: the deepest that fits shared memory up to MAX_STAGES (5 at head size 128 with a CTA
 # an item, 4 persistent; 6 at 64). Was 2, too shallow to hide a copy's latency at 64-key steps (BENCHMARKS.md).
 STAGES = None
@@ -54,7 +60,9 @@ PERSISTENT = False
 # k-step of 16, 64 x 64 x 16 x 2 flops at 4,096 a clock), before the TMA copies write theirs: it could
 # not run at the tensor cores' rate. From registers it reads B only, 64 bytes a clock. Where ptxas would
 # overwrite them (mosaic_common.RELOAD_OPERANDS) the fragments are loaded every step.
-Q_IN_REGISTERS = True
+# By head size as BLOCK_KV: at 128, Q from shared memory (SS) with the 128-key tiles: a 64 x 128 x 16
+# wgmma reads A once for twice the columns, half the bandwidth a FLOP of the 64-key form.
+Q_IN_REGISTERS = {128: False, None: True}
 # The next step's K waited for while this step's PV wgmma runs, not after it (jax's Mosaic GPU attention
 # example does so): the wait, and a copy still landing, leave the warpgroup's tensor-core phase.
 # Off until a GPU times it beside the form measured on 2026-11-29.
@@ -90,9 +98,9 @@ RESCALE_AFTER_PV = False
 # let into its own softmax at once: the two softmaxes run together and neither overlaps the other's
 # wgmmas (the 2026-11-30 profile's step: softmax 719 + both warpgroups' wgmmas 1,024 + waits ~330 =
 # 2,069 cycles). ptxas keeps a bar.sync where it is. The turn before a PV then starts once V has landed.
-# A GPU only (inline PTX; interpret mode keeps the mbarrier); off until a GPU times it and checks it (the
-# variants "turns at a named barrier").
-NAMED_TURNS = False
+# A GPU only (inline PTX; interpret mode keeps the mbarrier). By head size as BLOCK_KV: on at 128, with
+# the 128-key tiles (timed and right there on 2026-12-04); no GPU has run it at 64.
+NAMED_TURNS = {128: True, None: False}
 LN2 = math.log(2.0)
 # The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
 # ("wait_k", "qk" with its "turn" (and with ROW_SUM_DEFERRED the last step's "row_sum"), "mask", "softmax",
@@ -144,15 +152,17 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
             stages: int | None = None, compute_wgs: int | None = None, pingpong: bool | None = None,
             persistent: bool | None = None, ctas: int | None = None, interpret: bool | None = None):
   """(out, lse) of attention over each query's key range [k_start, k_end); settings left None are the
-  module's (FWD_WGS, PINGPONG, BLOCK_KV, STAGES, PERSISTENT), read as the call is traced. `ctas`: a
+  module's (FWD_WGS, PINGPONG, BLOCK_KV at q's head size, STAGES, PERSISTENT), read as the call is traced. `ctas`: a
   persistent kernel's CTAs (None: the GPU's SMs)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
+  batch, q_len, heads, head_dim = q.shape
+  _, kv_len, kv_heads, _ = k.shape
   wgs = FWD_WGS if compute_wgs is None else compute_wgs
-  block_kv = BLOCK_KV if block_kv is None else block_kv
+  block_kv = at_head_dim(BLOCK_KV, head_dim) if block_kv is None else block_kv
   persistent = PERSISTENT if persistent is None else persistent
-  q_in_registers = Q_IN_REGISTERS
+  q_in_registers = at_head_dim(Q_IN_REGISTERS, head_dim)
   overlap = OVERLAP_SOFTMAX
   deferred_sum = ROW_SUM_DEFERRED and not overlap
   late_rescale = RESCALE_AFTER_PV and not overlap
@@ -160,8 +170,6 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   turns = (PINGPONG if pingpong is None else pingpong) and wgs == 2
   pingpong = turns and not overlap  # the schedule barrier as a rendezvous, two a step
   token = turns and overlap  # its two barriers as a token passed between the warpgroups, once a step
-  batch, q_len, heads, head_dim = q.shape
-  _, kv_len, kv_heads, _ = k.shape
   if not supports(q, k, block_q, block_kv, stages, wgs, persistent):
     missing = available()
     raise ValueError(f"mosaic attention forward: needs bf16/f16, head_dim 64 or 128, q_len and kv_len "
@@ -170,7 +178,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   stages = stages_for(head_dim, block_q, block_kv, stages, wgs, persistent)
   if interpret is None:
     interpret = not platform.on_gpu()
-  named_turns = pingpong and NAMED_TURNS and not interpret
+  named_turns = pingpong and at_head_dim(NAMED_TURNS, head_dim) and not interpret
   groups = heads // kv_heads
   dtype = q.dtype
   k, v = k.astype(dtype), v.astype(dtype)

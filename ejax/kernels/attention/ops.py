@@ -56,15 +56,15 @@ IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd"
          "cudnn_packed")
 # What "auto" runs on a Hopper GPU (compute capability 9.x): the first of these that applies (else
 # "pallas"), ordered by benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128
-# (BENCHMARKS.md): on an H200 forward / forward+backward mosaic 163 / 163 (2026-11-29), tokamax_fwd
-# 152 / 91, tokamax 135 / 68, pallas 64 / 73 (2026-11-28). mosaic takes head sizes 64 and 128; pi0.5's
-# 256 goes on to tokamax_fwd. A route "impl@128" applies at head size 128 only ("impl@64+128": either):
-# mosaic_own (216 / 177 at 128) was right at 128 and wrong at 64 on two H200s (2026-11-30, gpu.py's
-# route check: errors 0.84 and 0.75 against 2e-2), which GR00T's padded DiT and vision heads take, so
-# it takes 128 and the mosaic route 64. The cause, in the SASS: ptxas gave the softmax weights Q's
-# registers; since 2026-12-02 Q is loaded every step at 64 (mosaic_common.RELOAD_OPERANDS), which no
-# GPU has run yet: it takes 64 too once gpu.py's checks pass there.
-HOPPER_AUTO = ("mosaic_own@128", "mosaic", "tokamax_fwd")
+# (BENCHMARKS.md): on an H200 forward / forward+backward mosaic_own 223-232 / 191-199 in its forms of
+# 2026-12-04, mosaic 155 / 161-163, tokamax_fwd 152 / 91, tokamax 135 / 68, pallas 62 / 77. mosaic_own
+# and mosaic take head sizes 64 and 128; pi0.5's 256 goes on to tokamax_fwd. A route "impl@128"
+# applies at head size 128 only ("impl@64+128": either). mosaic_own was wrong at head size 64 on two
+# H200s (2026-11-30): ptxas gave the softmax weights Q's registers; with Q loaded every step there
+# (mosaic_common.RELOAD_OPERANDS) an H200 found it right at 64 on 2026-12-04 (errors 2.8e-3, the
+# load-once control 0.86-0.88), so it takes every head size. Its speed at 64 against mosaic's is
+# unmeasured.
+HOPPER_AUTO = ("mosaic_own", "mosaic", "tokamax_fwd")
 # EJAX_HOPPER_AUTO="tokamax_fwd,pallas" (say) replaces HOPPER_AUTO in this process: a route that fails
 # on some machine (benchmarks/gpu.py checks each before its figures) is left out without an edit.
 HOPPER_AUTO_ENV = "EJAX_HOPPER_AUTO"
