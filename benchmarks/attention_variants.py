@@ -262,7 +262,10 @@ BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "P
 # And mosaic_own's gradients under the forward's 128-key tiles (its out and lse feed the backward): on the
 # H200 of 2026-11-30 the attention figure's "128-key tiles" arm had gradients 1.9 off, the other arms'
 # 4.6e-3; interpret mode agrees with the reference (tests).
-FORWARD_GRADIENT_VARIANTS = (("as configured", ()), ("128-key tiles", WIDE),
+# First (since 2026-12-04) the defaults of head size 128 at every head size: no GPU has run the named
+# turns, the 128-key tiles' gradients or two dK/dV warpgroups at 64, GR00T's padded DiT and vision heads.
+HEAD_128_FORM = "128-key tiles, Q in shared memory, turns at a named barrier, dK/dV in 2 warpgroups"
+FORWARD_GRADIENT_VARIANTS = (("as configured", ()), (HEAD_128_FORM, WIDE_SS + NAMED + DKV_2), ("128-key tiles", WIDE),
                              ("128-key tiles, Q loaded once an item", WIDE + Q_ONCE),
                              ("128-key tiles, Q in shared memory", WIDE_SS))
 

@@ -84,12 +84,13 @@ FIGURES = (
     Figure("dispatch", ("benchmarks/dispatch.py",),
            ("benchmarks/dispatch.py", "--config", "configs/tiny.py:runlocal", "--calls", "3"), 40, json_flag=False,
            own_file=False),
-    # Attention, the one goal still unmet (300 / 200 TFLOP/s; best 216 / 177), and the three attention
-    # figures first since 2026-12-01: the block-causal rows' arms, pallas, mosaic_own and its variants
-    # never timed (dK/dV's wgmmas in pairs, 128-key tiles with Q in shared memory, the named turns, dK/dV in
-    # two warpgroups), the mosaic route (auto's Hopper route), the rest; the causal rows after them are cut
-    # off at the limit (the sweep never fitted). On 2026-11-30 110 s timed four variants after the
-    # baselines. The dense baseline (4.4-4.8x, measured in both windows) is skipped for their time.
+    # Attention, the one goal still unmet (300 / 200 TFLOP/s; best 232 / 199 on 2026-12-04), and the three
+    # attention figures first: the block-causal rows' arms, pallas, mosaic_own as configured (at head size
+    # 128 since 2026-12-04 the 128-key forward with the named turns, two dK/dV warpgroups), the form it
+    # replaced as the control, each new default taken back alone, the mosaic route, the rest; the causal
+    # rows after them are cut off at the limit. Since 2026-12-04 each arm is timed with its calls back to
+    # back (the call-by-call figure beside it). The dense baseline (4.4-4.8x, measured in two windows) is
+    # skipped for their time.
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--skip_dense"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 150),
@@ -104,14 +105,12 @@ FIGURES = (
     # named turns on 64-key tiles: 2,111 cycles a forward step against 1,024 of wgmmas).
     Figure("attention_profile", ("benchmarks/attention.py", "--rows", "1", "--row_length", "4096", "--heads", "16",
                                  "--head_dim", "128", "--profile_kernel", KERNEL_PROFILE), (), 75, own_file=False),
-    # mosaic_own's forward under each setting that changes its GPU code path, values only: on 2026-11-30
-    # it was wrong at head size 64 on the GPU and right in interpret mode; the SASS since showed ptxas
-    # giving the softmax weights Q's registers, and Q is now loaded every step there (BENCHMARKS.md):
-    # first the forward as configured and its load-once control, then its gradients under 128-key tiles,
-    # then those of the mosaic route (auto's) under the backward's settings that were faster on
-    # 2026-11-30 (persistent) but never checked at head size 64, each line printed as it is done. Not in
-    # --smoke: interpret mode takes ~13 s a forward case and ~40 s a backward one
-    # (tests/kernels/test_attention_mosaic.py runs one forward variant).
+    # mosaic_own's gradients and values under each setting that changes its GPU code path, at head sizes
+    # 64 and 128, each line printed as it is done: first the gradients as configured and under head size
+    # 128's defaults at 64 too (the named turns, 128-key tiles and two dK/dV warpgroups, which no GPU has
+    # run there), then the forward's load-once control (0.86-0.88 off at 64 on 2026-12-04, the configured
+    # form right), then the mosaic route's backward variants. Not in --smoke: interpret mode takes ~13 s a
+    # forward case and ~40 s a backward one (tests/kernels/test_attention_mosaic.py runs one forward variant).
     Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_variants", "--row_length", "1024"), (), 120,
            own_file=False),
     # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
