@@ -61,17 +61,19 @@ actor=pi05 fine-tunes a pi0.5 checkpoint of the train job (ejax.rl.vla_pi05) wit
 prefix (both cameras, the instruction and the state's bins, through the PaliGemma LLM) runs once per
 sample on the inference server, and its KV cache, with what the perception module saw, is stored as
 the sample's context, so the learner's Flow-SDE log-probs run the action expert alone; RL trains the
-expert and its action / time projections (lr 1e-4, PPO's KL stop at 0.02). CPU-sized, from
+expert and its action / time projections (lr 1e-4, PPO's KL stop at 0.02), and its perception module
+keeps learning on the rollouts' frames by its SFT losses against the simulator's labels
+(rl.policy.perception_loss, at rl.perception_learning_rate 3e-4). CPU-sized, from
 configs/pi05.py's simulator recipe stopped early (a weak start on purpose):
   python -m ejax.main --config=configs/pi05.py:runlocal,dataset=sim --config.train.stop_at=1000 \
       --workdir=runs/pi05_weak
   python -m ejax.main --config=configs/rl_vla3.py:runlocal,actor=pi05,sft=runs/pi05_weak/checkpoints \
       --workdir=runs/rl_pi05
 CPU-sized it takes twice GR00T's batch an update (2048 chunk samples, 30 updates, RL ~16 minutes) and
-judges 400 episodes. Seen 2026-12-03 (2 idle cores): the slow test's run, 0.475 [0.43, 0.52] -> 0.598
-[0.55, 0.64] (+12, short of its +20); from another run's start, judged over 1000 episodes, 0.536 ->
-0.712 after the 30 updates (0.678 at lr 2e-4; 0.665 / 0.610 after 40 / 50), where GR00T's batch of
-1024 lost 25 points (0.283).
+judges 400 episodes. Seen 2026-12-04 (2 cores): 0.475 [0.43, 0.52] -> 0.877 [0.84, 0.91] alone, and
+0.475 -> 0.820 [0.78, 0.86] in the slow test's run beside other tests; without the perception loss
+(2026-12-03) the slow test's run gave 0.475 -> 0.598 (+12, short of its +20), and GR00T's batch of
+1024 lost 25 points.
 (BENCHMARKS.md, "RL-VLA3 with the pi0.5 actor", also for 2026-11-27's runs from weaker starts.)
 """
 
