@@ -8,9 +8,10 @@ skipping what no longer fits the total budget, and writes all.json and most figu
 First it checks auto's Hopper attention routes (check_routes) and leaves out of the figures one that
 fails. The figures:
 
-  dispatch    benchmarks/dispatch.py: how long a train-step call holds the host, on the TrainState
-              against on its leaves (GR00T's full state structure, no device work)
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
+  train_step_skip_temp  benchmarks/train_step.py: GR00T-N1.5's configured step with XLA's command-buffer
+              update mode SKIP_TEMP (the graphs' temporary buffers at fixed virtual addresses, so a step
+              re-records no command for them)
   attention_profile  attention.py --profile_kernel: mosaic_own's kernels under Mosaic GPU's on-device
               profiler, the cycles of each of their scopes (waits, wgmmas, softmax) per warpgroup
   mosaic_own_check  attention.py --check_variants: whether mosaic_own's forward, with Q loaded every
@@ -20,6 +21,8 @@ fails. The figures:
               step per kind of op, the top kernels, the host's spans), without CUDA graphs, all-FP8
   train_step_pi05  the same for pi0.5: configured, its scanned decoders in CUDA graphs (graphs), FP8
                    (fp8_xla_delayed)
+  dispatch    benchmarks/dispatch.py: how long a train-step call holds the host, on the TrainState
+              against on its leaves (GR00T's full state structure, no device work)
   fp8         benchmarks/fp8.py: FP8 vs bf16 GEMMs at the DiT and LLM shapes, every FP8 route
   packing     benchmarks/packing.py, the GPU-sized case
   sim         benchmarks/sim.py --gpu: MJX batches
@@ -31,10 +34,10 @@ fails. The figures:
               depths one GPU holds, extrapolated to its 30 blocks (issue 32; 10.3 samples/s on an
               H200, 2026-11-29)
 
-A window's first call fits the route check, dispatch and the three attention figures (attention,
-attention_profile, mosaic_own_check; ~7 minutes), then starts train_step in what is left of its budget;
-a second call runs the rest with `--only`, e.g. `--only train_step,train_step_pi05 --skip_route_check
---budget 235` (on 2026-11-30 train_step's four arms took 225 s).
+A window's first call fits the route check, the attention figure, train_step_skip_temp, the profile and
+the variant checks (~8 minutes), then starts train_step in what is left of its budget; a second call
+runs the rest with `--only`, e.g. `--only train_step,train_step_pi05 --skip_route_check --budget 235`
+(on 2026-11-30 train_step's four arms took 225 s).
 
   python benchmarks/download_wheels.py        # here, once: the wheels into .whl/ (git-ignored)
   python benchmarks/gpu.py --out $OUT/gpu     # there: ~9 minutes, then record BENCHMARKS.md
@@ -78,12 +81,6 @@ class Figure:
 
 
 FIGURES = (
-    # How long a train-step call holds the host, on the TrainState against on its leaves (what the step
-    # is jitted over since 2026-11-30: on that evening's H200 GR00T's call held the host 58.2 of its
-    # 78.2 ms and pi0.5's 207.4 of 208.7). Seconds: the full state's structure from shapes, 4-element leaves.
-    Figure("dispatch", ("benchmarks/dispatch.py",),
-           ("benchmarks/dispatch.py", "--config", "configs/tiny.py:runlocal", "--calls", "3"), 40, json_flag=False,
-           own_file=False),
     # Attention, the one goal still unmet (300 / 200 TFLOP/s; best 232 / 199 on 2026-12-04), and the three
     # attention figures first: the block-causal rows' arms, pallas, mosaic_own as configured (at head size
     # 128 since 2026-12-04 the 128-key forward with the named turns, two dK/dV warpgroups), the form it
@@ -94,6 +91,19 @@ FIGURES = (
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--skip_dense"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 150),
+    # GR00T's configured step with the command buffers' temporary buffers at fixed virtual addresses
+    # (XLA's SKIP_TEMP update mode, on the VMM allocator): a process-wide setting, so a run of its own.
+    # XLA records a CUDA graph's device addresses and re-records every command that uses one that changed
+    # since the last run; the step's temporary buffer is one allocation nearly every command uses, and at
+    # the trainer's cadence two steps are in flight, so it moves each step. On 2026-12-04 the call held
+    # the host 38.1 ms (the same call on a state of 4-element leaves, no graph: 8.5) and the cadence was
+    # 78.2 ms against ~50 ms of kernels: both ~30 ms over, what re-recording ~2,000 commands a step would
+    # cost if the device waits for it. The configured arm's figures without it: 78.2 ms, 409 samples/s.
+    Figure("train_step_skip_temp", ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured",
+                                    "--steps", "8", "--xla_flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"),
+           # --smoke: the path, with a flag every jaxlib knows (0.9.2 has no update modes: an unknown flag is fatal)
+           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured", "--steps", "1",
+            "--xla_flags=--xla_backend_optimization_level=1"), 150, own_file=False),
     # Where mosaic_own's kernels spend their cycles (2026-11-30: ~2 us a 64-key forward step whose wgmmas
     # take ~0.5): the forward and backward once under Mosaic GPU's on-device profiler, each kernel's
     # scopes' cycles per warpgroup. One of the figure's eight rows (512 forward CTAs, ~4 waves on 132
@@ -135,6 +145,12 @@ FIGURES = (
     Figure("train_step_pi05", ("benchmarks/train_step.py", "--models", "pi05", "--arms",
                                "configured,graphs,fp8_xla_delayed", "--steps", "5"),
            (), 150),  # --smoke: the same script as train_step's
+    # How long a train-step call holds the host, on the TrainState against on its leaves (what the step
+    # is jitted over since 2026-11-30: on that evening's H200 GR00T's call held the host 58.2 of its
+    # 78.2 ms and pi0.5's 207.4 of 208.7). Seconds: the full state's structure from shapes, 4-element leaves.
+    Figure("dispatch", ("benchmarks/dispatch.py",),
+           ("benchmarks/dispatch.py", "--config", "configs/tiny.py:runlocal", "--calls", "3"), 40, json_flag=False,
+           own_file=False),
     # fp8.py stops starting arms after --budget_s, so its last line comes inside the limit.
     Figure("fp8", ("benchmarks/fp8.py", "--budget_s", "40"), ("benchmarks/fp8.py", "--tokens", "128"), 60),
     Figure("packing", ("benchmarks/packing.py", "--width", "1024", "--depth", "8", "--heads", "8", "--samples", "192",

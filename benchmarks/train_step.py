@@ -204,6 +204,16 @@ def startup(config_path: str, per_device_batch: int, unscanned: bool = False) ->
           f"({jax.devices()[0].device_kind})")
 
 
+def add_xla_flags(flags: str) -> None:
+  """Appends `flags` to XLA_FLAGS. XLA reads them once, when the first backend starts: a flag of the
+  client (the allocator) as well as of each program's compile."""
+  from jax._src import xla_bridge
+  if xla_bridge.backends_are_initialized():
+    raise SystemExit(f"--xla_flags {flags}: jax's backend has already started in this process; XLA would not "
+                     "read them")
+  os.environ["XLA_FLAGS"] = " ".join(part for part in (os.environ.get("XLA_FLAGS", "").strip(), flags) if part)
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", default="groot,pi05")
@@ -225,7 +235,12 @@ def main(argv=None) -> None:
                            "2,6: time the configured step at each depth and extrapolate to the full depth")
   parser.add_argument("--cache", action="store_true",
                       help="use the persistent compilation cache (off: every figure is a cold compile)")
+  parser.add_argument("--xla_flags", default="",
+                      help="XLA flags appended to XLA_FLAGS before the backend starts: a process-wide setting, "
+                           "timed as a run of its own (e.g. --xla_gpu_command_buffer_update_mode=SKIP_TEMP)")
   args = parser.parse_args(argv)
+  if args.xla_flags:
+    add_xla_flags(args.xla_flags)
   if args.cache:
     from ejax.config.runtime import enable_compilation_cache
     enable_compilation_cache("~/.cache/ejax/xla")
@@ -237,7 +252,7 @@ def main(argv=None) -> None:
     print(line)
     return
   out = {"device": jax.devices()[0].device_kind, "devices": jax.device_count(), "jax": jax.__version__,
-         "date": time.strftime("%Y-%m-%d %H:%M")}
+         "date": time.strftime("%Y-%m-%d %H:%M"), "xla_flags": os.environ.get("XLA_FLAGS", "")}
   arms = [a for a in args.arms.split(",") if a]
   unknown = sorted(a for a in arms if a not in ALL_ARMS and a.split("_")[0] not in ("fp8", "attn"))
   if unknown:

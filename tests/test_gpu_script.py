@@ -21,8 +21,8 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(out), "--budget", "840"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=880)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  names = ("dispatch", "train_step", "attention", "fp8", "startup", "packing", "sim", "serve",
-           "dreamzero")  # pi0.5's: train_step's script
+  names = ("dispatch", "train_step", "train_step_skip_temp", "attention", "fp8", "startup", "packing", "sim",
+           "serve", "dreamzero")  # pi0.5's: train_step's script
   summary = json.loads((out / "all.json").read_text())
   for name in names:
     own = out / f"{name}.json"
@@ -355,3 +355,22 @@ def test_the_profiled_attention_variant_is_one_the_figure_times():
   assert "--profile_kernel" in profile.args
   if "--profile_variant" in profile.args:
     assert profile.args[profile.args.index("--profile_variant") + 1] in dict(MOSAIC_OWN_VARIANTS)
+
+
+def test_train_step_xla_flags_reach_xla_only_before_the_backend_starts(tmp_path):
+  """train_step.py --xla_flags: a process-wide XLA setting (the GPU figure train_step_skip_temp's
+  command-buffer update mode) appended to XLA_FLAGS before the backend starts; here a dump folder shows
+  XLA read it. Once the backend has started it says so in one line instead of running unchanged."""
+  script = f"""
+import sys
+sys.path.insert(0, {REPO!r})
+from benchmarks.train_step import add_xla_flags
+add_xla_flags("--xla_dump_to={tmp_path / 'dump'}")
+import jax
+jax.jit(lambda x: x + 1)(1.0)
+add_xla_flags("--xla_dump_to=/nonexistent")
+"""
+  done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                        env={**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=1"})
+  assert done.returncode == 1 and "jax's backend has already started" in done.stderr, done.stderr[-2000:]
+  assert any((tmp_path / "dump").iterdir())
