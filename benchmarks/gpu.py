@@ -118,8 +118,8 @@ FIGURES = (
     # mosaic_own's gradients and values under each setting that changes its GPU code path, at head sizes
     # 64 and 128, each line printed as it is done: first the gradients as configured and under head size
     # 128's defaults at 64 too (the named turns, 128-key tiles and two dK/dV warpgroups, which no GPU has
-    # run there), then the forward's load-once control (0.86-0.88 off at 64 on 2026-12-04, the configured
-    # form right), then the mosaic route's backward variants. Not in --smoke: interpret mode takes ~13 s a
+    # run there), then the mosaic route's backward variants, then the forward's load-once control (0.86-0.88
+    # off at 64 on 2026-12-04, the configured form right). Not in --smoke: interpret mode takes ~13 s a
     # forward case and ~40 s a backward one (tests/kernels/test_attention_mosaic.py runs one forward variant).
     Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_variants", "--row_length", "1024"), (), 120,
            own_file=False),
