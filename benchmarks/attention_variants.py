@@ -25,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # benchmarks/ imports as a package from the repository root
   sys.path.insert(0, REPO)
 from benchmarks import kernel_profile  # noqa: E402
+from benchmarks.timing import back_to_back  # noqa: E402
 
 # Settings of ejax's Mosaic GPU kernels beside their defaults, as (module, name, value), each one value
 # at every head size. The defaults (2026-12-04; some by head size, mosaic_common.at_head_dim): a CTA a
@@ -124,14 +125,7 @@ def timed(fn, *args, repeats: int, calls: int = 10) -> float:
   jax.block_until_ready(fn(*args))
   if time.perf_counter() - start >= 0.05:
     calls = 1
-  rounds = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      result = fn(*args)
-    jax.block_until_ready(result)
-    rounds.append((time.perf_counter() - start) / calls)
-  return float(np.median(rounds))
+  return back_to_back(fn, *args, repeats=repeats, calls=calls)
 
 
 def timed_each(fn, *args, repeats: int) -> float:

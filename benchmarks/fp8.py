@@ -42,7 +42,7 @@ import datetime
 import json
 import os
 import re
-import statistics
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,11 @@ from ejax.kernels.fp8 import (dequantize, fp8_matmul, fp8_xla_dot, make_dense,
                               quantize_per_tensor)
 from ejax.kernels.fp8 import xla as fp8_xla
 from ejax.kernels.fp8.matmul import triton_fp8_fast_accumulation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # benchmarks/ imports as a package from the repository root
+  sys.path.insert(0, REPO)
+from benchmarks.timing import back_to_back  # noqa: E402
 
 WIDTH, MLP_WIDTH, DIT_BLOCKS, DIT_TOKENS = 1536, 6144, 16, 49  # GR00T-N1.5 DiT (REFERENCE.md)
 # (model, GEMM, in features, out features)
@@ -128,14 +133,7 @@ def compile_and_time(fn, *args, calls: int = 10, repeats: int = 5, lowering=None
   targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
   for _ in range(3):  # warm-up: first calls allocate and load
     jax.block_until_ready(compiled(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = compiled(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - start) / calls)
-  return {"seconds": statistics.median(samples), "compile_s": compile_seconds, "custom_calls": targets,
+  return {"seconds": back_to_back(compiled, *args, repeats=repeats, calls=calls), "compile_s": compile_seconds, "custom_calls": targets,
           "cublaslt_fp8": CUBLASLT_FP8 in hlo, "triton_gemm_fusions": hlo.count('"__triton_gemm"'),
           "fp8_dots": fp8_dots(hlo), "hlo": hlo}
 
