@@ -35,9 +35,8 @@ from ejax.kernels.attention.mosaic_common import (LENGTH_MULTIPLE, LOG2E, MAX_HE
                                                   available, compute_registers, copying_warpgroup, inner_ranges,
                                                   item_part, kernel_params, kv_ring, kv_spans, load, mma,
                                                   named_barrier_sync, own_buffers, persistent_ctas, register_operand,
-                                                  reloads_operands,
-                                                  ring_stages, scope, store_item, wgmma_wait_after, work_items,
-                                                  TURN_BARRIER)
+                                                  reloads_operands, ring_stages, scope, store_item, wgmma_wait_after,
+                                                  work_items, TURN_BARRIER)
 
 FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying one
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
