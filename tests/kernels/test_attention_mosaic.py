@@ -90,6 +90,14 @@ def test_tile_bounds_visit_every_allowed_tile_and_on_packed_rows_only_those(layo
       assert set(active) <= set(range(wg_lo[b, i], wg_hi[b, i])), (b, i)
   computed, streamed = mosaic_forward.visited_pairs(k_start, k_end, block_q, block_kv)
   assert computed <= streamed
+  # EDGE_HALVES: 128-key tiles computing one half at a span's edge where its queries need one compute the
+  # pairs of 64-key tiles; spare_halves marks those edges.
+  halved, _ = mosaic_forward.visited_pairs(k_start, k_end, block_q, 128, edge_halves=True)
+  assert halved == mosaic_forward.visited_pairs(k_start, k_end, block_q, 64)[0]
+  spare = np.asarray(mosaic_forward.spare_halves(k_start, k_end, block_q, 128))
+  lo128, hi128 = map(np.asarray, kv_spans(k_start, k_end, block_q, 128))
+  assert halved == (2 * (hi128 - lo128).sum() - (spare & 1).sum() - (spare >> 1).sum()) * block_q * 64
+  assert halved < mosaic_forward.visited_pairs(k_start, k_end, block_q, 128)[0]
   # The packed rows skip most of the work: the visited tile pairs are far fewer than the dense row's.
   if layout == "packed":
     assert (kv_hi - kv_lo).sum() < 0.5 * kv_hi.size * (length // block_kv)
@@ -192,7 +200,12 @@ def test_the_backward_is_persistent_at_the_head_sizes_its_setting_names(monkeypa
                           (64, 2, 2, 1, False, 128, None, None, "rescale"),
                           (64, 2, 1, 2, True, 64, None, 2, "rescale+row_sum"), (128, 2, 2, 2, True, 64, None, None,
                                                                                "rescale+row_sum"),
-                          (64, 2, 1, 2, True, 64, 3, None, "named+row_sum")])
+                          (64, 2, 1, 2, True, 64, 3, None, "named+row_sum"),
+                          (64, 2, 1, 2, True, 128, None, None, "halves"), (128, 2, 2, 2, True, 128, 3, 2, "halves"),
+                          (64, 2, 2, 1, False, 128, None, None, "halves+early_k"),
+                          (128, 2, 1, 2, True, 128, None, None, "halves+rescale"),
+                          (64, 2, 1, 2, True, 64, None, None, "each_edge"), (128, 2, 2, 2, True, 128, 3, 2, "each_edge"),
+                          (64, 2, 1, 2, True, 128, None, None, "each_edge+halves")])
 def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_heads, compute_wgs, pingpong, block_kv,
                                               ctas, stages, schedule):
   """Out and lse over packed and shuffled ranges, with queries whose first tiles are all masked and
@@ -205,18 +218,27 @@ def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_h
   passed between the two warpgroups once a ring step), "row_sum" (ROW_SUM_DEFERRED, each step's row
   sums added during the next step's QK) or "rescale" (RESCALE_AFTER_PV, the PV into a fresh accumulator
   and the running one rescaled during the next QK) or "named" (NAMED_TURNS: on a GPU the turns at a
-  named barrier; interpret mode keeps the mbarrier), or two joined by "+"."""
+  named barrier; interpret mode keeps the mbarrier) or "halves" (EDGE_HALVES, a span's first and last
+  steps over the half of their 128-key tile its queries need; the rows have both kinds) or "each_edge"
+  (MASK_EACH_EDGE, a tile crossing its queries' starts or ends masked by each edge's compare alone), or
+  two joined by "+"."""
   forms = schedule.split("+")
   monkeypatch.setattr(mosaic_forward, "K_WAIT_DURING_PV", "early_k" in forms)
   monkeypatch.setattr(mosaic_forward, "OVERLAP_SOFTMAX", "overlap" in forms)
   monkeypatch.setattr(mosaic_forward, "ROW_SUM_DEFERRED", "row_sum" in forms)
   monkeypatch.setattr(mosaic_forward, "RESCALE_AFTER_PV", "rescale" in forms)
   monkeypatch.setattr(mosaic_forward, "NAMED_TURNS", "named" in forms)
+  monkeypatch.setattr(mosaic_forward, "EDGE_HALVES", "halves" in forms)
+  monkeypatch.setattr(mosaic_forward, "MASK_EACH_EDGE", "each_edge" in forms)
   rng = np.random.default_rng(3)
   length = 256
-  rows = [_ranges(layout, length, rng, longest=200) for layout in ("packed", "shuffled")]
+  longest = 120 if "halves" in forms else 200
+  rows = [_ranges(layout, length, rng, longest=longest) for layout in ("packed", "shuffled")]
   k_start = np.stack([r[0] for r in rows])
   k_end = np.stack([r[1] for r in rows])
+  if "halves" in forms:  # spans that start in a tile's upper half and spans that end in a lower half
+    spare = np.asarray(mosaic_forward.spare_halves(jnp.asarray(k_start), jnp.asarray(k_end), 64, block_kv))
+    assert (spare & 1).any() and (spare & 2).any(), spare
   normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
   q = normal(2, length, heads, head_dim)
   k, v = normal(2, length, kv_heads, head_dim), normal(2, length, kv_heads, head_dim)
@@ -231,6 +253,34 @@ def test_forward_kernel_matches_the_reference(monkeypatch, head_dim, heads, kv_h
   empty = k_end <= k_start
   assert empty.any() and not np.asarray(out, np.float32)[empty].any() and not np.asarray(lse)[:, 0][empty].any()
 
+
+@MOSAIC
+@pytest.mark.parametrize("edge_halves", [True, False])
+def test_a_spans_unneeded_halves_are_never_read(monkeypatch, edge_halves):
+  """EDGE_HALVES: a warpgroup whose queries see keys 64-191 only computes the upper half of its first
+  128-key tile and the lower half of its last. V is NaN on the keys no query sees: a half computed with
+  its weights 0 still gives 0 x NaN, so the whole tiles' control is NaN there, and the halves' form is
+  the reference's."""
+  monkeypatch.setattr(mosaic_forward, "EDGE_HALVES", edge_halves)
+  rng = np.random.default_rng(7)
+  length, heads, head_dim = 256, 2, 64
+  k_start, k_end = np.zeros((1, length), np.int32), np.zeros((1, length), np.int32)
+  k_start[0, 64:192], k_end[0, 64:192] = 64, 192  # one bidirectional segment; the rest sees nothing
+  spare = np.asarray(mosaic_forward.spare_halves(jnp.asarray(k_start), jnp.asarray(k_end), 64, 128))
+  assert spare.tolist() == [[0, 3, 3, 0]]  # both edges of both warpgroups' spans
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+  q, k, v = (normal(1, length, heads, head_dim) for _ in range(3))
+  unseen = np.r_[0:64, 192:256]
+  v = v.at[:, unseen].set(jnp.nan)
+  want_out, want_lse, _ = _reference_grads(q, k, jnp.where(jnp.isnan(v), 0, v), q, k_start, k_end, head_dim**-0.5)
+  out, lse = mosaic_forward.forward(q, k, v, jnp.asarray(k_start), jnp.asarray(k_end), scale=head_dim**-0.5,
+                                    block_kv=128, compute_wgs=2, pingpong=True)
+  out = np.asarray(out, np.float32)
+  if not edge_halves:
+    assert np.isnan(out[0, 64:192]).all()
+    return
+  np.testing.assert_allclose(out, want_out, atol=1e-2)
+  np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4, rtol=1e-5)
 
 def _assert_loss_and_gradients_match_the_reference(impl, q, k, v, d_out, kwargs):
   """sum(attention * d_out) and its gradients through the op with `impl` against the fp32 reference's."""
@@ -404,6 +454,20 @@ for (mosaic_forward.Q_IN_REGISTERS, mosaic_forward.NAMED_TURNS,
        f"overlap_softmax={mosaic_forward.OVERLAP_SOFTMAX}")
   forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
   forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+# A span's first and last steps over half of their 128-key tile (EDGE_HALVES: 64-key wgmmas on a slice of
+# the slot), with Q from shared memory and the named turns (head size 128's form).
+mosaic_forward.Q_IN_REGISTERS, mosaic_forward.NAMED_TURNS, mosaic_forward.OVERLAP_SOFTMAX = False, True, False
+mosaic_forward.EDGE_HALVES = True
+mark("forward block_kv=128 edge_halves=True q_in_registers=False named_turns=True")
+forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
+forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+# Each edge of a tile's ranges masked alone (MASK_EACH_EDGE), with and without the halves.
+mosaic_forward.MASK_EACH_EDGE = True
+for mosaic_forward.EDGE_HALVES in (False, True):
+  mark(f"forward block_kv=128 mask_each_edge=True edge_halves={mosaic_forward.EDGE_HALVES}")
+  forward = jax.jit(lambda *a: mosaic_forward.forward(*a, scale=head_dim**-0.5, interpret=False))
+  forward.trace(x, x, x, ids, ids).lower(lowering_platforms=("cuda",)).compile()
+mosaic_forward.EDGE_HALVES = mosaic_forward.MASK_EACH_EDGE = False
 mosaic_forward.BLOCK_KV, mosaic_forward.Q_IN_REGISTERS, mosaic_forward.NAMED_TURNS, mosaic_backward.DKV_WGS = defaults
 mosaic_forward.OVERLAP_SOFTMAX = False
 mark("forward and backward as configured")
@@ -467,9 +531,9 @@ def test_kernels_compile_for_an_h100_without_register_spills(head_dim, tmp_path)
   assert {"dq_kernel_mosaic_gpu_kernel", "dkv_kernel_mosaic_gpu_kernel", "forward_kernel_mosaic_gpu_kernel"} <= kernels, \
       report[-2000:]
   # per persistence: five backwards of two kernels, three forwards; then the overlapped, the deferred-sum,
-  # the late-rescale, two named-turn and four 128-key-tile forwards, the forward and backward as
-  # configured, and the profiled forward
-  assert len(reports) == 39, reports
+  # the late-rescale, two named-turn, four 128-key-tile forwards, one with halves at the spans' edges and
+  # two with each edge masked alone, the forward and backward as configured, and the profiled forward
+  assert len(reports) == 42, reports
   spilled = [r for r in reports if r[2] or r[3]]
   allowed = [r for r in spilled if any(kernel in r[1] and settings in r[0] and head_dim == size
                                        and (most is None or max(r[2], r[3]) <= most)
@@ -511,9 +575,10 @@ def test_the_variant_checks_give_each_variant_and_case_an_error():
   assert set(errors["persistent"]) == {"segments@64", "segments@128", "block-causal@64", "block-causal@128"}
   assert all(isinstance(e, float) and e < 2e-2 for e in errors["persistent"].values()), errors
   assert mosaic_backward.PERSISTENT == (128,)
-  assert [label for label, _ in bench.FORWARD_GRADIENT_VARIANTS] == ["as configured", "128-key tiles",
-                                                                     "128-key tiles, Q loaded once an item",
-                                                                     "128-key tiles, Q in shared memory"]
+  assert [label for label, _ in bench.FORWARD_GRADIENT_VARIANTS] == [
+      "as configured", f"{bench.HEAD_128_FORM}, each edge masked alone, unneeded halves skipped", bench.HEAD_128_FORM,
+      "128-key tiles",
+      "128-key tiles, Q loaded once an item", "128-key tiles, Q in shared memory"]
   assert bench.FORWARD_VARIANTS[1][0] == "Q loaded once an item" and mosaic_common.RELOAD_OPERANDS is None
 
 

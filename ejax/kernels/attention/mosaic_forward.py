@@ -42,9 +42,9 @@ FWD_WGS = 2  # compute warpgroups a CTA (64 queries each), beside the copying on
 PINGPONG = True  # with two: a schedule barrier alternates their tensor-core phases (FlashAttention-3)
 # Keys a ring slot, by head size (mosaic_common.at_head_dim): smaller tiles skip more of the pairs the
 # ranges forbid; at head size 128, 128-key tiles (FlashAttention-3's) halve the steps and their turns
-# and waits, and with Q from shared memory and the named turns they were the fastest forward timed on
-# 2026-12-04 (232 and 223 TFLOP/s against 180 and 190 in two runs; right at 64 and 128 in
-# --check_variants). At 64 the 64-key form, the only one a GPU has checked there with the named turns off.
+# and waits, and with Q from shared memory they are the fastest forward timed (2026-12-04 evening, calls
+# back to back: 276-283 TFLOP/s against 262-265 with 64-key tiles; right at 64 and 128 in
+# --check_variants). At 64 the 64-key form, the only one a GPU has timed there.
 BLOCK_KV = {128: 128, None: 64}
 # Ring slots; None: the deepest that fits shared memory up to MAX_STAGES (5 at head size 128 with a CTA
 # an item, 4 persistent; 6 at 64). Was 2, too shallow to hide a copy's latency at 64-key steps (BENCHMARKS.md).
@@ -100,6 +100,23 @@ RESCALE_AFTER_PV = False
 # A GPU only (inline PTX; interpret mode keeps the mbarrier). By head size as BLOCK_KV: on at 128, with
 # the 128-key tiles (timed and right there on 2026-12-04); no GPU has run it at 64.
 NAMED_TURNS = {128: True, None: False}
+# Where a warpgroup's span starts in the upper half of its first tile or ends in the lower half of its last
+# one (no query of its 64 needs the other half), that step computes the needed half alone: its QK and PV
+# wgmmas and its softmax over block_kv / 2 keys (tiles of 128 keys or more). On the attention figure's
+# block-causal rows at head size 128, 487 of the 2,966 steps of 128 keys have such a half: the pairs
+# computed fall from 24.3M to 22.3M (77 % to 84 % of them allowed, as with 64-key tiles), for each
+# step's turns and waits as with 128-key tiles. The ring still copies whole tiles. By head size as
+# BLOCK_KV; not with OVERLAP_SOFTMAX or ROW_SUM_DEFERRED, whose carried weights have a step's width.
+# Off until a GPU times it (the attention figure's variant "128-key tiles' unneeded halves skipped").
+EDGE_HALVES = False
+# A tile that crosses its queries' starts only (or their ends only) masked by that edge's compare alone:
+# one FSETP and one FSEL a score, not two of each (the SASS of the 128-key step: 320 instructions a
+# thread a masked step, 128 a score's compare and select each way). With the ping-pong a warpgroup's step
+# is its mask and softmax twice over (the other warpgroup's wgmmas, 1,024 cycles, take less: the profile
+# of 2026-12-04's evening gave mask 365 + softmax 1,189 of a 3,378-cycle step), so a cycle off the mask
+# is two off the step. A span's first tile mostly crosses the starts and its last the ends. Off until a
+# GPU times it (the attention figure's variant "each edge masked alone").
+MASK_EACH_EDGE = False
 LN2 = math.log(2.0)
 # The kernel's named scopes (mosaic_common.scope): a compute warpgroup's "start" of an item, its "step"s
 # ("wait_k", "qk" with its "turn" (and with ROW_SUM_DEFERRED the last step's "row_sum"), "mask", "softmax",
@@ -138,13 +155,27 @@ def supports(q, k, block_q: int = 64, block_kv: int = 64, stages: int | None = N
           and tile % (compute_wgs * block_q) == 0 and tile % block_kv == 0)
 
 
-def visited_pairs(k_start, k_end, block_q: int = 64, block_kv: int = 64,
-                  compute_wgs: int = FWD_WGS) -> tuple[int, int]:
-  """(pairs the warpgroups compute, pairs the CTAs' K/V rings stream past them) for these ranges."""
-  lo, hi = kv_spans(k_start, k_end, block_q, block_kv)
+def halves_apply(block_kv: int) -> bool:
+  """Whether a span's edge tiles may compute one half (EDGE_HALVES; halves of 64 keys or more)."""
+  return block_kv >= 128 and block_kv % 128 == 0
+
+
+def spare_halves(k_start, k_end, block_q: int, block_kv: int):
+  """Per warpgroup of block_q queries, int32 [batch, q_len // block_q]: bit 0 where no query of it needs the
+  first half of its span's first tile (all start in the upper half), bit 1 where none needs the second half
+  of its last tile (all end in the lower half); 0 where it sees no key."""
+  lo, hi = kv_spans(k_start, k_end, block_q, block_kv // 2)
+  return (lo % 2 + 2 * (hi % 2)).astype(jnp.int32)
+
+
+def visited_pairs(k_start, k_end, block_q: int = 64, block_kv: int = 64, compute_wgs: int = FWD_WGS,
+                  edge_halves: bool = False) -> tuple[int, int]:
+  """(pairs the warpgroups compute, pairs the CTAs' K/V rings stream past them) for these ranges; with
+  `edge_halves` a span's first and last tiles count the halves its queries need (EDGE_HALVES)."""
+  step_keys = block_kv // 2 if edge_halves and halves_apply(block_kv) else block_kv
+  lo, hi = kv_spans(k_start, k_end, block_q, step_keys)
   cta_lo, cta_hi = kv_spans(k_start, k_end, compute_wgs * block_q, block_kv)
-  tile = block_q * block_kv
-  return int(jnp.sum(hi - lo)) * tile, int(jnp.sum(cta_hi - cta_lo)) * compute_wgs * tile
+  return int(jnp.sum(hi - lo)) * block_q * step_keys, int(jnp.sum(cta_hi - cta_lo)) * compute_wgs * block_q * block_kv
 
 
 def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_kv: int | None = None,
@@ -166,6 +197,8 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   deferred_sum = ROW_SUM_DEFERRED and not overlap
   late_rescale = RESCALE_AFTER_PV and not overlap
   early_k = K_WAIT_DURING_PV and not overlap
+  each_edge = MASK_EACH_EDGE
+  edge_halves = at_head_dim(EDGE_HALVES, head_dim) and halves_apply(block_kv) and not overlap and not deferred_sum
   turns = (PINGPONG if pingpong is None else pingpong) and wgs == 2
   pingpong = turns and not overlap  # the schedule barrier as a rendezvous, two a step
   token = turns and overlap  # its two barriers as a token passed between the warpgroups, once a step
@@ -188,6 +221,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   cta_lo, cta_hi = kv_spans(k_start, k_end, wgs * block_q, block_kv)
   wg_lo, wg_hi = kv_spans(k_start, k_end, block_q, block_kv)
   inner_lo, inner_hi = inner_ranges(k_start, k_end, block_q)
+  spare = spare_halves(k_start, k_end, block_q, block_kv) if edge_halves else jnp.zeros_like(wg_lo)
 
   tiling = plgpu.TilingTransform((8, 64))
   swizzle = plgpu.SwizzleTransform(128)
@@ -196,11 +230,12 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
   params, out_name, scratch_name = kernel_params(interpret)
   c = scale * LOG2E  # scores times c are in log2 units: exp2 and an FMA, as FlashAttention
   shape = (block_q, block_kv)
+  whole, half = (0, block_kv), block_kv // 2  # a step's keys in its tile: (first, how many)
 
   items = (heads, q_len // (wgs * block_q), batch)  # a work item: 128 queries of one head and row
 
   def forward_kernel(q_ref, k_ref, v_ref, ranges_ref, cta_lo_ref, cta_hi_ref, wg_lo_ref, wg_hi_ref, inner_lo_ref,
-                     inner_hi_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar, q_free, k_bar,
+                     inner_hi_ref, spare_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_bar, q_free, k_bar,
                      v_bar, k_free, v_free, schedule):
     wg = lax.axis_index("wg")
 
@@ -238,7 +273,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           first = lax.min(lax.max(wg_lo_ref[b, block] - lo, 0), steps)
           last = lax.min(lax.max(wg_hi_ref[b, block] - lo, first), steps)
           inner_lo, inner_hi = inner_lo_ref[b, block], inner_hi_ref[b, block]
-          row = lambda x, n=block_kv: lax.broadcast_in_dim(x, (block_q, n), [0])
+          row = lambda x, n: lax.broadcast_in_dim(x, (block_q, n), [0])
           plgpu.barrier_wait(q_bar.at[buf])
           # Q_IN_REGISTERS: the scores' wgmma reads Q from registers (RS) rather than shared memory (SS);
           # where the SASS needs it (mosaic_common.reloads_operands) its fragments are loaded in each step.
@@ -260,14 +295,31 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           plgpu.barrier_wait(v_bar.at[slot])
           plgpu.barrier_arrive(v_free.at[slot])
 
-        def masked(s, i):  # step i's scores, -inf outside each query's range where the tile crosses an edge
-          kv_base = (lo + i) * block_kv
+        def tile_part(ref, slot, part):  # a ring slot's tile, or the keys `part` of it
+          return ref.at[slot] if part == whole else ref.at[slot, pl.ds(part[0], part[1])]
 
-          def mask(s):
-            key = (kv_base + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=wgmma_layout)).astype(jnp.float32)
-            return jnp.where((key >= row(start)) & (key < row(end)), s, -jnp.inf)
+        def masked(s, i, part=whole):  # step i's scores, -inf outside each query's range where its keys cross an edge
+          kv_base = (lo + i) * block_kv + part[0]
+          width = part[1]
 
-          return scope("mask")(lax.cond)((kv_base < inner_lo) | (kv_base + block_kv > inner_hi), mask, lambda s: s, s)
+          # A score's column in the tile against its query's range less the tile's first key: the columns
+          # are the same every step (no per-step add and conversion a column), the rows' bounds move.
+          base = kv_base.astype(jnp.float32)
+
+          def keep_where(keep):  # the scores, -inf where not keep(column)
+            def apply(s):
+              column = plgpu.broadcasted_iota(jnp.int32, (block_q, width), 1, layout=wgmma_layout).astype(jnp.float32)
+              return jnp.where(keep(column), s, -jnp.inf)
+            return apply
+
+          after_start = lambda column: column >= row(start - base, width)
+          before_end = lambda column: column < row(end - base, width)
+          crosses_starts, crosses_ends = kv_base < inner_lo, kv_base + width > inner_hi
+          masks = (((crosses_starts, after_start), (crosses_ends, before_end)) if each_edge else
+                   ((crosses_starts | crosses_ends, lambda key: after_start(key) & before_end(key)),))
+          for crosses, keep in masks:
+            s = scope("mask")(lax.cond)(crosses, keep_where(keep), lambda s: s, s)
+          return s
 
         def weights(s, m):
           """(the rows' new maxima, the factor their accumulators scale by, the weights)."""
@@ -276,7 +328,7 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           # weights stay 0 and no -inf - -inf appears. (A large finite stand-in does not do: with the
           # subtraction fused into the product, as on GPUs and XLA's CPU, its rounding error is ~1e21.)
           shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          return m_new, jnp.exp2(m - shift), jnp.exp2(s * c - row(shift))
+          return m_new, jnp.exp2(m - shift), jnp.exp2(s * c - row(shift, s.shape[1]))
 
         def row_sums(l, alpha, p):
           return l * alpha + p.sum(axis=1)
@@ -286,20 +338,21 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           m_new, alpha, p = weights(s, m)
           return m_new, alpha, p, row_sums(l, alpha, p)
 
-        def scores_of(i, slot, meanwhile=lambda: None):
-          """(step i's scores (QK), waited for; what `meanwhile()` gives, run while the QK wgmma runs and
-          before the turn: with the ping-pong, the wait for the other warpgroup's softmax)."""
+        def scores_of(i, slot, meanwhile=lambda: None, part=whole):
+          """(step i's scores (QK) over the keys `part` of its tile, waited for; what `meanwhile()` gives,
+          run while the QK wgmma runs and before the turn: with the ping-pong, the wait for the other
+          warpgroup's softmax)."""
           def scores(s_ref):
             await_token()
-            plgpu.wgmma(s_ref, queries(), k_smem.at[slot].T)
+            plgpu.wgmma(s_ref, queries(), tile_part(k_smem, slot, part).T)
             pass_token()
             extra = meanwhile()
             scope("turn")(take_turn)()  # the other warpgroup's PV wgmma may start
             return s_ref[...], extra
 
-          s, extra = scope("qk")(pl.run_scoped)(scores, plgpu.ACC(shape, jnp.float32))
+          s, extra = scope("qk")(pl.run_scoped)(scores, plgpu.ACC((block_q, part[1]), jnp.float32))
           plgpu.barrier_arrive(k_free.at[slot])
-          return masked(s, i), extra
+          return masked(s, i, part), extra
 
         def catch_up(acc, l, pending):
           """The last step's deferred work on (acc, l): `pending` is its (alpha, weights, PV product), the
@@ -312,13 +365,16 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
             acc = scope("rescale")(lambda: acc * row(alpha, head_dim) + pv)()
           return acc, l
 
-        @scope("step")
-        def step(i, carry):
+        def step_over(part):
+          """A ring step over the keys `part` of its tile (all of them, or with EDGE_HALVES a half)."""
+          return scope("step")(functools.partial(step, part=part))
+
+        def step(i, carry, part=whole):
           acc, m, l, pending = carry
           slot = lax.rem(g + i, stages)
           if not early_k:
             scope("wait_k")(wait_k)(i)
-          s, (acc, l) = scores_of(i, slot, lambda: catch_up(acc, l, pending))
+          s, (acc, l) = scores_of(i, slot, lambda: catch_up(acc, l, pending), part)
 
           @scope("softmax")
           def softmax(acc, m, l, s):
@@ -344,7 +400,8 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           # early_k: step i + 1's K (waited for here, not at its start) while the PV wgmma runs.
           meanwhile = (lambda: pl.when(i + 1 < last)(lambda: wait_k(i + 1))) if early_k else None
           # RESCALE_AFTER_PV: the product alone (a zero-initialised accumulator), added in the next QK.
-          acc_or_pv = scope("pv")(mma)(None if late_rescale else acc, p16, v_smem.at[slot], interpret, meanwhile)
+          acc_or_pv = scope("pv")(mma)(None if late_rescale else acc, p16, tile_part(v_smem, slot, part), interpret,
+                                       meanwhile)
           plgpu.barrier_arrive(v_free.at[slot])
           if late_rescale:
             return acc, m_new, l, (alpha, p, acc_or_pv)
@@ -430,7 +487,19 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
           zeros = lambda cols: plgpu.layout_cast(jnp.zeros((block_q, cols), jnp.float32), wgmma_layout)
           none = (plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), row_layout),
                   zeros(block_kv) if deferred_sum else (), zeros(head_dim) if late_rescale else ())
-          acc, m, l, pending = lax.fori_loop(first, last, step, (acc, m, l, none))
+          carry = (acc, m, l, none)
+          if edge_halves:  # the span's first and last steps over the half of their tiles its queries need
+            spare = spare_ref[b, block]
+            head = (lax.rem(spare, 2) == 1) & (first < last)
+            body_first = first + head.astype(first.dtype)
+            tail = (lax.div(spare, 2) == 1) & (last - 1 >= body_first)
+            body_last = last - tail.astype(last.dtype)
+            carry = lax.cond(head, lambda c: step_over((half, half))(first, c), lambda c: c, carry)
+            carry = lax.fori_loop(body_first, body_last, step_over(whole), carry)
+            carry = lax.cond(tail, lambda c: step_over((0, half))(last - 1, c), lambda c: c, carry)
+          else:
+            carry = lax.fori_loop(first, last, step_over(whole), carry)
+          acc, m, l, pending = carry
           acc, l = catch_up(acc, l, pending)
         pl.loop(last, steps)(pass_by)
         pl.when(wg == 0)(take_turn)
@@ -466,5 +535,5 @@ def forward(q, k, v, k_start, k_end, *, scale: float, block_q: int = 64, block_k
       + [plgpu.Barrier(num_arrivals=wgs, num_barriers=stages)] * 2
       + [plgpu.Barrier(num_arrivals=1, num_barriers=2) if token else plgpu.Barrier(num_arrivals=wgs)]},
       grid=(persistent_ctas(math.prod(items), persistent, ctas),), grid_names=("ctas",), num_threads=wgs + 1, **params)(
-          q, k, v, ranges, cta_lo, cta_hi, wg_lo, wg_hi, inner_lo, inner_hi)
+          q, k, v, ranges, cta_lo, cta_hi, wg_lo, wg_hi, inner_lo, inner_hi, spare)
   return out, lse

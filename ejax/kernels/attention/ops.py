@@ -56,8 +56,9 @@ IMPLS = ("auto", "reference", "xla", "pallas", "cudnn", "tokamax", "tokamax_fwd"
          "cudnn_packed")
 # What "auto" runs on a Hopper GPU (compute capability 9.x): the first of these that applies (else
 # "pallas"), ordered by benchmarks/attention.py's TFLOP/s at 8 x 4,096 tokens, 16 heads x 128
-# (BENCHMARKS.md): on an H200 forward / forward+backward mosaic_own 223-232 / 191-199 in its forms of
-# 2026-12-04, mosaic 155 / 161-163, tokamax_fwd 152 / 91, tokamax 135 / 68, pallas 62 / 77. mosaic_own
+# (BENCHMARKS.md): on an H200 forward / forward+backward mosaic_own 276-283 / 212 (2026-12-04 evening,
+# calls back to back; mosaic 188-193 / 192, pallas 67-68 / 81 there), tokamax_fwd 152 / 91 and tokamax
+# 135 / 68 (2026-11-28). mosaic_own
 # and mosaic take head sizes 64 and 128; pi0.5's 256 goes on to tokamax_fwd. A route "impl@128"
 # applies at head size 128 only ("impl@64+128": either). mosaic_own was wrong at head size 64 on two
 # H200s (2026-11-30): ptxas gave the softmax weights Q's registers; with Q loaded every step there
