@@ -142,10 +142,14 @@ def mosaic_work(mask: dict, pairs: int, head_dim: int) -> str:
   dq, dkv = mosaic_backward.visited_pairs(k_start, k_end, row_length, head_dim=head_dim)
   block_kv = at_head_dim(mosaic_forward.BLOCK_KV, head_dim)
   computed, streamed = mosaic_forward.visited_pairs(k_start, k_end, block_kv=block_kv)
+  halves = ""
+  if mosaic_forward.halves_apply(block_kv):
+    halved, _ = mosaic_forward.visited_pairs(k_start, k_end, block_kv=block_kv, edge_halves=True)
+    halves = f" ({halved / 1e6:.1f}M, {pairs / halved:.0%} allowed, with the unneeded halves skipped)"
   return (f"the mosaic backward visits {dq / 1e6:.1f}M (dQ) / {dkv / 1e6:.1f}M (dK/dV) pairs, "
           f"{pairs / max(dq, dkv):.0%} allowed; mosaic_own's forward computes {computed / 1e6:.1f}M "
-          f"({pairs / computed:.0%} allowed) of the {streamed / 1e6:.1f}M its CTAs stream; the dense rows are "
-          f"{rows * row_length**2 / 1e6:.0f}M")
+          f"({pairs / computed:.0%} allowed){halves} of the {streamed / 1e6:.1f}M its CTAs stream; the dense rows "
+          f"are {rows * row_length**2 / 1e6:.0f}M")
 
 
 def unchecked_tokamax(q, k, v, mask: dict, on_gpu: bool):
@@ -203,9 +207,10 @@ def main():
     backward_impl = "mosaic" if on_gpu and tokamax_gpu.available() else "mosaic_own"
     errors = {"forward": {}, "backward": {}, "forward_gradients": {}}
     # Most telling first, each line printed as its variant is done (the figure's time limit may cut the
-    # rest): the gradients as configured and under head size 128's defaults at 64 too, the backward's
-    # variants, the forward as configured and its load-once control, then what 2026-12-04 answered (the
-    # gradients under the 128-key tiles and their control) and the forward's other settings.
+    # rest): the gradients as configured and under head size 128's defaults at 64 too with the unneeded
+    # halves skipped, the backward's variants, the forward as configured and its load-once control, then
+    # what 2026-12-04 answered (the head-128 defaults at 64, the 128-key tiles and their control) and the
+    # forward's other settings.
     for part, impl, variants, gradients in (("forward_gradients", "mosaic_own", FORWARD_GRADIENT_VARIANTS[:2], True),
                                             ("backward", backward_impl, BACKWARD_VARIANTS, True),
                                             ("forward", "mosaic_own", FORWARD_VARIANTS[:2], False),

@@ -64,12 +64,28 @@ WIDE_SS = WIDE + ((mosaic_forward, "Q_IN_REGISTERS", False),)
 # the turns at an mbarrier.
 FORM_64 = ((mosaic_forward, "BLOCK_KV", 64), (mosaic_forward, "Q_IN_REGISTERS", True),
            (mosaic_forward, "NAMED_TURNS", False))
-# In timing order, beside the defaults: first the form they replaced at head size 128 (the control: on
-# 2026-12-04 the timings of one program spread by up to 15 % call by call), then each default taken back
-# alone, then what has not been timed on the 128-key tiles (the softmax beside its own PV alone; the row
-# sums or the accumulator's rescale off the softmax's path), then the rest.
+# A span's first and last steps over the half of their 128-key tile its queries need (mosaic_forward.EDGE_HALVES):
+# on the figure's rows 8 % fewer pairs computed, the 64-key tiles' 84 % useful at the 128-key tiles' steps.
+EDGE = ((mosaic_forward, "EDGE_HALVES", True),)
+# A tile crossing its queries' starts only, or their ends only, masked by that edge's compare alone
+# (mosaic_forward.MASK_EACH_EDGE): 130 instructions a thread in the SASS against 261 for both edges.
+EACH_EDGE = ((mosaic_forward, "MASK_EACH_EDGE", True),)
+# In timing order, beside the defaults: first the form they replaced at head size 128 (the control: on the
+# evening of 2026-12-04, timed back to back, 259-261 / 188-190 TFLOP/s against 276-283 / 212), then what no
+# GPU has timed (each edge masked alone and the unneeded halves skipped, together, apart and in the
+# persistent forward, whose next item's Q is copied during the last one: a quarter of a 128-key forward
+# item was its start, end and passes in that evening's profile), then the variants that came closest on
+# that evening, then the rest.
 MOSAIC_OWN_VARIANTS = (("the form before 2026-12-04: 64-key tiles, Q in registers, mbarrier turns, dK/dV in 1 "
                         "warpgroup", FORM_64 + DKV_1),
+                       ("each edge masked alone, 128-key tiles' unneeded halves skipped", EACH_EDGE + EDGE),
+                       ("128-key tiles' unneeded halves skipped", EDGE),
+                       ("each edge masked alone", EACH_EDGE),
+                       ("each edge masked alone, unneeded halves skipped, persistent",
+                        EACH_EDGE + EDGE + PERSISTENT[:1]),
+                       ("persistent", PERSISTENT),
+                       ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
+                       ("rings of 2 slots", RING_OF_2),
                        ("dK/dV in 1 warpgroup", DKV_1),
                        ("turns at an mbarrier", ((mosaic_forward, "NAMED_TURNS", False),)),
                        ("softmax beside its own PV", OVERLAP),
@@ -79,12 +95,10 @@ MOSAIC_OWN_VARIANTS = (("the form before 2026-12-04: 64-key tiles, Q in register
                        ("dK/dV in 1 warpgroup, its wgmmas in pairs", DKV_1 + PAIRED),
                        ("backward a CTA an item", BACKWARD_PER_ITEM),
                        ("128-key tiles, Q in registers", ((mosaic_forward, "Q_IN_REGISTERS", True),)),
-                       ("softmax beside its own PV, no turns", OVERLAP + ((mosaic_forward, "PINGPONG", False),)),
-                       ("persistent", PERSISTENT), ("rings of 2 slots", RING_OF_2),
                        ("K waited for during PV", ((mosaic_forward, "K_WAIT_DURING_PV", True),)),
                        ("persistent, backward operands in registers", PERSISTENT + DKV_1 + BACKWARD_RS),
                        ("no ping-pong", ((mosaic_forward, "PINGPONG", False),)))
-TIMED_BEFORE_MOSAIC = 4  # the variants through the softmax beside its own PV
+TIMED_BEFORE_MOSAIC = 7  # the variants through the softmax beside its own PV without turns
 
 
 def vla_lengths(num_samples: int, rng: np.random.Generator) -> np.ndarray:
@@ -256,10 +270,12 @@ BACKWARD_VARIANTS = (("as configured", ()), ("persistent", ((mosaic_backward, "P
 # And mosaic_own's gradients under the forward's 128-key tiles (its out and lse feed the backward): on the
 # H200 of 2026-11-30 the attention figure's "128-key tiles" arm had gradients 1.9 off, the other arms'
 # 4.6e-3; interpret mode agrees with the reference (tests).
-# First (since 2026-12-04) the defaults of head size 128 at every head size: no GPU has run the named
-# turns, the 128-key tiles' gradients or two dK/dV warpgroups at 64, GR00T's padded DiT and vision heads.
+# First the defaults of head size 128 at every head size with each edge masked alone and the unneeded halves
+# skipped (MASK_EACH_EDGE, EDGE_HALVES: no GPU has run them), then without them (right at 64 too on the evening of 2026-12-04: 4.3-4.9e-3).
 HEAD_128_FORM = "128-key tiles, Q in shared memory, turns at a named barrier, dK/dV in 2 warpgroups"
-FORWARD_GRADIENT_VARIANTS = (("as configured", ()), (HEAD_128_FORM, WIDE_SS + NAMED + DKV_2), ("128-key tiles", WIDE),
+FORWARD_GRADIENT_VARIANTS = (("as configured", ()), (f"{HEAD_128_FORM}, each edge masked alone, unneeded halves skipped",
+                                                     WIDE_SS + NAMED + DKV_2 + EACH_EDGE + EDGE),
+                             (HEAD_128_FORM, WIDE_SS + NAMED + DKV_2), ("128-key tiles", WIDE),
                              ("128-key tiles, Q loaded once an item", WIDE + Q_ONCE),
                              ("128-key tiles, Q in shared memory", WIDE_SS))
 
@@ -279,17 +295,26 @@ def _variant_cases(row_length: int, dtype):
 
 
 # profile_kernels: each Mosaic GPU kernel of mosaic_own, its trace's file prefix, its compute warpgroups
-# (the copying one after them) and its GEMMs a ring step per warpgroup, each 64 x 64 x head_dim (the
-# bound: an H100's / H200's 4,096 dense flops a clock an SM).
-PROFILED_KERNELS = (("forward", "forward_kernel", (mosaic_forward, "FWD_WGS"), 2),
-                    ("dQ", "dq_kernel", (mosaic_backward, "DQ_WGS"), 3),
-                    ("dK/dV", "dkv_kernel", (mosaic_backward, "DKV_WGS"), 4))
+# (the copying one after them), its GEMMs a ring step per warpgroup, each 64 x 64 x head_dim, and the
+# setting of the keys a step where a step has more than 64 (the bound: an H100's / H200's 4,096 dense
+# flops a clock an SM; on 2026-12-04 the forward's was printed for 64 keys while its steps had 128).
+PROFILED_KERNELS = (("forward", "forward_kernel", (mosaic_forward, "FWD_WGS"), 2, (mosaic_forward, "BLOCK_KV")),
+                    ("dQ", "dq_kernel", (mosaic_backward, "DQ_WGS"), 3, None),
+                    ("dK/dV", "dkv_kernel", (mosaic_backward, "DKV_WGS"), 4, None))
 
 
 def setting_under(settings, module, name: str, head_dim: int):
   """A kernel setting's value at a head size under a variant's `settings` (else the module's)."""
   value = next((value for owner, key, value in settings if owner is module and key == name), getattr(module, name))
   return mosaic_common.at_head_dim(value, head_dim)
+
+
+def step_bound_cycles(kernel: str, head_dim: int, settings=()) -> float:
+  """Cycles a ring step of a PROFILED_KERNELS kernel needs for its wgmmas at the tensor cores' rate."""
+  _, _, (module, setting), gemms, keys = next(entry for entry in PROFILED_KERNELS if entry[0] == kernel)
+  wgs = setting_under(settings, module, setting, head_dim)
+  step_keys = setting_under(settings, *keys, head_dim) if keys else 64
+  return gemms * wgs * 2 * 64 * step_keys * head_dim / 4096
 
 
 def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, repeats: int,
@@ -310,7 +335,7 @@ def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, r
   jax.effects_barrier()  # the traces are written by host callbacks
   timings = dict(forward_ms=forward_ms, variant_forward_ms=variant_ms, profiled_s=time.perf_counter() - start)
   kernels = {}
-  for name, prefix, (module, setting), gemms in PROFILED_KERNELS:
+  for name, prefix, (module, setting), *_ in PROFILED_KERNELS:
     wgs = setting_under(settings, module, setting, q.shape[-1])
     roles = {**{w: "compute" for w in range(wgs)}, wgs: "copying"}
     try:  # a kernel whose trace is missing is said so, and the others summed up
@@ -319,7 +344,7 @@ def profile_kernels(q, k, v, d_out, mask: dict, folder: str, clock_mhz: float, r
       kernels[name] = dict(error=str(error))
       continue
     kernels[name] = dict(kernel_profile.summarize(events, wgs + 1, roles, clock_mhz),
-                         step_bound_cycles=gemms * wgs * 2 * 64 * 64 * q.shape[-1] / 4096)
+                         step_bound_cycles=step_bound_cycles(name, q.shape[-1], settings))
   return dict(timings, kernels=kernels)
 
 

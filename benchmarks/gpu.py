@@ -9,16 +9,14 @@ First it checks auto's Hopper attention routes (check_routes) and leaves out of 
 fails. The figures:
 
   attention   benchmarks/attention.py at 8 x 4,096 tokens, 16 heads x 128, every implementation
-  train_step_skip_temp  benchmarks/train_step.py: GR00T-N1.5's configured step with XLA's command-buffer
-              update mode SKIP_TEMP (the graphs' temporary buffers at fixed virtual addresses, so a step
-              re-records no command for them)
   attention_profile  attention.py --profile_kernel: mosaic_own's kernels under Mosaic GPU's on-device
               profiler, the cycles of each of their scopes (waits, wgmmas, softmax) per warpgroup
-  mosaic_own_check  attention.py --check_variants: whether mosaic_own's forward, with Q loaded every
-              step at head size 64 and with 128-key tiles, is right there (its load-once form, the
-              control, was wrong), and whether the backward's faster settings are right
+  train_step_no_graphs  benchmarks/train_step.py: GR00T-N1.5's step with every kernel launched from the
+              host (no CUDA graphs), beside the train_step figure's configured arm
+  mosaic_own_check  attention.py --check_variants: whether mosaic_own's gradients and values are right
+              under each setting of its GPU code path at head sizes 64 and 128
   train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
-              step per kind of op, the top kernels, the host's spans), without CUDA graphs, all-FP8
+              step per kind of op, the top kernels, the host's spans), all-FP8
   train_step_pi05  the same for pi0.5: configured, its scanned decoders in CUDA graphs (graphs), FP8
                    (fp8_xla_delayed)
   dispatch    benchmarks/dispatch.py: how long a train-step call holds the host, on the TrainState
@@ -34,7 +32,7 @@ fails. The figures:
               depths one GPU holds, extrapolated to its 30 blocks (issue 32; 10.3 samples/s on an
               H200, 2026-11-29)
 
-A window's first call fits the route check, the attention figure, train_step_skip_temp, the profile and
+A window's first call fits the route check, the attention figure, the profile, train_step_no_graphs and
 the variant checks (~8 minutes), then starts train_step in what is left of its budget; a second call
 runs the rest with `--only`, e.g. `--only train_step,train_step_pi05 --skip_route_check --budget 235`
 (on 2026-11-30 train_step's four arms took 225 s).
@@ -81,60 +79,59 @@ class Figure:
 
 
 FIGURES = (
-    # Attention, the one goal still unmet (300 / 200 TFLOP/s; best 232 / 199 on 2026-12-04), and the three
-    # attention figures first: the block-causal rows' arms, pallas, mosaic_own as configured (at head size
-    # 128 since 2026-12-04 the 128-key forward with the named turns, two dK/dV warpgroups), the form it
-    # replaced as the control, each new default taken back alone, the mosaic route, the rest; the causal
-    # rows after them are cut off at the limit. Since 2026-12-04 each arm is timed with its calls back to
-    # back (the call-by-call figure beside it). The dense baseline (4.4-4.8x, measured in two windows) is
-    # skipped for their time.
+    # Attention, the one goal still unmet (forward 300 TFLOP/s; 276.5 and 283.3 on the evening of 2026-12-04,
+    # forward+backward 212 against 200), first: the block-causal rows' arms, pallas, mosaic_own as
+    # configured, the form before 2026-12-04 as the control, the forward with each edge masked alone and
+    # the unneeded halves of its 128-key edge tiles skipped (together, apart, persistent), the variants
+    # closest on that evening, the mosaic route, the rest; the causal rows after them are cut off at the limit. Each arm's calls are timed back
+    # to back (the call-by-call figure beside). The dense baseline (4.4-4.8x, two windows) is skipped.
     Figure("attention", ("benchmarks/attention.py", "--rows", "8", "--row_length", "4096", "--heads", "16",
                          "--head_dim", "128", "--skip_dense"),
            ("benchmarks/attention.py", "--rows", "1", "--row_length", "1024", "--heads", "2", "--repeats", "1"), 150),
-    # GR00T's configured step with the command buffers' temporary buffers at fixed virtual addresses
-    # (XLA's SKIP_TEMP update mode, on the VMM allocator): a process-wide setting, so a run of its own.
-    # XLA records a CUDA graph's device addresses and re-records every command that uses one that changed
-    # since the last run; the step's temporary buffer is one allocation nearly every command uses, and at
-    # the trainer's cadence two steps are in flight, so it moves each step. On 2026-12-04 the call held
-    # the host 38.1 ms (the same call on a state of 4-element leaves, no graph: 8.5) and the cadence was
-    # 78.2 ms against ~50 ms of kernels: both ~30 ms over, what re-recording ~2,000 commands a step would
-    # cost if the device waits for it. The configured arm's figures without it: 78.2 ms, 409 samples/s.
-    Figure("train_step_skip_temp", ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured",
-                                    "--steps", "8", "--xla_flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"),
-           # --smoke: the path, with a flag every jaxlib knows (0.9.2 has no update modes: an unknown flag is fatal)
-           ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured", "--steps", "1",
-            "--xla_flags=--xla_backend_optimization_level=1"), 150, own_file=False),
     # Where mosaic_own's kernels spend their cycles (2026-11-30: ~2 us a 64-key forward step whose wgmmas
     # take ~0.5): the forward and backward once under Mosaic GPU's on-device profiler, each kernel's
     # scopes' cycles per warpgroup. One of the figure's eight rows (512 forward CTAs, ~4 waves on 132
     # SMs) keeps the three traces near half a million events, which Python writes and reads in
     # seconds. Not in --smoke: the profiler runs on a GPU only (tests/kernels/test_kernel_profile.py
     # reads a trace written by jax's own dumper).
-    # mosaic_own as configured: since 2026-12-04 at head size 128 the 128-key forward tiles with the named
-    # turns and two dK/dV warpgroups, whose steps no profile has seen (the 2026-12-04 window profiled the
-    # named turns on 64-key tiles: 2,111 cycles a forward step against 1,024 of wgmmas).
+    # The forward with each edge masked alone and the unneeded halves of its edge tiles skipped
+    # (mosaic_forward.MASK_EACH_EDGE, EDGE_HALVES), timed beside the configured one and profiled: on the evening of 2026-12-04 the configured 128-key forward's
+    # step took 3,378 cycles against 2,048 of wgmmas, and a quarter of an item was outside its steps.
     Figure("attention_profile", ("benchmarks/attention.py", "--rows", "1", "--row_length", "4096", "--heads", "16",
-                                 "--head_dim", "128", "--profile_kernel", KERNEL_PROFILE), (), 75, own_file=False),
+                                 "--head_dim", "128", "--profile_kernel", KERNEL_PROFILE, "--profile_variant",
+                                 "each edge masked alone, 128-key tiles' unneeded halves skipped"), (), 75,
+           own_file=False),
+    # GR00T's step with no CUDA graph (train.cuda_graphs False: every kernel launched from the host), the
+    # train_step figure's second arm until 2026-12-04, cut by its limit in three windows. At the cadence the
+    # configured step takes 77-78 ms against ~49 ms of kernels, and the ~28 ms between them stayed when the
+    # call's hold on the host fell from 58 to 38, 30 and (graphs' temporary buffers at fixed addresses,
+    # XLA's SKIP_TEMP, 2026-12-04 evening) 15 ms: whether the gaps come with the graphs is what this tells,
+    # against train_step's configured arm of the same window. Its 2,036 launches from the host are priced
+    # at ~10 ms.
+    Figure("train_step_no_graphs", ("benchmarks/train_step.py", "--models", "groot", "--arms", "no_graphs",
+                                    "--steps", "8"),
+           ("benchmarks/train_step.py", "--models", "groot", "--arms", "no_graphs", "--steps", "1"), 150,
+           own_file=False),
     # mosaic_own's gradients and values under each setting that changes its GPU code path, at head sizes
     # 64 and 128, each line printed as it is done: first the gradients as configured and under head size
-    # 128's defaults at 64 too (the named turns, 128-key tiles and two dK/dV warpgroups, which no GPU has
-    # run there), then the mosaic route's backward variants, then the forward's load-once control (0.86-0.88
-    # off at 64 on 2026-12-04, the configured form right). Not in --smoke: interpret mode takes ~13 s a
-    # forward case and ~40 s a backward one (tests/kernels/test_attention_mosaic.py runs one forward variant).
+    # 128's defaults at 64 too with each edge masked alone and the unneeded halves skipped (MASK_EACH_EDGE,
+    # EDGE_HALVES, which no GPU has run; without them right at 64 on the evening of 2026-12-04), then the mosaic route's backward variants, then the
+    # forward's load-once control (0.86-0.88 off at 64 on 2026-12-04, the configured form right). Not in
+    # --smoke: interpret mode takes ~13 s a forward case and ~40 s a backward one
+    # (tests/kernels/test_attention_mosaic.py runs the forms at small sizes).
     Figure("mosaic_own_check", ("benchmarks/attention.py", "--check_variants", "--row_length", "1024"), (), 120,
            own_file=False),
     # On an H200 (2026-11-29) the configured full-size GR00T arm lowered in 37.6 s, compiled in 80 s
     # alone and built its state in 12.8 s; the 5-arm list of that window timed none in 240 s (the arms
     # all lowered before the first was timed, since fixed in train_step_run.run_arms). The first arm compiles
     # alone while the next ones lower and is timed (profiled) at once; the rest then compile side by
-    # side on the host's cores and run, each on the last arm's state where it has the same one. Three
+    # side on the host's cores and run, each on the last arm's state where it has the same one. Two
     # arms: configured (profiled, with each call's dispatch: the step on its leaves, first timed), then
-    # no_graphs (every kernel launched from the host: what the CUDA graphs gain or cost while the host
-    # holds the step; cut twice on 2026-11-30) and fp8_all (1.18x in both 2026-11-30 windows). Each
-    # arm's figures are saved as it ends. seed_padded (1.33x twice), fp8_frozen (1.12x) and the others
+    # fp8_all (1.18x in both 2026-11-30 windows); no_graphs is train_step_no_graphs's. Each arm's
+    # figures are saved as it ends. seed_padded (1.33x twice), fp8_frozen (1.12x) and the others
     # are `train_step_more`'s.
     Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
-                          "configured,no_graphs,fp8_all", "--steps", "8", "--profile", PROFILE),
+                          "configured,fp8_all", "--steps", "8", "--profile", PROFILE),
            ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
             "--profile", PROFILE), 300),
     # pi0.5 (2026-11-30: 38.3-38.7 samples/s; its call held the host 207.4 of its 208.7 ms). Its two

@@ -21,7 +21,7 @@ def test_every_gpu_figure_runs_at_cpu_size(tmp_path):
   done = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--out", str(out), "--budget", "840"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=880)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  names = ("dispatch", "train_step", "train_step_skip_temp", "attention", "fp8", "startup", "packing", "sim",
+  names = ("dispatch", "train_step", "train_step_no_graphs", "attention", "fp8", "startup", "packing", "sim",
            "serve", "dreamzero")  # pi0.5's: train_step's script
   summary = json.loads((out / "all.json").read_text())
   for name in names:
@@ -161,8 +161,11 @@ def test_the_fp8_frozen_arm_is_the_configured_step_with_frozen_fp8_copies():
   groot, more = arms_of("train_step"), arms_of("train_step_more")
   assert "fp8_all" in groot[groot.index("--arms") + 1].split(",")
   assert "fp8_frozen" in more[more.index("--arms") + 1].split(",")
-  # and the first figure times the step without CUDA graphs (cut in both windows of 2026-11-30)
-  assert "no_graphs" in groot[groot.index("--arms") + 1].split(",")
+  # and a figure of its own, right after attention, times the step without CUDA graphs (cut as
+  # train_step's second arm in three windows)
+  no_graphs = arms_of("train_step_no_graphs")
+  assert no_graphs[no_graphs.index("--arms") + 1] == "no_graphs"
+  assert [f.name for f in FIGURES].index("train_step_no_graphs") < [f.name for f in FIGURES].index("train_step")
 
 
 def test_arms_share_a_state_only_where_its_shapes_agree():
@@ -357,9 +360,20 @@ def test_the_profiled_attention_variant_is_one_the_figure_times():
     assert profile.args[profile.args.index("--profile_variant") + 1] in dict(MOSAIC_OWN_VARIANTS)
 
 
+def test_a_profiled_ring_steps_bound_counts_its_keys():
+  """The profile's bound for a ring step is its wgmmas at 4,096 flops a clock: a forward step of 128 keys
+  (head size 128's tiles) needs twice a 64-key one's (on 2026-12-04 the 64-key bound was printed for it)."""
+  from benchmarks.attention_variants import step_bound_cycles
+  from ejax.kernels.attention import mosaic_backward, mosaic_forward
+  assert step_bound_cycles("forward", 128, [(mosaic_forward, "BLOCK_KV", 128)]) == 2048
+  assert step_bound_cycles("forward", 128, [(mosaic_forward, "BLOCK_KV", 64)]) == 1024
+  assert step_bound_cycles("forward", 64, [(mosaic_forward, "BLOCK_KV", 64)]) == 512
+  assert step_bound_cycles("dQ", 128) == 1536
+  assert step_bound_cycles("dK/dV", 128, [(mosaic_backward, "DKV_WGS", 2)]) == 2048
+
 def test_train_step_xla_flags_reach_xla_only_before_the_backend_starts(tmp_path):
-  """train_step.py --xla_flags: a process-wide XLA setting (the GPU figure train_step_skip_temp's
-  command-buffer update mode) appended to XLA_FLAGS before the backend starts; here a dump folder shows
+  """train_step.py --xla_flags: a process-wide XLA setting (such as XLA's command-buffer update mode
+  SKIP_TEMP, a GPU figure on 2026-12-04) appended to XLA_FLAGS before the backend starts; here a dump folder shows
   XLA read it. Once the backend has started it says so in one line instead of running unchanged."""
   script = f"""
 import sys
