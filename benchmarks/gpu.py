@@ -16,7 +16,8 @@ fails. The figures:
   mosaic_own_check  attention.py --check_variants: whether mosaic_own's gradients and values are right
               under each setting of its GPU code path at head sizes 64 and 128
   train_step  benchmarks/train_step.py: GR00T-N1.5's full-size train step, configured (profiled: ms a
-              step per kind of op, the top kernels, the host's spans), all-FP8
+              step per kind of op, the top kernels, the host's spans; XLA's log of the CUDA graphs it
+              re-records, summed up), all-FP8
   train_step_pi05  the same for pi0.5: configured, its scanned decoders in CUDA graphs (graphs), FP8
                    (fp8_xla_delayed)
   dispatch    benchmarks/dispatch.py: how long a train-step call holds the host, on the TrainState
@@ -53,6 +54,7 @@ import glob
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,6 +68,13 @@ KERNEL_PROFILE = "/tmp/ejax-kernel-profile"  # the same for attention_profile's 
 NEEDED = ("ml_collections", "grain", "mujoco", "mujoco.mjx", "tensorboardX", "websockets", "openpi_client",
           "tokenizers")
 
+# XLA's log of each CUDA graph it re-records before a run (command_buffer_thunk.cc at VLOG level 3): the
+# allocations whose addresses moved since the last run, and how long the re-recording took.
+_UPDATE = re.compile(r"Update command buffer on device #\d+ .*?after (\d+) executions.*?num_commands=(\d+); "
+                     r"updated_allocs=(\d+)")
+_UPDATED = re.compile(r"Updated command buffer in (\d+) \S+; num_commands=(\d+)")
+COMMAND_BUFFER_LOG = (("TF_CPP_VMODULE", "command_buffer_thunk=3"), ("TF_CPP_MIN_LOG_LEVEL", "0"))
+
 
 @dataclasses.dataclass(frozen=True)
 class Figure:
@@ -76,6 +85,7 @@ class Figure:
   json_flag: bool = True         # the script takes --json PATH
   own_file: bool = True          # its JSON beside all.json (a device call brings back 8 files at most)
   smoke_limit: float = 0         # --smoke: seconds (0: twice the GPU limit)
+  env: tuple[tuple[str, str], ...] = ()  # on a GPU: more environment for its process
 
 
 FIGURES = (
@@ -128,12 +138,14 @@ FIGURES = (
     # side on the host's cores and run, each on the last arm's state where it has the same one. Two
     # arms: configured (profiled, with each call's dispatch: the step on its leaves, first timed), then
     # fp8_all (1.18x in both 2026-11-30 windows); no_graphs is train_step_no_graphs's. Each arm's
-    # figures are saved as it ends. seed_padded (1.33x twice), fp8_frozen (1.12x) and the others
+    # figures are saved as it ends. With XLA's command-buffer log on: how many allocations moved before
+    # each graph run and how long re-recording took (the call held the host 30.5 ms, 15.1 with
+    # SKIP_TEMP, on the evening of 2026-12-04), summed up in the figure's JSON. seed_padded (1.33x twice), fp8_frozen (1.12x) and the others
     # are `train_step_more`'s.
     Figure("train_step", ("benchmarks/train_step.py", "--models", "groot", "--arms",
                           "configured,fp8_all", "--steps", "8", "--profile", PROFILE),
            ("benchmarks/train_step.py", "--models", "groot", "--arms", "configured,padded", "--steps", "1",
-            "--profile", PROFILE), 300),
+            "--profile", PROFILE), 300, env=COMMAND_BUFFER_LOG),
     # pi0.5 (2026-11-30: 38.3-38.7 samples/s; its call held the host 207.4 of its 208.7 ms). Its two
     # Gemma decoders are each one lax.scan, a while loop whose body XLA:GPU launches kernel by kernel
     # from the host outside CUDA graphs (5,838 launches a step): its `graphs` arm (train.command_buffers:
@@ -323,6 +335,21 @@ def last_figure_line(output: str, stdout: str = "") -> str:
   return lines[-1] if lines else (stdout.strip().splitlines() or output.strip().splitlines() or [""])[-1]
 
 
+def command_buffer_updates(output: str) -> dict:
+  """What XLA's command-buffer log (COMMAND_BUFFER_LOG) says of the graphs re-recorded in a run: how many
+  times, the allocations that moved each time, the commands and the microseconds each re-recording took
+  (medians, and the largest); {} where the log has none."""
+  updates = [tuple(map(int, found.groups())) for found in _UPDATE.finditer(output)]
+  timed = [tuple(map(int, found.groups())) for found in _UPDATED.finditer(output)]
+  if not updates and not timed:
+    return {}
+  median = lambda values: float(sorted(values)[len(values) // 2]) if values else 0.0
+  return dict(updates=len(updates), executions_between_median=median([u[0] for u in updates]),
+              updated_allocs_median=median([u[2] for u in updates]),
+              commands_median=median([u[1] for u in updates] or [t[1] for t in timed]),
+              update_us_median=median([t[0] for t in timed]), update_us_max=float(max((t[0] for t in timed), default=0)))
+
+
 def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dict) -> dict:
   path = os.path.join(out_dir, f"{figure.name}.json")
   args = list(figure.smoke_args if smoke else figure.args)
@@ -333,7 +360,8 @@ def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dic
   print(f"--- {figure.name}: {' '.join(args)} (limit {limit:.0f} s)", flush=True)
   start, sampler = time.time(), (None if smoke else start_gpu_samples())
   try:
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
+    done = subprocess.run(command, cwd=REPO, env={**env, **({} if smoke else dict(figure.env))}, capture_output=True,
+                          text=True, timeout=limit)
     stdout, code, timed_out = done.stdout, done.returncode, False
     output = stdout + done.stderr
   except subprocess.TimeoutExpired as error:
@@ -343,9 +371,13 @@ def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dic
   seconds = time.time() - start
   # tokamax logs one line per kernel shape its autotuning cache lacks (thousands of characters each)
   output = "\n".join(line for line in output.splitlines() if "Autotuning cache miss" not in line)
+  updates = command_buffer_updates(output)  # and XLA's command-buffer log, summed up, one line a graph run
+  output = "\n".join(line for line in output.splitlines() if "command_buffer_thunk.cc" not in line)
   result = {"name": figure.name, "command": " ".join(args), "returncode": code, "timed_out": timed_out,
             "seconds": round(seconds, 1), "line": last_figure_line(output, stdout), "output": output[-20000:],
             "gpu": gpu_samples_summary(sampler)}
+  if updates:
+    result["command_buffer_updates"] = updates
   if os.path.exists(data_path):
     with open(data_path) as f:
       result["data"] = json.load(f)
@@ -355,6 +387,10 @@ def run_figure(figure: Figure, out_dir: str, limit: float, smoke: bool, env: dic
       json.dump(result, f, indent=1)
   tail = "\n".join(output.strip().splitlines()[-25:])
   print(tail, flush=True)
+  if updates:
+    print(f"CUDA graphs re-recorded {updates['updates']} times: {updates['updated_allocs_median']:.0f} allocations moved "
+          f"(median), {updates['commands_median']:.0f} commands, {updates['update_us_median'] / 1e3:.1f} ms a "
+          f"re-recording (median; most {updates['update_us_max'] / 1e3:.1f})", flush=True)
   status = "timed out" if timed_out else f"exit {code}"
   print(f"--- {figure.name}: {status} after {seconds:.0f} s" + (f"; GPU {json.dumps(result['gpu'])}" if result["gpu"] else ""),
         flush=True)

@@ -388,3 +388,27 @@ add_xla_flags("--xla_dump_to=/nonexistent")
                         env={**os.environ, "XLA_FLAGS": "--xla_backend_optimization_level=1"})
   assert done.returncode == 1 and "jax's backend has already started" in done.stderr, done.stderr[-2000:]
   assert any((tmp_path / "dump").iterdir())
+
+
+def test_xlas_command_buffer_log_is_summed_up_and_kept_out_of_the_figures_output():
+  """The train_step figure runs with XLA's command-buffer log (gpu.COMMAND_BUFFER_LOG): each graph run's
+  re-recording is summed up (how often, the allocations that moved, the milliseconds), and the log's
+  lines stay out of the output, whose last lines carry the figure."""
+  from benchmarks import gpu
+
+  log = "".join(
+      f"I1205 10:00:0{i}.000000    2614 command_buffer_thunk.cc:262] Update command buffer on device #0 by recoding "
+      f"command buffer cmd sequence after 1 executions since last update; num_commands=2036; updated_allocs={moved}\n"
+      f"I1205 10:00:0{i}.000001    2614 command_buffer_thunk.cc:280] Updated command buffer in {us} \u03bcs; "
+      f"num_commands=2036\n" for i, (moved, us) in enumerate([(812, 14200), (13, 900), (812, 15100)]))
+  assert gpu.command_buffer_updates(log) == dict(
+      updates=3, executions_between_median=1.0, updated_allocs_median=812.0, commands_median=2036.0,
+      update_us_median=14200.0, update_us_max=15100.0)
+  assert gpu.command_buffer_updates("no log here\n") == {}
+  figure = next(f for f in gpu.FIGURES if f.name == "train_step")
+  assert dict(figure.env)["TF_CPP_VMODULE"] == "command_buffer_thunk=3"
+  script = "import sys; sys.stderr.write(sys.argv[1]); print('step: 77.4 ms (goal 40 %)')"
+  fake = gpu.Figure("fake", ("-c", script, log), (), 30, json_flag=False, own_file=False, env=gpu.COMMAND_BUFFER_LOG)
+  result = gpu.run_figure(fake, "/tmp", 30, False, dict(os.environ))
+  assert result["command_buffer_updates"]["updates"] == 3
+  assert "command_buffer_thunk" not in result["output"] and result["line"] == "step: 77.4 ms (goal 40 %)"
